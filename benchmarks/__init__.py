@@ -1,0 +1,1 @@
+"""Offline benchmarks for cbserve (see benchmarks/throughput.py)."""

@@ -1,0 +1,4 @@
+"""Attention backends: write K/V into paged slots, attend over ragged queries with block tables."""
+from engine.attention.base import AttentionBackend, select_backend
+
+__all__ = ["AttentionBackend", "select_backend"]

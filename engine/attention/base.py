@@ -1,0 +1,53 @@
+"""The attention backend interface and its run-time selection.
+
+A backend owns the KV cache layout and the per-step attention metadata; the model only calls
+`forward(q, k, v, layer_cache, metadata)`. Selection happens once, at engine start.
+"""
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from engine.runner.inputs import ModelInputs
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One tensor for all layers; `cache[layer]` is what `forward` receives."""
+
+    @abstractmethod
+    def block_dim(self) -> int:
+        """The dimension of the whole cache tensor that indexes blocks (swap and copy act on it)."""
+
+    @abstractmethod
+    def build_metadata(self, inputs: ModelInputs) -> Any:
+        """Per-step tensors shared by all layers (masks, gather indices); built once per step."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                metadata: Any) -> torch.Tensor:
+        """q (T, num_heads, head_dim), k/v (T, num_kv_heads, head_dim) for the step's tokens.
+        Writes k/v into their slots, returns attention output (T, num_heads * head_dim)."""
+
+
+def flash_available(device: torch.device) -> bool:
+    return device.type == "cuda" and any(
+        importlib.util.find_spec(m) is not None for m in ("vllm_flash_attn", "flash_attn"))
+
+
+def select_backend(name: str, device: torch.device, scale: float) -> AttentionBackend:
+    """`auto` takes flash attention only on CUDA with the package importable, else torch."""
+    if name == "flash" or (name == "auto" and flash_available(device)):
+        if not flash_available(device):
+            raise ValueError("attention_backend 'flash' needs a CUDA device and vllm_flash_attn or flash_attn")
+        from engine.attention.flash import FlashAttentionBackend
+        return FlashAttentionBackend(scale)
+    from engine.attention.torch_backend import TorchAttentionBackend
+    return TorchAttentionBackend(scale)

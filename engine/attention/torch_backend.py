@@ -1,0 +1,130 @@
+"""Paged attention in plain torch: runs on any device, tuned for CPU.
+
+Cache layout per layer: (2, num_kv_heads, num_blocks, block_size, head_dim). Gathering a batch's
+blocks along dim 2 then yields (2, num_kv_heads, B, L, head_dim) with no transpose copy, so decode
+attention is two batched matmuls over (kv_head, request). Decodes are grouped by context length
+(buckets) to bound the padding each gather reads; prefill chunks attend one request at a time
+with SDPA (a chunk with no cached context attends to its own keys and skips the gather).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.runner.inputs import ModelInputs
+
+_BUCKET_GROWTH = 1.5  # a decode bucket's longest context is at most this times its shortest
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    token_start: int  # first flat token (= request) index of the bucket
+    token_end: int
+    block_tables: torch.Tensor  # (Bb, M) padded with block 0
+    mask: torch.Tensor  # (1, Bb, 1, M * block_size) additive: 0 where a key exists, -inf after
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int
+    token_end: int
+    block_ids: torch.Tensor | None  # blocks holding the context, None when nothing was cached
+    seq_len: int
+    mask: torch.Tensor | None  # (n, seq_len) bool: query i sees keys <= start_pos + i
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    decode_buckets: list[DecodeBucket]
+    prefills: list[PrefillChunk]
+
+
+def _decode_buckets(inputs: ModelInputs, device: torch.device) -> list[DecodeBucket]:
+    """Splits the decode block (sorted by context length in the inputs) into buckets."""
+    bs, buckets, first = inputs.block_size, [], 0
+    for i in range(1, inputs.num_decodes + 1):
+        if i < inputs.num_decodes and inputs.seq_lens[i] <= _BUCKET_GROWTH * inputs.seq_lens[first] + bs:
+            continue
+        lens = inputs.seq_lens[first:i]
+        max_blocks = -(-max(lens) // bs)
+        tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inputs.block_tables[first:i]]
+        key_pos = torch.arange(max_blocks * bs, device=device)
+        valid = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]
+        mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
+        buckets.append(DecodeBucket(first, i, torch.tensor(tables, dtype=torch.long, device=device),
+                                    mask[None, :, None, :]))
+        first = i
+    return buckets
+
+
+def _prefill_chunks(inputs: ModelInputs, device: torch.device) -> list[PrefillChunk]:
+    chunks, bs = [], inputs.block_size
+    for b in range(inputs.num_decodes, len(inputs.seq_lens)):
+        start, seq_len = inputs.start_positions[b], inputs.seq_lens[b]
+        t0, t1 = inputs.query_start_loc[b], inputs.query_start_loc[b + 1]
+        if start == 0:
+            chunks.append(PrefillChunk(t0, t1, None, seq_len, None))
+            continue
+        blocks = torch.tensor(inputs.block_tables[b][: -(-seq_len // bs)], dtype=torch.long, device=device)
+        q_pos = torch.arange(start, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        chunks.append(PrefillChunk(t0, t1, blocks, seq_len, mask))
+    return chunks
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        return torch.zeros(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
+                           device=device)
+
+    def block_dim(self) -> int:
+        return 3
+
+    def build_metadata(self, inputs: ModelInputs) -> TorchAttentionMetadata:
+        device = inputs.input_ids.device
+        return TorchAttentionMetadata(inputs.slot_mapping, _decode_buckets(inputs, device),
+                                      _prefill_chunks(inputs, device))
+
+    def forward(self, q, k, v, layer_cache, metadata: TorchAttentionMetadata):
+        num_kv_heads, num_blocks, block_size, head_dim = layer_cache.shape[1:]
+        # (2, kv_heads, T, head_dim) written into flat slots
+        flat = layer_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+        flat.index_copy_(2, metadata.slot_mapping, torch.stack((k, v)).transpose(1, 2))
+        outputs = [self._decode(q, layer_cache, b) for b in metadata.decode_buckets]
+        outputs += [self._prefill(q, k, v, layer_cache, c) for c in metadata.prefills]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return out.reshape(q.shape[0], -1)
+
+    def _decode(self, q, layer_cache, bucket: DecodeBucket) -> torch.Tensor:
+        num_kv_heads, _, block_size, head_dim = layer_cache.shape[1:]
+        num_requests, max_blocks = bucket.block_tables.shape
+        # (2, kv_heads, Bb, M, block_size, head_dim) -> (2, kv_heads, Bb, L, head_dim)
+        kv = layer_cache[:, :, bucket.block_tables].view(2, num_kv_heads, num_requests, max_blocks * block_size,
+                                                         head_dim)
+        # (Bb, heads, d) -> (kv_heads, Bb, group, d)
+        qb = q[bucket.token_start:bucket.token_end].view(num_requests, num_kv_heads, -1, head_dim).transpose(0, 1)
+        scores = torch.matmul(qb, kv[0].transpose(-1, -2)).mul_(self.scale).add_(bucket.mask)
+        out = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # (kv_heads, Bb, group, d)
+        return out.transpose(0, 1).reshape(num_requests, -1, head_dim)
+
+    def _prefill(self, q, k, v, layer_cache, chunk: PrefillChunk) -> torch.Tensor:
+        qc = q[chunk.token_start:chunk.token_end].transpose(0, 1)[None]  # (1, heads, n, d)
+        if chunk.block_ids is None:
+            kc = k[chunk.token_start:chunk.token_end].transpose(0, 1)[None]
+            vc = v[chunk.token_start:chunk.token_end].transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            num_kv_heads, _, block_size, head_dim = layer_cache.shape[1:]
+            kv = layer_cache[:, :, chunk.block_ids].view(2, num_kv_heads, -1, head_dim)[:, :, :chunk.seq_len]
+            out = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
+                                                 scale=self.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)  # (n, heads, d)

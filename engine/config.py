@@ -1,0 +1,90 @@
+"""Engine configuration: one frozen dataclass per part, validated on construction.
+
+Owns the knobs and their validation; does not load weights or read YAML. `EngineConfig.from_kwargs`
+takes every field of every part by name, as vLLM's EngineArgs do.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+POLICIES = ("fcfs", "sjf", "priority", "static")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the embedded default
+    device: str = "cpu"
+    attention_backend: str = "auto"  # "auto" | "torch" | "flash"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0  # seeds requests that carry no seed of their own
+
+    def __post_init__(self):
+        if self.attention_backend not in ("auto", "torch", "flash"):
+            raise ValueError(f"attention_backend must be auto, torch or flash, got {self.attention_backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # overrides kv_cache_memory_bytes when set
+    kv_cache_memory_bytes: int = 1 << 30
+    swap_space_bytes: int = 1 << 30  # host pool for swap preemption
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: str = "fcfs"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    aging_rate: float = 1.0  # rank units gained per second of waiting (sjf: tokens/s, priority: classes/s)
+    preemption_mode: str = "recompute"
+    victim_order: str = "lowest_priority_latest_arrival"
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.victim_order not in VICTIM_ORDERS:
+            raise ValueError(f"victim_order must be one of {VICTIM_ORDERS}, got {self.victim_order!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.aging_rate < 0:
+            raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Builds the config from flat field names (`max_num_seqs=8, block_size=16, ...`)."""
+        parts = {}
+        for name, part_cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            names = {f.name for f in dataclasses.fields(part_cls)}
+            parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
+        return cls(**parts)

@@ -1,0 +1,16 @@
+"""Chained block hashing for prefix caching: a full block's hash covers its tokens and, through its
+parent's hash, every token before it, so equal hashes mean equal prefixes."""
+from __future__ import annotations
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+def extend_block_hashes(block_hashes: list[int], token_ids: list[int], block_size: int,
+                        num_tokens: int) -> list[int]:
+    """Appends, in place, the hashes of the full blocks of token_ids[:num_tokens] not hashed yet."""
+    for start in range(len(block_hashes) * block_size, num_tokens - block_size + 1, block_size):
+        parent = block_hashes[-1] if block_hashes else None
+        block_hashes.append(hash_block(parent, tuple(token_ids[start:start + block_size])))
+    return block_hashes

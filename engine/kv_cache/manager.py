@@ -1,0 +1,168 @@
+"""Per-request block tables over the BlockPool: prefix-cache lookup, slot allocation with
+copy-on-write, forks, swap mappings.
+
+Knows requests and their blocks; does not decide who gets preempted: a failed allocation is
+returned as None and the scheduler chooses what to do.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from engine.kv_cache.block_pool import BlockPool, HostBlockPool
+from engine.kv_cache.hashing import extend_block_hashes
+from engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """A cached prefix found for a request: its blocks and how many tokens they cover."""
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+NO_COMPUTED_BLOCKS = ComputedBlocks()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self.block_tables: dict[str, list[int]] = {}
+        self.host_tables: dict[str, list[int]] = {}
+        self._block_hashes: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.block_tables[request_id]
+
+    def _hashes(self, request: Request) -> list[int]:
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        return extend_block_hashes(hashes, request.token_ids, self.block_size, request.num_tokens)
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix of the request's tokens, leaving at least one token to compute
+        (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return NO_COMPUTED_BLOCKS
+        block_ids = []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        for block_hash in self._hashes(request)[:max_blocks]:
+            block_id = self.pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return ComputedBlocks(tuple(block_ids), len(block_ids) * self.block_size)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks = NO_COMPUTED_BLOCKS) -> list[tuple[int, int]] | None:
+        """Makes room for `num_new_tokens` tokens after the request's computed ones (plus a cached
+        prefix `computed`, for a request with no blocks yet). Returns the copy-on-write block
+        copies (src, dst) to run before the forward, or None, changing nothing, if blocks are short."""
+        table = self.block_tables.get(request.request_id, [])
+        start = request.num_computed_tokens + computed.num_tokens
+        end = start + num_new_tokens
+        num_new_blocks = self.num_blocks_for(end) - len(table) - len(computed.block_ids)
+        shared = [i for i in range(start // self.block_size, min(len(table), self.num_blocks_for(end)))
+                  if self.pool.ref_cnt[table[i]] > 1 or self.pool.block_hash[table[i]] is not None]
+        num_touched_free = sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0)
+        if max(num_new_blocks, 0) + len(shared) + num_touched_free > self.pool.num_free_blocks:
+            return None
+        if computed.block_ids:
+            self.pool.touch(list(computed.block_ids))
+            table = list(computed.block_ids)
+            self._num_cached_blocks[request.request_id] = len(table)
+        self.block_tables[request.request_id] = table
+        copies = []
+        for i in shared:
+            (new_block,) = self.pool.get_new_blocks(1)
+            copies.append((table[i], new_block))
+            self.pool.free_blocks([table[i]])
+            table[i] = new_block
+        if num_new_blocks > 0:
+            table.extend(self.pool.get_new_blocks(num_new_blocks))
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Gives `child` the parent's blocks, shared: writes to a shared block copy it first."""
+        table = list(self.block_tables[parent.request_id])
+        self.pool.touch(table)
+        self.block_tables[child.request_id] = table
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = self._hashes(request)
+        for i in range(done, num_full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Releases every block the request holds, on device and host. Tail blocks first, so a
+        shared prefix outlives the blocks after it in the LRU order."""
+        rid = request.request_id
+        self.pool.free_blocks(list(reversed(self.block_tables.pop(rid, []))))
+        self.host_pool.free(self.host_tables.pop(rid, []))
+        self._num_cached_blocks.pop(rid, None)
+
+    def forget(self, request: Request) -> None:
+        """Drops per-request hash state once the request has ended."""
+        self._block_hashes.pop(request.request_id, None)
+
+    # ---- swap ----------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Moves the request's blocks to the host pool: returns (device, host) pairs to copy, or
+        None, changing nothing, when the host pool is too small."""
+        table = self.block_tables[request.request_id]
+        if len(table) > self.host_pool.num_free_blocks:
+            return None
+        host_ids = self.host_pool.allocate(len(table))
+        self.host_tables[request.request_id] = host_ids
+        self.pool.free_blocks(list(reversed(self.block_tables.pop(request.request_id))))
+        self._num_cached_blocks.pop(request.request_id, None)
+        return list(zip(table, host_ids))
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Brings a swapped request's blocks back: returns (host, device) pairs, or None."""
+        host_ids = self.host_tables[request.request_id]
+        if len(host_ids) > self.pool.num_free_blocks:
+            return None
+        device_ids = self.pool.get_new_blocks(len(host_ids))
+        self.block_tables[request.request_id] = device_ids
+        self.host_pool.free(self.host_tables.pop(request.request_id))
+        return list(zip(host_ids, device_ids))
+
+    def num_swapped_blocks(self, request: Request) -> int:
+        return len(self.host_tables[request.request_id])
+
+    def check_integrity(self) -> None:
+        """Asserts exact accounting: device ref counts equal owners, host blocks owned once."""
+        owners = Counter(b for table in self.block_tables.values() for b in table)
+        self.pool.check_integrity(owners)
+        self.host_pool.check_integrity([b for table in self.host_tables.values() for b in table])

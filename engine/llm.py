@@ -1,0 +1,71 @@
+"""Offline batch API, vLLM-compatible: `LLM(...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine.from_engine_args(model, **engine_args)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in input order. A str or a list of ints is one
+        prompt. Raises ValueError (adding nothing) if any prompt or parameter is invalid."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        priorities = priority or [0] * len(prompts)
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        for i, (request_id, prompt, p) in enumerate(zip(request_ids, prompts, params)):
+            try:
+                self.engine.add_request(request_id, prompt, p, priorities[i])
+            except ValueError:
+                for added in request_ids[:i]:
+                    self.engine.abort_request(added)
+                raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
+             ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, unit="req")
+        num_tokens = 0
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                num_tokens += sum(len(o.token_ids) for o in delta.outputs)
+                if delta.request_id in results:
+                    results[delta.request_id].merge(delta)
+                else:
+                    results[delta.request_id] = _cumulative(delta)
+                if delta.finished:
+                    bar.update(1)
+                    bar.set_postfix_str(f"output {num_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+        bar.close()
+        return [results[i] for i in request_ids]
+
+
+def _cumulative(first: RequestOutput) -> RequestOutput:
+    result = RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, [], False, first.metrics)
+    result.merge(first)
+    return result

@@ -1,0 +1,92 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) written for paged attention.
+
+One flat ragged batch of T tokens goes through every layer; attention is the backend's. Weights
+are copied from a loaded transformers model, with q/k/v and gate/up fused into one matmul each.
+RoPE tables come from the transformers model's own rotary embedding, so its rope scaling
+(llama3, linear, yarn, ...) is reproduced exactly. Logits are computed only at sampled positions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, hf_layer, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_weight = nn.Parameter(torch.cat([p.weight.detach() for p in projections]), requires_grad=False)
+        biases = [p.bias for p in projections]
+        self.qkv_bias = (nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+                         if biases[0] is not None else None)
+        self.o_weight = nn.Parameter(attn.o_proj.weight.detach(), requires_grad=False)
+        self.o_bias = attn.o_proj.bias
+        self.gate_up_weight = nn.Parameter(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+                                           requires_grad=False)
+        self.down_weight = nn.Parameter(mlp.down_proj.weight.detach(), requires_grad=False)
+        self.input_norm = nn.Parameter(hf_layer.input_layernorm.weight.detach(), requires_grad=False)
+        self.post_norm = nn.Parameter(hf_layer.post_attention_layernorm.weight.detach(), requires_grad=False)
+
+    def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
+        num_tokens, num_qk = hidden.shape[0], self.num_heads + self.num_kv_heads
+        x = F.rms_norm(hidden, hidden.shape[-1:], self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (heads + 2 kv_heads) * d)
+        qk = _rope(qkv[:, :num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos, sin)
+        v = qkv[:, num_qk * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata)
+        hidden = hidden + F.linear(attn, self.o_weight, self.o_bias)
+        x = F.rms_norm(hidden, hidden.shape[-1:], self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate).mul_(up), self.down_weight)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, d); cos/sin (T, 1, d) with sin's first half negated: rotate_half as a roll."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class LlamaForPagedAttention(nn.Module):
+    def __init__(self, hf_model, max_model_len: int):
+        super().__init__()
+        config = hf_model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        body = hf_model.model
+        self.embed = nn.Parameter(body.embed_tokens.weight.detach(), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(layer, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+                                    for layer in body.layers)
+        self.norm = nn.Parameter(body.norm.weight.detach(), requires_grad=False)
+        self.lm_head = nn.Parameter(hf_model.lm_head.weight.detach(), requires_grad=False)
+        cos, sin = _rope_tables(body.rotary_emb, max_model_len, self.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata, sample_indices):
+        """Returns logits (R, vocab) for the tokens at sample_indices."""
+        hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (T, 1, d)
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
+        hidden = F.rms_norm(hidden[sample_indices], hidden.shape[-1:], self.norm, self.eps)
+        return F.linear(hidden, self.lm_head)
+
+
+@torch.no_grad()
+def _rope_tables(rotary_emb, max_len: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (max_len, d) from transformers' rotary module, sin's first half negated."""
+    positions = torch.arange(max_len)[None]
+    probe = torch.zeros(1, 1, head_dim, dtype=torch.float32)
+    cos, sin = rotary_emb(probe, positions)
+    cos, sin = cos[0].float(), sin[0].float()
+    sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2:]], dim=-1)
+    return cos, sin

@@ -1,0 +1,133 @@
+"""Turns sampled tokens into user outputs: incremental detokenization, stop strings, deltas.
+
+Owns per-request output state (text so far, what was already emitted); tells the engine which
+requests a stop string ended. Text never includes a stop string or a stop token; while a request
+runs, the last (longest stop string - 1) characters are held back, so a stream never shows the
+start of a stop string that is later cut.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers.decoders import DecodeStream
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class _SampleState:
+    decoder: DecodeStream
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    finish_emitted: bool = False
+
+
+@dataclass(slots=True)
+class _RequestState:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: dict[int, _SampleState] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer.backend_tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self._wall_offset = time.time() - time.monotonic()  # engine timings are monotonic
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float) -> None:
+        self.states[request_id] = _RequestState(prompt, prompt_token_ids, params,
+                                                RequestMetrics(arrival_time + self._wall_offset))
+
+    def process(self, updated: list[Request], logprobs: dict[str, dict[int, float]]
+                ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the step's delta outputs (one per user request that changed) and the ids of the
+        requests a stop string just ended (the caller finishes them in the scheduler)."""
+        stopped, changed = [], {}
+        for request in updated:
+            state = self.states[request.group_id]
+            sample = state.samples.get(request.sample_index)
+            if sample is None:
+                sample = state.samples[request.sample_index] = _SampleState(DecodeStream(skip_special_tokens=True))
+            self._update_metrics(state, request)
+            if self._append(sample, request, logprobs.get(request.request_id)):
+                stopped.append(request.request_id)
+            changed[request.group_id] = state
+        return [self._emit(group_id, state) for group_id, state in changed.items()], stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Final output of an aborted request: every unfinished sample ends with "abort"."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for index in range(state.params.n):
+            sample = state.samples.setdefault(index, _SampleState(DecodeStream(skip_special_tokens=True)))
+            sample.finish_reason = sample.finish_reason or FinishReason.ABORT.value
+        state.metrics.finished_time = time.time()
+        return self._emit(request_id, state)
+
+    def _append(self, sample: _SampleState, request: Request, logprobs: dict[int, float] | None) -> bool:
+        """Adds the request's newest token to its sample; True if a stop string ended it."""
+        token_id = request.token_ids[-1]
+        sample.token_ids.append(token_id)
+        if logprobs is not None:
+            sample.logprobs.append(logprobs)
+        if request.is_finished:
+            sample.finish_reason = request.finish_reason.value
+        previous_len = len(sample.text)
+        if request.is_finished:  # flush bytes the stream decoder still holds; a stop token is not text
+            text_ids = sample.token_ids[:-1] if request.finish_reason is FinishReason.STOP else sample.token_ids
+            sample.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        else:
+            sample.text += sample.decoder.step(self.tokenizer, token_id) or ""
+        stops = request.params.stop
+        if not stops:
+            return False
+        search_from = max(0, previous_len - max(map(len, stops)) + 1)
+        hits = [i for i in (sample.text.find(s, search_from) for s in stops) if i >= 0]
+        if not hits:
+            return False
+        sample.text = sample.text[:min(hits)]
+        was_running = sample.finish_reason is None
+        sample.finish_reason = FinishReason.STOP.value
+        return was_running
+
+    def _update_metrics(self, state: _RequestState, request: Request) -> None:
+        metrics = state.metrics
+        if metrics.first_token_time is None and request.first_token_time is not None:
+            metrics.first_token_time = request.first_token_time + self._wall_offset
+            metrics.first_scheduled_time = request.first_scheduled_time + self._wall_offset
+            state.num_cached_tokens = request.num_cached_prompt_tokens
+
+    def _emit(self, request_id: str, state: _RequestState) -> RequestOutput:
+        holdback = max(map(len, state.params.stop), default=1) - 1
+        deltas = []
+        for index, sample in sorted(state.samples.items()):
+            end = len(sample.text) if sample.finish_reason else max(sample.num_emitted_chars,
+                                                                     len(sample.text) - holdback)
+            text, tokens = sample.text[sample.num_emitted_chars:end], sample.token_ids[sample.num_emitted_tokens:]
+            if not text and not tokens and (sample.finish_reason is None or sample.finish_emitted):
+                continue
+            sample.finish_emitted = sample.finish_reason is not None
+            deltas.append(CompletionOutput(index, text, tokens, sample.finish_reason,
+                                           sample.logprobs[sample.num_emitted_tokens:]
+                                           if state.params.logprobs is not None else None))
+            sample.num_emitted_chars, sample.num_emitted_tokens = end, len(sample.token_ids)
+        finished = (len(state.samples) == state.params.n
+                    and all(s.finish_reason is not None for s in state.samples.values()))
+        if finished:
+            del self.states[request_id]
+            state.metrics.finished_time = state.metrics.finished_time or time.time()
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, deltas, finished,
+                             state.metrics, state.num_cached_tokens)

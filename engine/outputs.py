@@ -1,0 +1,54 @@
+"""What the engine hands back to users: per-request outputs (deltas or cumulative) and timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
+    logprobs: list[dict[int, float]] | None = None  # per token: sampled + top tokens
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float  # wall-clock seconds (time.time())
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    def merge(self, delta: RequestOutput) -> None:
+        """Folds a delta of the same request into this cumulative output."""
+        by_index = {o.index: o for o in self.outputs}
+        for d in delta.outputs:
+            mine = by_index.get(d.index)
+            if mine is None:
+                mine = by_index[d.index] = CompletionOutput(d.index, "", [], None, [] if d.logprobs is not None else None)
+                self.outputs.append(mine)
+            mine.text += d.text
+            mine.token_ids.extend(d.token_ids)
+            mine.finish_reason = d.finish_reason
+            if d.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + d.logprobs
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = delta.finished
+        self.metrics = delta.metrics
+        self.num_cached_tokens = delta.num_cached_tokens

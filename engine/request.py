@@ -1,0 +1,89 @@
+"""Request: the unit the scheduler schedules. A request forked for n > 1 yields sibling requests
+(the samples of one user request) that share its prompt's KV blocks copy-on-write.
+
+Owns token lists, `num_computed_tokens`, status and timings; does not own block ids or queues.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Request:
+    # Invariants:
+    #   token_ids == prompt_token_ids + output_token_ids
+    #   0 <= num_computed_tokens <= num_tokens; tokens [num_computed_tokens, num_tokens) still need a
+    #   forward pass (the whole prompt when new, the last sampled token when decoding).
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 group_id: str | None = None, sample_index: int = 0, priority: int = 0,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.group_id = group_id or request_id  # the user request this sample belongs to
+        self.sample_index = sample_index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (last admission)
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.generator = None  # the sampler's per-request RNG when the request is seeded
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to be computed: uncomputed input plus the outputs not yet generated."""
+        return self.num_tokens - self.num_computed_tokens + self.params.max_tokens - self.num_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def fork(self, sample_index: int) -> Request:
+        """A sibling sample sharing this request's prompt; it recomputes the last prompt token
+        (so it draws its own first token) into the blocks it shares copy-on-write."""
+        child = Request(f"{self.group_id}#{sample_index}", self.prompt_token_ids, self.params,
+                        group_id=self.group_id, sample_index=sample_index, priority=self.priority,
+                        arrival_time=self.arrival_time)
+        child.num_computed_tokens = self.num_prompt_tokens - 1
+        child.first_scheduled_time = self.first_scheduled_time
+        return child

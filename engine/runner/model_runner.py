@@ -1,0 +1,66 @@
+"""Executes one scheduled step: block swaps and copies, the ragged forward, sampling.
+
+Owns the device KV cache and its host swap mirror; makes no scheduling decisions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.runner.inputs import build_inputs
+from engine.sampler import Sampler
+from engine.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # request id -> sampled token
+    logprobs: dict[str, dict[int, float]]  # request id -> logprobs of this step's token, when asked
+
+
+class ModelRunner:
+    def __init__(self, model, backend: AttentionBackend, num_blocks: int, num_host_blocks: int,
+                 block_size: int, device: torch.device, seed: int, dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        shape = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_cache = backend.allocate_kv_cache(*shape, dtype=dtype, device=device)
+        host_shape = (model.num_layers, max(num_host_blocks, 1), *shape[2:])
+        self.host_cache = backend.allocate_kv_cache(*host_shape, dtype=dtype, device=torch.device("cpu"))
+        if device.type == "cuda":
+            self.host_cache = self.host_cache.pin_memory()
+        self.sampler = Sampler(seed)
+
+    @staticmethod
+    def block_bytes(model, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+        """KV bytes of one block across all layers (K and V)."""
+        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._move_blocks(out)
+        if out.is_empty:
+            return ModelRunnerOutput({}, {})
+        inputs = build_inputs(out.scheduled, self.block_size, self.device)
+        metadata = self.backend.build_metadata(inputs)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,
+                            inputs.sample_indices)
+        result = self.sampler(logits, inputs.sampled_requests)
+        ids = [r.request_id for r in inputs.sampled_requests]
+        return ModelRunnerOutput(dict(zip(ids, result.token_ids)),
+                                 {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None})
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write copies: batched index copies, in that order."""
+        dim = self.backend.block_dim()
+        for pairs, src_cache, dst_cache in ((out.blocks_to_swap_out, self.kv_cache, self.host_cache),
+                                            (out.blocks_to_swap_in, self.host_cache, self.kv_cache),
+                                            (out.blocks_to_copy, self.kv_cache, self.kv_cache)):
+            if pairs:
+                src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_cache.device)
+                dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_cache.device)
+                dst_cache.index_copy_(dim, dst, src_cache.index_select(dim, src).to(dst_cache.device))

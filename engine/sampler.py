@@ -1,0 +1,100 @@
+"""Samples one token per row from logits, every row with its own parameters, in one pass.
+
+Greedy rows take the argmax. Other rows go through penalties, temperature, top-k, top-p and min-p,
+then an exponential race (argmax of p / E, E ~ Exp(1)), which equals drawing from p. A seeded
+request draws its noise from its own generator, so its tokens do not depend on what else is in the
+batch. Owns no stop checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # (R,) one per row
+    logprobs: list[dict[int, float] | None]  # (R,) sampled token + top-`logprobs` tokens, if asked
+
+
+class Sampler:
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(r.params.logprobs is not None for r in requests) else None)
+        for row, request in enumerate(requests):
+            if request.params.has_penalties:
+                _apply_penalties(logits[row], request)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, [_logprobs(raw_logprobs, i, ids[i], r) for i, r in enumerate(requests)])
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        logits = logits / torch.tensor([p.temperature for p in params])[:, None]
+        top_k = torch.tensor([p.top_k for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params])
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, request in enumerate(requests):
+            if request.params.seed is not None:
+                if request.generator is None:
+                    request.generator = torch.Generator().manual_seed(
+                        hash((request.params.seed, request.sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
+                noise[row].exponential_(generator=request.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks logits outside each row's top-k and top-p nucleus (the top token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ranks = torch.arange(vocab)[None, :]
+    drop = ranks >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+    """In place. Repetition penalty (HF/vLLM) over prompt and output; presence and frequency
+    penalties (OpenAI) over the output only."""
+    params = request.params
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    output = request.output_token_ids
+    if output and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _logprobs(raw: torch.Tensor | None, row: int, token_id: int, request: Request) -> dict[int, float] | None:
+    num = request.params.logprobs
+    if num is None or raw is None:
+        return None
+    result = {token_id: float(raw[row, token_id])}
+    if num > 0:
+        values, ids = raw[row].topk(num)
+        result.update(zip(ids.tolist(), values.tolist()))
+    return result

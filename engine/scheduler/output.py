@@ -1,0 +1,36 @@
+"""What crosses from the scheduler to the runner for one step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request  # read-only for the runner: params, token history, RNG for sampling
+    token_ids: list[int]  # input tokens fed this step
+    start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
+    block_table: list[int]  # device blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool  # True when this chunk reaches the request's last token: sample its next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefill chunks
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), run first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), run second
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst), third
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request.request_id: len(s.token_ids) for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,81 @@
+"""`build_app(config)`: the only place that applies `serve.deployment(...)` and `.bind(...)`.
+
+Graph: Ingress(config, router, replicas) -> Router (one replica, the global queue) and
+EngineReplica (num_replicas or autoscaling; pinned per call by PinnedReplicaRequestRouter).
+Replicas hold a router handle to push load reports. `app_builder(args)` is the YAML entry point
+(`import_path: serve_app.app:app_builder`); unknown keys in `args` are errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app.config import AppConfig
+from serve_app.ingress import Ingress
+from serve_app.replica import EngineReplica
+from serve_app.router import Router
+
+_QUIET = {"enable_access_log": False}
+
+
+def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
+    from ray.serve.config import RequestRouterConfig
+
+    engine = config.engine
+    options: dict[str, Any] = dict(
+        name="EngineReplica",
+        ray_actor_options={"num_cpus": engine.num_cpus, "num_gpus": engine.num_gpus},
+        max_ongoing_requests=engine.max_ongoing_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class="serve_app.pinning:PinnedReplicaRequestRouter"
+        ),
+        logging_config=_QUIET,
+        health_check_period_s=5,
+    )
+    if engine.autoscaling is not None:
+        options["autoscaling_config"] = engine.autoscaling.model_dump(exclude_none=True)
+    else:
+        options["num_replicas"] = engine.num_replicas
+    return options
+
+
+def router_deployment_options(config: AppConfig) -> dict[str, Any]:
+    # admit() calls wait inside the router while queued: Serve must never queue them itself.
+    max_ongoing = 4 * config.router.max_queued_requests + 4096
+    return dict(
+        name="Router",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": config.router.num_cpus},
+        max_ongoing_requests=max_ongoing,
+        max_queued_requests=-1,
+        logging_config=_QUIET,
+    )
+
+
+def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
+    return dict(
+        name="Ingress",
+        num_replicas=config.ingress.num_replicas,
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+        max_ongoing_requests=4 * config.router.max_queued_requests + 4096,
+    )
+
+
+def build_app(config: AppConfig, engine_cls: type | None = None, params_cls: type | None = None):
+    """The application graph; `engine_cls`/`params_cls` default to engine.AsyncEngine and
+    engine.SamplingParams (tests inject a fake; it must be importable on the workers)."""
+    from ray import serve
+
+    router_dep = serve.deployment(Router, **router_deployment_options(config))
+    replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
+    ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
+    router = router_dep.bind(config.router, metrics_enabled=True)
+    replicas = replica_dep.bind(
+        config.engine, router, engine_cls, params_cls, metrics_enabled=True
+    )
+    return ingress_dep.bind(config, router, replicas)
+
+
+def app_builder(args: dict[str, Any] | None = None):
+    """Serve application builder: `args` from the YAML are validated as an AppConfig."""
+    return build_app(AppConfig.model_validate(args or {}))

@@ -1,0 +1,167 @@
+"""StreamChunks -> OpenAI response bodies and SSE events (completions and chat).
+
+Owns: accumulation of choices and usage across a request's engine streams, logprobs shaping.
+Does not own: transport (ingress.py frames the events as SSE).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from serve_app.messages import ChoiceDelta, StreamChunk
+from serve_app.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+
+
+class Formatter:
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, response_id: str, model: str, req: Any, tokenizer: Any, num_choices: int):
+        self.response_id, self.model, self.req, self.tokenizer = response_id, model, req, tokenizer
+        self.num_choices = num_choices
+        self.created = int(time.time())
+        self.texts: dict[int, str] = {}
+        self.finish: dict[int, str | None] = {}
+        self.logprobs: dict[int, list[tuple[int, dict[int, float]]]] = {}
+        self.num_prompt: dict[int, int] = {}  # per job (choice_offset) prompt tokens
+        self.num_completion = 0
+
+    # ------------------------------------------------------------ accumulation
+
+    def _account(self, chunk: StreamChunk, offset: int) -> None:
+        self.num_prompt[offset] = chunk.num_prompt_tokens or self.num_prompt.get(offset, 0)
+        for d in chunk.deltas:
+            self.num_completion += len(d.token_ids)
+
+    def add(self, chunk: StreamChunk, offset: int) -> None:
+        self._account(chunk, offset)
+        for d in chunk.deltas:
+            i = offset + d.index
+            self.texts[i] = self.texts.get(i, "") + d.text
+            if d.finish_reason is not None:
+                self.finish[i] = d.finish_reason
+            if d.logprobs is not None:
+                self.logprobs.setdefault(i, []).extend(zip(d.token_ids, d.logprobs))
+
+    def usage(self) -> Usage:
+        return Usage.of(sum(self.num_prompt.values()), self.num_completion)
+
+    def _choice_indices(self) -> list[int]:
+        return list(range(self.num_choices))
+
+    # ------------------------------------------------------------ streaming
+
+    def stream_events(self, chunk: StreamChunk, offset: int) -> list[dict[str, Any]]:
+        self._account(chunk, offset)
+        events = []
+        for d in chunk.deltas:
+            choice = self._stream_choice(offset + d.index, d)
+            event = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
+                     "model": self.model, "choices": [choice]}
+            if self.req.include_usage:
+                event["usage"] = None
+            events.append(event)
+        return events
+
+    def usage_event(self) -> dict[str, Any] | None:
+        if not self.req.include_usage:
+            return None
+        return {"id": self.response_id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage().model_dump()}
+
+    def _stream_choice(self, index: int, d: ChoiceDelta) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _top(self, entries: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(entries.items(), key=lambda kv: -kv[1])
+
+
+class CompletionFormatter(Formatter):
+    chunk_object = "text_completion"
+
+    def _logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets, pos = [], [], [], [], 0
+        k = self.req.logprobs or 0
+        for token_id, entries in pairs:
+            s = self.tokenizer.token_str(token_id)
+            tokens.append(s)
+            token_logprobs.append(entries.get(token_id))
+            top.append({self.tokenizer.token_str(t): lp for t, lp in self._top(entries)[:k]})
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def _stream_choice(self, index: int, d: ChoiceDelta) -> dict[str, Any]:
+        lp = None
+        if d.logprobs is not None:
+            lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
+        return {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+
+    def response(self) -> dict[str, Any]:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=self.texts.get(i, ""),
+                logprobs=self._logprobs(self.logprobs[i]) if i in self.logprobs else None,
+                finish_reason=self.finish.get(i),
+            )
+            for i in self._choice_indices()
+        ]
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                  choices=choices, usage=self.usage()).model_dump()
+
+
+class ChatFormatter(Formatter):
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._role_sent: set[int] = set()
+
+    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        s = self.tokenizer.token_str(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def _logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
+        k = self.req.top_logprobs or 0
+        content = []
+        for token_id, entries in pairs:
+            e = self._entry(token_id, entries.get(token_id))
+            e["top_logprobs"] = [self._entry(t, lp) for t, lp in self._top(entries)[:k]]
+            content.append(e)
+        return {"content": content}
+
+    def _stream_choice(self, index: int, d: ChoiceDelta) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": d.text}
+        if index not in self._role_sent:
+            self._role_sent.add(index)
+            delta["role"] = "assistant"
+        lp = None
+        if d.logprobs is not None:
+            lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+
+    def response(self) -> dict[str, Any]:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatMessageOut(content=self.texts.get(i, "")),
+                logprobs=self._logprobs(self.logprobs[i]) if i in self.logprobs else None,
+                finish_reason=self.finish.get(i),
+            )
+            for i in self._choice_indices()
+        ]
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                      choices=choices, usage=self.usage()).model_dump()

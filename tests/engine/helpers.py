@@ -1,0 +1,42 @@
+"""Factories for engine tests: scheduler without a model, HF reference generation."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import SchedulerConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler.scheduler import Scheduler
+
+_ids = itertools.count()
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 0,
+                   enable_prefix_caching: bool = True, max_model_len: int = 4096,
+                   eos_token_ids=frozenset({0}), **scheduler_overrides) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching)
+    return Scheduler(SchedulerConfig(**scheduler_overrides), kv, max_model_len, frozenset(eos_token_ids))
+
+
+def make_request(num_tokens: int = 10, max_tokens: int = 4, prompt: list[int] | None = None, priority: int = 0,
+                 arrival_time: float | None = None, **params) -> Request:
+    prompt = prompt if prompt is not None else [1 + (next(_ids) * 7 + i) % 97 for i in range(num_tokens)]
+    return Request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
+                   priority=priority, arrival_time=arrival_time)
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time, cut after the first eos."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    results = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=eos)
+        tokens = out[0, len(prompt):].tolist()
+        results.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    return results

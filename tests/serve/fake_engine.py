@@ -1,0 +1,231 @@
+"""A deterministic fake of the AsyncEngine contract (docs/CONTRACT.md) for serve tests.
+
+Tokens: word-level; token id t decodes to " t{t}". Generation: greedy picks
+10 + (sum(prompt) + 7 * step) % 40; with temperature > 0 a Random(seed) picks from 10..49.
+Concurrency: at most `max_num_seqs` requests run; others wait (FIFO). Each step sleeps
+`step_delay_s` and yields one token per live choice. Records the order requests got a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import zlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import AsyncIterator
+
+VOCAB = 64
+
+
+class FakeTokenizer:
+    name_or_path = None
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for word in text.split():
+            if word.startswith("t") and word[1:].isdigit():
+                ids.append(int(word[1:]) % VOCAB)
+            else:
+                ids.append(10 + zlib.crc32(word.encode()) % 40)
+        return ids
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"bad role {m['role']}")
+        text = " ".join(f"{m['role']} {m['content']}" for m in messages)
+        return self.encode(text) + ([3] if add_generation_prompt else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" t{i}" for i in ids)
+
+
+@dataclass
+class FakeSamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: object = None
+
+
+@dataclass
+class _Live:
+    request_id: str
+    num_blocks: int
+    aborted: bool = False
+
+
+class FakeAsyncEngine:
+    step_delay_s = 0.002
+    max_num_seqs = 4
+    num_blocks = 64
+    block_size = 16
+    max_model_len = 256
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.config = SimpleNamespace(max_model_len=self.max_model_len, block_size=self.block_size)
+        self._waiting: list[str] = []
+        self._running: dict[str, _Live] = {}
+        self._slot_freed = asyncio.Condition()
+        self.started: list[str] = []  # request ids in the order they got a slot
+        self.start_times: dict[str, float] = {}  # request id -> time.monotonic() at its slot
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+        self.shut_down = False
+
+    @classmethod
+    def with_options(cls, **options: object) -> type["FakeAsyncEngine"]:
+        return type("FakeAsyncEngineVariant", (cls,), dict(options))
+
+    @classmethod
+    def from_engine_args(cls, model=None, **engine_args) -> "FakeAsyncEngine":
+        engine = cls()
+        for key in ("max_num_seqs", "num_blocks", "block_size", "max_model_len"):
+            if key in engine_args:
+                setattr(engine, key, engine_args[key])
+        engine.config = SimpleNamespace(max_model_len=engine.max_model_len,
+                                        block_size=engine.block_size)
+        return engine
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def stats(self) -> SimpleNamespace:
+        used = sum(r.num_blocks for r in self._running.values())
+        return SimpleNamespace(
+            num_waiting=len(self._waiting), num_running=len(self._running), num_swapped=0,
+            num_free_blocks=self.num_blocks - used, num_total_blocks=self.num_blocks,
+            kv_usage=used / self.num_blocks,
+        )
+
+    def abort(self, request_id: str) -> None:
+        live = self._running.get(request_id)
+        if live is not None:
+            live.aborted = True
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+    async def generate(
+        self, prompt, params: FakeSamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if any(not 0 <= t < VOCAB for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, {VOCAB})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens})"
+                             f" > max_model_len ({self.max_model_len})")
+        return self._generate(ids, prompt, params, request_id)
+
+    async def _generate(self, ids, prompt, params, request_id):
+        self._waiting.append(request_id)
+        try:
+            async with self._slot_freed:
+                await self._slot_freed.wait_for(
+                    lambda: len(self._running) < self.max_num_seqs
+                    and self._waiting[0] == request_id
+                )
+                self._waiting.pop(0)
+                self._slot_freed.notify_all()
+        except BaseException:
+            if request_id in self._waiting:
+                self._waiting.remove(request_id)
+            raise
+        blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
+        live = self._running[request_id] = _Live(request_id, blocks)
+        self.started.append(request_id)
+        self.start_times[request_id] = time.monotonic()
+        try:
+            async for out in self._decode(ids, prompt, params, live):
+                yield out
+        finally:
+            self._running.pop(request_id, None)
+            (self.aborted if live.aborted else self.finished).append(request_id)
+            async with self._slot_freed:
+                self._slot_freed.notify_all()
+
+    async def _decode(self, ids, prompt, params, live):
+        rngs = [random.Random(None if params.seed is None else params.seed * 1000 + i)
+                for i in range(params.n)]
+        texts = [""] * params.n
+        done = [False] * params.n
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        for step in range(params.max_tokens):
+            await asyncio.sleep(self.step_delay_s)
+            outputs = []
+            for i in range(params.n):
+                if done[i]:
+                    continue
+                if live.aborted:
+                    done[i] = True
+                    outputs.append(CompletionOutput(i, "", [], "abort"))
+                    continue
+                if params.temperature == 0:
+                    tok = 10 + (sum(ids) + 7 * step) % 40
+                else:
+                    tok = rngs[i].randrange(10, 50)
+                piece = f" t{tok}"
+                finish = None
+                new_text = texts[i] + piece
+                hit = next((s for s in stops if s in new_text), None)
+                if hit is not None:
+                    piece = new_text[: new_text.index(hit)][len(texts[i]):]
+                    finish = "stop"
+                elif params.stop_token_ids and tok in params.stop_token_ids:
+                    piece, finish = "", "stop"
+                elif step == params.max_tokens - 1:
+                    finish = "length"
+                texts[i] += piece
+                lp = None
+                if params.logprobs is not None:
+                    lp = [{tok: -0.5, (tok + 1) % VOCAB: -1.5}]
+                outputs.append(CompletionOutput(i, piece, [tok], finish, lp))
+                done[i] = finish is not None
+            yield RequestOutput(live.request_id, prompt if isinstance(prompt, str) else None,
+                                ids, outputs, all(done))
+            if all(done):
+                return

@@ -1,0 +1,244 @@
+"""OpenAI API surface through the real ingress/router/replica code on fake engines (no Ray)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import greedy_text, local_stack, run, sse_events
+from fake_engine import FakeTokenizer
+
+TOK = FakeTokenizer()
+
+
+def test_completion_non_streaming_text_usage_and_finish():
+    async def go():
+        async with local_stack() as (client, _, _):
+            r = await client.post("/v1/completions", json={
+                "model": "fake", "prompt": "hello world", "max_tokens": 5, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            ids = TOK.encode("hello world")
+            assert body["object"] == "text_completion"
+            assert body["choices"][0]["text"] == greedy_text(ids, 5)
+            assert body["choices"][0]["finish_reason"] == "length"
+            assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+    run(go())
+
+
+def test_completion_streaming_sse_done_and_usage_last():
+    async def go():
+        async with local_stack() as (client, _, _):
+            r = await client.post("/v1/completions", json={
+                "prompt": "hello world", "max_tokens": 6, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}})
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]"
+            usage_event = events[-2]
+            assert usage_event["choices"] == []
+            assert usage_event["usage"]["completion_tokens"] == 6
+            assert usage_event["usage"]["prompt_tokens"] == 2
+            chunks = events[:-2]
+            assert all(c["usage"] is None for c in chunks)
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            assert text == greedy_text(TOK.encode("hello world"), 6)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    run(go())
+
+
+def test_chat_streaming_role_first_and_text_matches_non_streaming():
+    async def go():
+        async with local_stack() as (client, _, _):
+            req = {"model": "fake", "messages": [{"role": "user", "content": "hi there"}],
+                   "max_tokens": 4, "temperature": 0}
+            full = (await client.post("/v1/chat/completions", json=req)).json()
+            assert full["object"] == "chat.completion"
+            assert full["choices"][0]["message"]["role"] == "assistant"
+            r = await client.post("/v1/chat/completions", json={**req, "stream": True})
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]"
+            assert events[0]["object"] == "chat.completion.chunk"
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+            text = "".join(e["choices"][0]["delta"]["content"] for e in events[:-1])
+            assert text == full["choices"][0]["message"]["content"]
+            ids = TOK.apply_chat_template([{"role": "user", "content": "hi there"}])
+            assert text == greedy_text(ids, 4)
+            assert full["usage"]["prompt_tokens"] == len(ids)
+
+    run(go())
+
+
+def test_n_seed_reproducible_and_stop_strings():
+    async def go():
+        async with local_stack() as (client, _, _):
+            req = {"prompt": "a b", "max_tokens": 8, "n": 3, "seed": 7, "temperature": 1.0}
+            a = (await client.post("/v1/completions", json=req)).json()
+            b = (await client.post("/v1/completions", json=req)).json()
+            assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+            assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+            assert len({c["text"] for c in a["choices"]}) > 1
+            assert a["usage"]["completion_tokens"] == 24
+            # stop on the 3rd greedy token
+            ids = TOK.encode("a b")
+            third = greedy_text(ids, 3).split(" ")[-1]
+            r = (await client.post("/v1/completions", json={
+                "prompt": "a b", "max_tokens": 8, "temperature": 0, "stop": [" " + third]})).json()
+            assert r["choices"][0]["text"] == greedy_text(ids, 2)
+            assert r["choices"][0]["finish_reason"] == "stop"
+
+    run(go())
+
+
+def test_prompt_list_and_token_ids():
+    async def go():
+        async with local_stack(num_replicas=2) as (client, _, _):
+            r = (await client.post("/v1/completions", json={
+                "prompt": ["x y", "z"], "n": 2, "max_tokens": 3, "temperature": 0})).json()
+            assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+            assert r["choices"][0]["text"] == greedy_text(TOK.encode("x y"), 3)
+            assert r["choices"][2]["text"] == greedy_text(TOK.encode("z"), 3)
+            assert r["usage"]["prompt_tokens"] == 3
+            r = (await client.post("/v1/completions", json={
+                "prompt": [11, 12, 13], "max_tokens": 2, "temperature": 0})).json()
+            assert r["choices"][0]["text"] == greedy_text([11, 12, 13], 2)
+            r = (await client.post("/v1/completions", json={
+                "prompt": [[11], [12, 13]], "max_tokens": 2, "temperature": 0})).json()
+            assert len(r["choices"]) == 2
+
+    run(go())
+
+
+def test_logprobs_shapes():
+    async def go():
+        async with local_stack() as (client, _, _):
+            r = (await client.post("/v1/completions", json={
+                "prompt": "q", "max_tokens": 2, "temperature": 0, "logprobs": 2})).json()
+            lp = r["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == 2 and lp["token_logprobs"] == [-0.5, -0.5]
+            assert len(lp["top_logprobs"][0]) == 2
+            r = (await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
+                "logprobs": True, "top_logprobs": 1})).json()
+            content = r["choices"][0]["logprobs"]["content"]
+            assert len(content) == 2 and len(content[0]["top_logprobs"]) == 1
+
+    run(go())
+
+
+def test_models_health_and_api_keys():
+    async def go():
+        async with local_stack(ingress={"api_keys": ["sekret"]}) as (client, _, _):
+            assert (await client.get("/health")).status_code == 200
+            r = await client.get("/v1/models")
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            r = await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+            assert r.json()["data"][0]["id"] == "fake"
+            r = await client.post("/v1/completions", json={"prompt": "x"},
+                                  headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+
+    run(go())
+
+
+BAD = [
+    ("malformed json", "/v1/completions", b'{"prompt": "x",', 400, "Malformed JSON"),
+    ("not an object", "/v1/completions", b'[1, 2]', 400, "JSON object"),
+    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400,
+     "max_tokens"),
+    ("temperature -1", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p 2", "/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ("n 0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "'n'"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("prompt over context", "/v1/completions", {"prompt": "w " * 300, "max_tokens": 4}, 400,
+     "maximum context length is 256 tokens. However, you requested 304 tokens (300 in the"),
+    ("max_tokens over context", "/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400,
+     "256"),
+    ("token id out of vocab", "/v1/completions", {"prompt": [999]}, 400, "prompt"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("invalid role", "/v1/chat/completions",
+     {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("messages wrong type", "/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("huge body", "/v1/completions", {"prompt": "x" * 5000}, 413, "exceeds the limit"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_matrix(name, path, body, status, needle):
+    async def go():
+        async with local_stack(ingress={"max_body_bytes": 4096}) as (client, _, replicas):
+            if isinstance(body, bytes):
+                r = await client.post(path, content=body,
+                                      headers={"content-type": "application/json"})
+            else:
+                r = await client.post(path, json=body)
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert needle in err["message"], err
+            # the replica keeps serving
+            ok = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert ok.status_code == 200
+            assert not replicas[0].engine._running
+
+    run(go())
+
+
+def test_openai_client_async_streaming_and_not():
+    async def go():
+        async with local_stack() as (client, _, _):
+            oai = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none",
+                                     http_client=client)
+            c = await oai.completions.create(model="fake", prompt="hello world", max_tokens=4,
+                                             temperature=0)
+            assert c.choices[0].text == greedy_text(TOK.encode("hello world"), 4)
+            assert c.usage.completion_tokens == 4
+            stream = await oai.chat.completions.create(
+                model="fake", messages=[{"role": "user", "content": "yo"}], max_tokens=3,
+                stream=True, stream_options={"include_usage": True}, temperature=0)
+            parts, usage = [], None
+            async for chunk in stream:
+                if chunk.choices:
+                    parts.append(chunk.choices[0].delta.content or "")
+                if chunk.usage:
+                    usage = chunk.usage
+            assert "".join(parts) == greedy_text(TOK.apply_chat_template(
+                [{"role": "user", "content": "yo"}]), 3)
+            assert usage.completion_tokens == 3
+            with pytest.raises(openai.NotFoundError):
+                await oai.completions.create(model="nope", prompt="x")
+            with pytest.raises(openai.BadRequestError, match="temperature"):
+                await oai.completions.create(model="fake", prompt="x", temperature=-1)
+            r = await oai.completions.create(model="fake", prompt="x", max_tokens=2,
+                                             extra_body={"top_k": 5, "priority": 3,
+                                                         "ignore_eos": True})
+            assert r.choices[0].finish_reason == "length"
+
+    run(go())
+
+
+def test_context_length_check_uses_chat_template_count():
+    async def go():
+        async with local_stack() as (client, _, _):
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "w " * 260}]})
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            # default chat max_tokens = the rest of the context
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "w " * 240}], "temperature": 0})
+            assert r.status_code == 200
+            assert r.json()["usage"]["total_tokens"] == 256
+
+    run(go())
+
+
+def test_http_transport_client_is_httpx():  # guard: tests above rely on httpx ASGI transport
+    assert hasattr(httpx, "ASGITransport")

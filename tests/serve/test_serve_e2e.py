@@ -1,0 +1,287 @@
+"""Real Ray Serve (slow): one cluster per session; apps deployed with build_app.
+
+- `fake` app: the fake engine behind real deployments (pinning router, handles, SSE via the
+  proxy, openai client sync + async, metrics on the node's endpoint).
+- `real` app: a tiny random Llama through engine.AsyncEngine; greedy text == engine.LLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ray")
+    env = {
+        "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
+        "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import ray
+    from ray import serve
+
+    metrics_port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp),
+             _metrics_export_port=metrics_port, log_to_driver=False)
+    http_port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    try:
+        yield {"http": f"http://127.0.0.1:{http_port}", "metrics_port": metrics_port}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def fake_app(serve_cluster):
+    from ray import serve
+
+    sys.path.insert(0, str(HERE))
+    from fake_engine import FakeAsyncEngine, FakeSamplingParams
+
+    from serve_app.app import build_app
+    from serve_app.config import AppConfig
+
+    cfg = AppConfig.model_validate({
+        "engine": {"served_model_name": "fake", "num_replicas": 2, "num_cpus": 0.1},
+        "router": {"max_waiting_per_replica": 2},
+    })
+    engine_cls = FakeAsyncEngine.with_options(step_delay_s=0.01, max_model_len=8192,
+                                              num_blocks=4096)
+    serve.run(build_app(cfg, engine_cls, FakeSamplingParams),
+              name="fake", route_prefix="/fake")
+    return serve_cluster["http"] + "/fake"
+
+
+def _greedy_text(prompt_ids, n):
+    return "".join(f" t{10 + (sum(prompt_ids) + 7 * s) % 40}" for s in range(n))
+
+
+def test_fake_app_openai_sync_and_stream(fake_app):
+    sys.path.insert(0, str(HERE))
+    from fake_engine import FakeTokenizer
+
+    client = openai.OpenAI(base_url=fake_app + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["fake"]
+    c = client.completions.create(model="fake", prompt="hello world", max_tokens=5, temperature=0)
+    assert c.choices[0].text == _greedy_text(FakeTokenizer().encode("hello world"), 5)
+    parts = [ch.choices[0].text for ch in client.completions.create(
+        model="fake", prompt="hello world", max_tokens=5, temperature=0, stream=True)]
+    assert "".join(parts) == c.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="fake", prompt="x", top_p=2)
+
+
+def test_fake_app_concurrent_streams_spread_over_replicas(fake_app):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=fake_app + "/v1", api_key="none")
+
+        async def one(i):
+            stream = await client.chat.completions.create(
+                model="fake", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=20,
+                stream=True, stream_options={"include_usage": True})
+            n, usage = 0, None
+            async for ch in stream:
+                n += sum(1 for c in ch.choices if c.delta.content)
+                usage = ch.usage or usage
+            return usage.completion_tokens
+
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    assert asyncio.run(go()) == [20] * 12
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name="fake")
+    counters = handle.broadcast("routing_counters").results()
+    assert len(counters) == 2
+    assert all(c["misrouted"] == 0 for c in counters), counters
+    assert all(c["received"] > 0 for c in counters), counters  # both replicas used
+
+
+def test_fake_app_client_disconnect_aborts_in_engine(fake_app):
+    """1. start a 3000-token stream (~30 s at 10 ms/token); read a few events; disconnect.
+    2. within a few seconds no replica's engine runs anything (the abort reached the engine)."""
+    from ray import serve
+
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", fake_app + "/v1/completions", json={
+                "model": "fake", "prompt": "long", "max_tokens": 3000, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+    handle = serve.get_deployment_handle("EngineReplica", app_name="fake")
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        running = [s.num_running for s in handle.broadcast("stats").results()]
+        if sum(running) == 0:
+            break
+        time.sleep(0.2)
+    assert sum(running) == 0, running
+
+
+def test_fake_app_metrics_on_node_endpoint(fake_app, serve_cluster):
+    client = openai.OpenAI(base_url=fake_app + "/v1", api_key="none")
+    for _ in range(3):
+        client.completions.create(model="fake", prompt="m", max_tokens=3, extra_body={"priority": 2})
+    url = f"http://127.0.0.1:{serve_cluster['metrics_port']}/metrics"
+    deadline = time.time() + 40
+    want = ["ray_cbserve_ttft_s", "ray_cbserve_router_queue_depth", "ray_cbserve_replica_kv_usage",
+            "ray_cbserve_generation_tokens_total"]
+    text = ""
+    while time.time() < deadline:
+        text = httpx.get(url, timeout=5).text
+        if all(w in text for w in want) and 'priority="2"' in text:
+            break
+        time.sleep(2)
+    missing = [w for w in want if w not in text]
+    assert not missing, missing
+    assert 'priority="2"' in text
+
+
+def test_fake_app_replica_killed_midstream_gets_error_event_then_served(fake_app):
+    """1. start a long stream; find the replica running it and kill its actor.
+    2. the client gets an SSE error event and [DONE], not a silently truncated body.
+    3. new requests are served by the surviving replica (the router drops the dead one)."""
+    import ray
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name="fake")
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", fake_app + "/v1/completions", json={
+                "model": "fake", "prompt": "doomed", "max_tokens": 3000, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            busy = [s.replica_id for s in handle.broadcast("stats").results() if s.num_running]
+            assert len(busy) == 1
+            actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                         if busy[0] in a["name"])
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert '"error"' in rest[-2] and "replica" in rest[-2]
+        oai = openai.OpenAI(base_url=fake_app + "/v1", api_key="none", max_retries=0)
+        for i in range(4):
+            assert oai.completions.create(model="fake", prompt=f"after {i}", max_tokens=3).usage
+
+
+# ------------------------------------------------------------ the real engine, tiny model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    sys.path.insert(0, str(HERE))
+    from tiny_model import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def real_app(serve_cluster, tiny_model):
+    import engine
+
+    if not hasattr(engine, "AsyncEngine"):
+        pytest.skip("engine.AsyncEngine is not available yet")
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import AppConfig
+
+    cfg = AppConfig.model_validate({
+        "engine": {"model": tiny_model, "served_model_name": "tiny", "num_replicas": 1,
+                   "num_cpus": 0.5, "engine_args": {"max_num_seqs": 8, "seed": 0}},
+    })
+    serve.run(build_app(cfg), name="real", route_prefix="/real")
+    return serve_cluster["http"] + "/real"
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_model):
+    import engine
+
+    return engine.LLM(model=tiny_model, seed=0)
+
+
+PROMPTS = ["hello world the cat", "one two three", "why is the sky blue"]
+
+
+def test_real_greedy_equals_offline_generate(real_app, offline_llm):
+    import engine
+
+    params = engine.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline_llm.generate(PROMPTS, params, use_tqdm=False)]
+    client = openai.OpenAI(base_url=real_app + "/v1", api_key="none")
+    for prompt, want in zip(PROMPTS, expected):
+        c = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert c.choices[0].text == want
+        assert c.usage.completion_tokens == 12
+        assert c.usage.prompt_tokens == len(offline_llm.tokenizer.encode(prompt))
+        streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert streamed == want
+
+
+def test_real_chat_equals_offline_chat(real_app, offline_llm):
+    import engine
+
+    messages = [{"role": "user", "content": "hello cat"}]
+    params = engine.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = offline_llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    client = openai.OpenAI(base_url=real_app + "/v1", api_key="none")
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices]
+    assert "".join(parts) == want
+
+
+def test_real_n_seed_stop_and_errors(real_app, offline_llm):
+    client = openai.OpenAI(base_url=real_app + "/v1", api_key="none")
+    kw = dict(model="tiny", prompt="one two", max_tokens=6, n=2, seed=11, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 12
+    greedy = client.completions.create(model="tiny", prompt="one two", max_tokens=8,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    words = greedy.choices[0].text.split()
+    stop = words[len(words) // 2]
+    s = client.completions.create(model="tiny", prompt="one two", max_tokens=8, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert stop not in s.choices[0].text and s.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model="tiny", prompt="the " * 300, max_tokens=4)
+    ok = client.completions.create(model="tiny", prompt="the cat", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
