@@ -79,11 +79,19 @@ class LLMEngine:
         encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
 
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ValueError if the request can never run. Changes nothing,
+        so it may be called from any thread."""
+        token_ids = self.encode_prompt(prompt)
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        return token_ids
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0) -> None:
+        """Queues a request (validated first: ValueError leaves the engine unchanged)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.encode_prompt(prompt)
+        token_ids = self.validate(prompt, params)
         request = Request(request_id, token_ids, params, priority=priority)
         self.scheduler.add_request(request)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,

@@ -49,7 +49,7 @@ class StatsCollector:
 
     def snapshot(self) -> EngineStats:
         s, kv, c = self.scheduler, self.scheduler.kv, self.scheduler.counters
-        waiting = list(s.waiting.ordered(0.0)) if s.waiting else []
+        waiting = s.waiting.requests()
         return EngineStats(
             num_waiting=len(waiting), num_running=len(s.running), num_swapped=len(s.swapped),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.pool.num_blocks, kv_usage=kv.usage,

@@ -43,6 +43,14 @@ def _serve_replica_id() -> str | None:
         return None
 
 
+async def _drain(iterator: Any) -> None:
+    try:
+        while True:
+            await iterator.__anext__()
+    except StopAsyncIteration:
+        pass
+
+
 def _fields(obj: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(obj):
         return dataclasses.asdict(obj)
@@ -248,7 +256,9 @@ class EngineReplica:
                     for out in output.outputs:
                         buffer.add(out)
                     finished = bool(output.finished)
-                    if not finished and time.monotonic() - last_flush < interval:
+                    if finished:  # let the engine's generator end normally (not an abort)
+                        await _drain(iterator)
+                    elif time.monotonic() - last_flush < interval:
                         continue
                 if buffer.by_index or finished:
                     last_flush = time.monotonic()

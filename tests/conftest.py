@@ -9,6 +9,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+# Tiny test models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
+# threads spinning against other processes make every op slower.
+torch.set_num_threads(1)
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WORDS = ("the cat sat on a mat while dogs ran fast over green hills and blue lakes under bright "

@@ -47,6 +47,10 @@ class WaitingQueue:
             return (request.priority - aged, request.arrival_time)
         return (0.0, request.arrival_time)
 
+    def requests(self) -> list[Request]:
+        """Waiting requests, unordered."""
+        return list(self._requests.values())
+
     def ordered(self, now: float) -> Iterator[Request]:
         """Waiting requests best rank first (a snapshot: callers may remove while iterating)."""
         return iter(sorted(self._requests.values(), key=lambda r: self.rank(r, now)))

@@ -55,15 +55,19 @@ class Scheduler:
         self._static_batch_open = True
 
     # ---- requests in and out -------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Queues a request. Raises ValueError if it could never fit in the KV cache."""
-        max_len = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises ValueError for a request that could never be scheduled. Changes nothing."""
+        max_len = min(num_prompt_tokens + max_tokens, self.max_model_len)
         if self.kv.num_blocks_for(max_len) > self.kv.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {self.kv.num_blocks_for(max_len)} KV blocks "
                              f"({max_len} tokens); the KV cache has {self.kv.pool.num_blocks}")
-        if not self.config.enable_chunked_prefill and request.num_tokens > self.config.max_num_batched_tokens:
-            raise ValueError(f"prompt has {request.num_tokens} tokens, over max_num_batched_tokens "
+        if not self.config.enable_chunked_prefill and num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, over max_num_batched_tokens "
                              f"{self.config.max_num_batched_tokens} with chunked prefill off")
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises ValueError if it could never fit (see check_fits)."""
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

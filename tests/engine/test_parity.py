@@ -33,11 +33,20 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     dict(max_num_seqs=3, max_num_batched_tokens=7, block_size=4),
     dict(max_num_seqs=64, enable_prefix_caching=False),
     dict(policy="static", max_num_seqs=4),
-], ids=["batch64", "batch1", "chunked16", "chunked7-bs4", "no-prefix-cache", "static"])
+    dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="swap"),
+    dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="recompute"),
+    dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="auto", policy="priority"),
+], ids=["batch64", "batch1", "chunked16", "chunked7-bs4", "no-prefix-cache", "static", "preempt-swap",
+        "preempt-recompute", "preempt-auto"])
 def test_greedy_matches_transformers(model_and_reference, engine_args):
     model_dir, prompts, expected = model_and_reference
-    outputs = LLM(model_dir, **engine_args).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(model_dir, **engine_args)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    if "preemption_mode" in engine_args:  # the tiny pool really forced preemptions
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 
 def test_requests_joining_mid_flight(model_and_reference):

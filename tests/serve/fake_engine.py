@@ -179,12 +179,14 @@ class FakeAsyncEngine:
         live = self._running[request_id] = _Live(request_id, blocks)
         self.started.append(request_id)
         self.start_times[request_id] = time.monotonic()
+        completed = False
         try:
             async for out in self._decode(ids, prompt, params, live):
                 yield out
+            completed = not live.aborted
         finally:
             self._running.pop(request_id, None)
-            (self.aborted if live.aborted else self.finished).append(request_id)
+            (self.finished if completed else self.aborted).append(request_id)
             async with self._slot_freed:
                 self._slot_freed.notify_all()
 

@@ -1,0 +1,53 @@
+"""Command line: `python -m engine.cli generate --prompt "..."` for a quick try from the shell."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for part in (ModelConfig, CacheConfig, SchedulerConfig):
+        for f in dataclasses.fields(part):
+            if f.name == "seed":  # --seed is the request's sampling seed here
+                continue
+            kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
+            if str(f.type) == "bool":
+                parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction)
+            else:
+                parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cbserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate from one or more prompts")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template (user turn)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    _add_engine_args(gen)
+    args = vars(parser.parse_args(argv))
+    params = SamplingParams(max_tokens=args.pop("max_tokens"), temperature=args.pop("temperature"),
+                            top_p=args.pop("top_p"), top_k=args.pop("top_k"), seed=args.pop("seed"))
+    prompts, chat = args.pop("prompt"), args.pop("chat")
+    args.pop("command")
+    llm = LLM(**{k: v for k, v in args.items() if v is not None})
+    if chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        print(f"--- {prompt!r} ({output.outputs[0].finish_reason})\n{output.outputs[0].text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

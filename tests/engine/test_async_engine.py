@@ -1,0 +1,90 @@
+"""AsyncEngine: streamed deltas, concurrency, abort, cancellation, validation before streaming."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncEngine, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = AsyncEngine.from_engine_args(tiny_llama, max_num_batched_tokens=32)
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(engine, prompt, request_id, params=PARAMS):
+    tokens, text, deltas, last = [], "", 0, None
+    async for out in engine.generate(prompt, params, request_id):
+        deltas += 1
+        for o in out.outputs:
+            tokens += o.token_ids
+            text += o.text
+        last = out
+    return tokens, text, deltas, last
+
+
+def test_concurrent_streams_equal_offline_generate(engine, tiny_llama):
+    prompts = [[5, 6, 7, 8], [40, 41], [100, 3, 3, 3, 3, 9, 12]]
+    expected = LLM(tiny_llama).generate(prompts, PARAMS, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine, p, f"c{i}") for i, p in enumerate(prompts)))
+
+    for (tokens, text, deltas, last), ref in zip(asyncio.run(main()), expected):
+        assert tokens == ref.outputs[0].token_ids and text == ref.outputs[0].text
+        assert deltas > 1 and last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_abort_ends_stream_and_frees_blocks(engine):
+    async def main():
+        stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "to-abort")
+        first = await stream.__anext__()
+        engine.abort("to-abort")
+        rest = [out async for out in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert not first.finished and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    _wait_idle(engine)
+
+
+def test_cancelled_consumer_aborts_request(engine):
+    async def main():
+        async def consume():
+            async for _ in engine.generate([9, 9, 9], SamplingParams(max_tokens=500, ignore_eos=True), "cancel-me"):
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    _wait_idle(engine)
+
+
+def test_invalid_request_raises_before_streaming(engine):
+    async def main():
+        with pytest.raises(ValueError, match="prompt"):
+            async for _ in engine.generate("", PARAMS, "bad"):
+                pass
+        return await _collect(engine, [5, 6], "after-bad")
+
+    tokens, _, _, last = asyncio.run(main())
+    assert len(tokens) == 20 and last.finished
+
+
+def _wait_idle(engine, timeout_s: float = 10.0):
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
