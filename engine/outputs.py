@@ -24,6 +24,20 @@ class RequestMetrics:
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def time_per_output_token(self, num_output_tokens: int) -> float | None:
+        """Mean gap between output tokens after the first."""
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
 
 @dataclass(slots=True)
 class RequestOutput:

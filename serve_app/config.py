@@ -115,7 +115,7 @@ class RouterConfig(_Strict):
         5.0, gt=0, description="A replica silent for this long is taken out of rotation."
     )
     no_replica_timeout_s: float = Field(
-        30.0, ge=0, description="Queued requests get 503 after this long with no live replica."
+        10.0, ge=0, description="Queued requests get 503 after this long with no live replica."
     )
     affinity_load_slack: float = Field(
         0.05, ge=0, description="Loads within this of the least count as a tie (prefix decides)."

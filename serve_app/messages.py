@@ -65,6 +65,7 @@ class ReplicaStats:
     num_free_blocks: int  # free KV blocks (incl. evictable cached ones)
     num_total_blocks: int  # KV pool size
     kv_usage: float  # 0..1
+    num_queued_tokens: int  # prompt tokens waiting in the engine (0 if the engine does not say)
     block_size: int  # tokens per block
     received_ids: tuple[str, ...]  # requests that reached the engine since the last report
     reported_at: float  # time.monotonic() on the replica (informational)

@@ -150,6 +150,7 @@ class EngineReplica:
             num_free_blocks=int(s.num_free_blocks),
             num_total_blocks=int(s.num_total_blocks),
             kv_usage=float(s.kv_usage),
+            num_queued_tokens=int(getattr(s, "num_queued_tokens", 0)),
             block_size=self._block_size(),
             received_ids=tuple(self._received_ids),
             reported_at=time.monotonic(),

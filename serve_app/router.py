@@ -130,8 +130,11 @@ class ReplicaView:
         return self.stats.num_waiting == 0 and self.stats.num_running == 0 and not self.pending
 
     def load(self) -> float:
+        """Estimated KV demand / KV size: blocks in use, blocks of unseen admissions, and the
+        blocks the engine's queued prompt tokens will take."""
         total = max(self.stats.num_total_blocks, 1)
-        return (total - self.est_free_blocks()) / total
+        queued = self.stats.num_queued_tokens / max(self.stats.block_size, 1)
+        return (total - self.est_free_blocks() + queued) / total
 
     def prefix_match(self, hashes: tuple[int, ...]) -> int:
         n = 0

@@ -5,6 +5,8 @@ blocks along dim 2 then yields (2, num_kv_heads, B, L, head_dim) with no transpo
 attention is two batched matmuls over (kv_head, request). Decodes are grouped by context length
 (buckets) to bound the padding each gather reads; prefill chunks attend one request at a time
 with SDPA (a chunk with no cached context attends to its own keys and skips the gather).
+Gathers write into one reusable workspace: a fresh multi-MB tensor per layer costs more in page
+faults than the copy itself (measured: 27 ms vs 7 ms for a 47 MB gather on this CPU).
 """
 from __future__ import annotations
 
@@ -81,10 +83,22 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, scale: float):
         self.scale = scale
+        self._workspace = torch.empty(0)
 
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         return torch.zeros(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
                            device=device)
+
+    def _gather(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Blocks of one layer -> (2, kv_heads, len(block_ids) * block_size, head_dim), in the
+        workspace: valid until the next gather."""
+        _, num_kv_heads, num_blocks, block_size, head_dim = layer_cache.shape
+        numel = 2 * num_kv_heads * block_ids.numel() * block_size * head_dim
+        if self._workspace.numel() < numel or self._workspace.dtype != layer_cache.dtype:
+            self._workspace = torch.empty(numel, dtype=layer_cache.dtype, device=layer_cache.device)
+        out = self._workspace[:numel].view(2 * num_kv_heads, block_ids.numel(), block_size * head_dim)
+        torch.index_select(layer_cache.view(2 * num_kv_heads, num_blocks, -1), 1, block_ids, out=out)
+        return out.view(2, num_kv_heads, -1, head_dim)
 
     def block_dim(self) -> int:
         return 3
@@ -105,11 +119,10 @@ class TorchAttentionBackend(AttentionBackend):
         return out.reshape(q.shape[0], -1)
 
     def _decode(self, q, layer_cache, bucket: DecodeBucket) -> torch.Tensor:
-        num_kv_heads, _, block_size, head_dim = layer_cache.shape[1:]
-        num_requests, max_blocks = bucket.block_tables.shape
-        # (2, kv_heads, Bb, M, block_size, head_dim) -> (2, kv_heads, Bb, L, head_dim)
-        kv = layer_cache[:, :, bucket.block_tables].view(2, num_kv_heads, num_requests, max_blocks * block_size,
-                                                         head_dim)
+        num_kv_heads, head_dim = layer_cache.shape[1], layer_cache.shape[-1]
+        num_requests = bucket.block_tables.shape[0]
+        # (2, kv_heads, Bb * L, head_dim) -> (2, kv_heads, Bb, L, head_dim)
+        kv = self._gather(layer_cache, bucket.block_tables.view(-1)).view(2, num_kv_heads, num_requests, -1, head_dim)
         # (Bb, heads, d) -> (kv_heads, Bb, group, d)
         qb = q[bucket.token_start:bucket.token_end].view(num_requests, num_kv_heads, -1, head_dim).transpose(0, 1)
         scores = torch.matmul(qb, kv[0].transpose(-1, -2)).mul_(self.scale).add_(bucket.mask)
@@ -123,8 +136,7 @@ class TorchAttentionBackend(AttentionBackend):
             vc = v[chunk.token_start:chunk.token_end].transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            num_kv_heads, _, block_size, head_dim = layer_cache.shape[1:]
-            kv = layer_cache[:, :, chunk.block_ids].view(2, num_kv_heads, -1, head_dim)[:, :, :chunk.seq_len]
+            kv = self._gather(layer_cache, chunk.block_ids)[:, :, :chunk.seq_len]
             out = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
                                                  scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)  # (n, heads, d)

@@ -18,9 +18,10 @@ def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=())
     return AdmitRequest(rid, priority, prompt, new, tuple(prefix))
 
 
-def stats(rid: str, waiting=0, running=0, free=100, total=100, received=()) -> ReplicaStats:
-    return ReplicaStats(rid, waiting, running, free, total, 1 - free / total, 16, tuple(received),
-                        0.0)
+def stats(rid: str, waiting=0, running=0, free=100, total=100, received=(),
+          queued_tokens=0) -> ReplicaStats:
+    return ReplicaStats(rid, waiting, running, free, total, 1 - free / total, queued_tokens, 16,
+                        tuple(received), 0.0)
 
 
 def order(q: AdmissionQueue, now: float) -> list[str]:
@@ -106,6 +107,8 @@ def test_choice_least_loaded_then_prefix_affinity():
     pool.views["r0"].remember_prefixes((1, 2))
     assert pool.choose(req("b", prefix=(1, 2, 3))) == "r0"  # prefix decides the tie
     assert pool.choose(req("c", prefix=(9,))) == "r1"
+    pool.report(stats("r1", running=1, free=80, queued_tokens=16 * 30), 0.0)  # 30 blocks queued
+    assert pool.choose(req("d", prefix=(9,))) == "r0"
 
 
 def test_stale_replica_expires():
