@@ -12,41 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
-from dataclasses import dataclass
-
 import torch
 
-from benchmarks.workload import Workload, make_workload, random_prompt, warmup_prompts
-
-
-@dataclass
-class RunResult:
-    name: str
-    wall_s: float
-    prompt_tokens: int
-    output_tokens: int  # useful output tokens
-    note: str = ""
-
-    @property
-    def output_tps(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
-
-    @property
-    def total_tps(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s > 0 else float("nan")
-
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "wall_s": self.wall_s,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "output_tok_per_s": self.output_tps,
-            "total_tok_per_s": self.total_tps,
-            "note": self.note,
-        }
+from benchmarks.workload import (
+    RunResult,
+    Stopwatch,
+    Workload,
+    make_workload,
+    random_prompt,
+    rate_summary,
+    warmup_prompts,
+)
 
 
 def load_hf_model(path: str):
@@ -101,17 +78,16 @@ def hf_static(model, tok, wl: Workload, batch_size: int) -> RunResult:
     # warm-up: one tiny batch
     _generate_padded(model, pad_id, warmup_prompts(), 4)
     useful = 0
-    t0 = time.perf_counter()
-    for s in range(0, len(reqs), batch_size):
-        batch = reqs[s : s + batch_size]
-        n = max(r.output_len for r in batch)
-        gen = _generate_padded(model, pad_id, [r.prompt_token_ids for r in batch], n)
-        if gen.shape[1] != n:
-            raise RuntimeError(f"HF static generated {gen.shape[1]} tokens, expected {n}")
-        useful += sum(r.output_len for r in batch)
-    wall = time.perf_counter() - t0
+    with Stopwatch() as sw:
+        for s in range(0, len(reqs), batch_size):
+            batch = reqs[s : s + batch_size]
+            n = max(r.output_len for r in batch)
+            gen = _generate_padded(model, pad_id, [r.prompt_token_ids for r in batch], n)
+            if gen.shape[1] != n:
+                raise RuntimeError(f"HF static generated {gen.shape[1]} tokens, expected {n}")
+            useful += sum(r.output_len for r in batch)
     assert useful == wl.num_output_tokens
-    return RunResult(f"HF static bs={batch_size}", wall, wl.num_prompt_tokens, useful)
+    return RunResult.from_stopwatch(f"HF static bs={batch_size}", sw, wl.num_prompt_tokens, useful)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -185,17 +161,16 @@ def hf_continuous(
     ) as manager:
         # warm-up (small), inside the same manager so its setup is not timed
         _cb_run(manager, warmup_prompts(), [4, 4], timeout_s)
-        t0 = time.perf_counter()
-        results = _cb_run(manager, prompts, out_lens, timeout_s)
-        wall = time.perf_counter() - t0
+        with Stopwatch() as sw:
+            results = _cb_run(manager, prompts, out_lens, timeout_s)
     got = 0
     for i, n in enumerate(out_lens):
         toks = results[f"r{i}"]
         if len(toks) != n:
             raise RuntimeError(f"HF CB request r{i} generated {len(toks)} tokens, expected {n}")
         got += len(toks)
-    res = RunResult(f"HF continuous mbt={max_batch_tokens}", wall, wl.num_prompt_tokens, got,
-                    note=f"page_size={page_size}, num_blocks={num_blocks}")
+    res = RunResult.from_stopwatch(f"HF continuous mbt={max_batch_tokens}", sw, wl.num_prompt_tokens, got,
+                                   note=f"page_size={page_size}, num_blocks={num_blocks}")
     if return_tokens:
         return res, [results[f"r{i}"] for i in range(len(out_lens))]
     return res
@@ -209,33 +184,32 @@ def hf_continuous(
 def hf_single_stream_decode(model, pad_id: int, prompt_len: int = 128, new_tokens: int = 128, repeats: int = 3):
     """model.generate, batch 1, greedy, DynamicCache (default), exactly `new_tokens` new tokens.
 
-    Returns (median decode tok/s, list of per-run tok/s). tok/s = new_tokens / wall of the whole
-    generate call (prefill of the prompt included, as for the engine side)."""
+    tok/s = new_tokens / wall of the whole generate call (prefill of the prompt included, as for
+    the engine side)."""
     _generate_padded(model, pad_id, warmup_prompts(1), 4)  # warm-up
-    rates = []
+    sws = []
     for r in range(repeats):
         prompt = random_prompt(prompt_len, seed=100 + r)  # same prompts as the engine side
-        t0 = time.perf_counter()
-        gen = _generate_padded(model, pad_id, [prompt], new_tokens)
-        wall = time.perf_counter() - t0
+        with Stopwatch() as sw:
+            gen = _generate_padded(model, pad_id, [prompt], new_tokens)
         assert gen.shape[1] == new_tokens
-        rates.append(new_tokens / wall)
-    return statistics.median(rates), rates
+        sws.append(sw)
+    return rate_summary(new_tokens, sws)
 
 
 def hf_prefill(model, prompt_len: int = 512, repeats: int = 3):
     """One forward over a `prompt_len`-token prompt (use_cache=True, logits only for the last
-    position, as generate() does). Returns (median prompt tok/s, runs)."""
+    position, as generate() does)."""
     with torch.inference_mode():
         warm = torch.tensor(warmup_prompts(1), dtype=torch.long)
         model(input_ids=warm, use_cache=True, logits_to_keep=1)  # warm-up
-        rates = []
+        sws = []
         for r in range(repeats):
             prompt = torch.tensor([random_prompt(prompt_len, seed=200 + r)], dtype=torch.long)
-            t0 = time.perf_counter()
-            model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            rates.append(prompt_len / (time.perf_counter() - t0))
-    return statistics.median(rates), rates
+            with Stopwatch() as sw:
+                model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            sws.append(sw)
+    return rate_summary(prompt_len, sws)
 
 
 if __name__ == "__main__":  # tiny self-check: python -m benchmarks.hf_baselines

@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -33,10 +32,13 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.workload import (  # noqa: E402
+    RunResult,
+    Stopwatch,
     Workload,
     default_model_path,
     make_workload,
     random_prompt,
+    rate_summary,
     warmup_prompts,
 )
 
@@ -77,9 +79,9 @@ def parse_engine_args(items: list[str]) -> dict:
 
 def _engine_generate(llm, SamplingParams, prompts: list[list[int]], out_lens: list[int]):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
-    t0 = time.perf_counter()
-    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    prompts = [list(p) for p in prompts]
+    with Stopwatch() as sw:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     if len(outs) != len(prompts):
         raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} prompts")
     toks = []
@@ -93,35 +95,31 @@ def _engine_generate(llm, SamplingParams, prompts: list[list[int]], out_lens: li
         if list(o.prompt_token_ids) != list(prompts[i]):
             raise RuntimeError(f"engine request {i}: outputs are not in input order (prompt_token_ids differ)")
         toks.append(got)
-    return wall, toks
+    return sw, toks
 
 
 def engine_workload(llm, SamplingParams, wl: Workload, name: str):
-    from benchmarks.hf_baselines import RunResult
-
     _engine_generate(llm, SamplingParams, warmup_prompts(), [4, 4])
-    wall, toks = _engine_generate(llm, SamplingParams, wl.prompts, wl.output_lens)
-    return RunResult(name, wall, wl.num_prompt_tokens, sum(len(t) for t in toks)), toks
+    sw, toks = _engine_generate(llm, SamplingParams, wl.prompts, wl.output_lens)
+    return RunResult.from_stopwatch(name, sw, wl.num_prompt_tokens, sum(len(t) for t in toks)), toks
 
 
 def engine_single_stream(llm, SamplingParams):
     _engine_generate(llm, SamplingParams, warmup_prompts(1), [4])
-    rates = []
+    sws = []
     for r in range(REPEATS):
         prompt = random_prompt(SINGLE_PROMPT_LEN, seed=100 + r)  # fresh prompt each run: no prefix-cache hits
-        wall, _ = _engine_generate(llm, SamplingParams, [prompt], [SINGLE_NEW_TOKENS])
-        rates.append(SINGLE_NEW_TOKENS / wall)
-    return statistics.median(rates), rates
+        sws.append(_engine_generate(llm, SamplingParams, [prompt], [SINGLE_NEW_TOKENS])[0])
+    return rate_summary(SINGLE_NEW_TOKENS, sws)
 
 
 def engine_prefill(llm, SamplingParams):
     _engine_generate(llm, SamplingParams, warmup_prompts(1), [1])
-    rates = []
+    sws = []
     for r in range(REPEATS):
         prompt = random_prompt(PREFILL_LEN, seed=200 + r)
-        wall, _ = _engine_generate(llm, SamplingParams, [prompt], [1])
-        rates.append(PREFILL_LEN / wall)
-    return statistics.median(rates), rates
+        sws.append(_engine_generate(llm, SamplingParams, [prompt], [1])[0])
+    return rate_summary(PREFILL_LEN, sws)
 
 
 def run_engine(wl: Workload, engine_args: dict, results: dict, errors: list) -> None:
@@ -151,10 +149,10 @@ def run_engine(wl: Workload, engine_args: dict, results: dict, errors: list) -> 
         log(f"  {res.wall_s:.2f}s, {res.output_tps:.1f} out tok/s")
         log("engine single-stream decode ...")
         results["engine_single_stream"] = engine_single_stream(llm, SamplingParams)
-        log(f"  median {results['engine_single_stream'][0]:.1f} tok/s")
+        log(f"  median {results['engine_single_stream']['median']:.1f} tok/s")
         log("engine prefill ...")
         results["engine_prefill"] = engine_prefill(llm, SamplingParams)
-        log(f"  median {results['engine_prefill'][0]:.1f} tok/s")
+        log(f"  median {results['engine_prefill']['median']:.1f} tok/s")
     except Exception as e:
         errors.append(f"engine continuous/single-stream/prefill failed: {e!r}")
         log(errors[-1])
@@ -223,10 +221,10 @@ def run_hf(wl: Workload, batch_sizes: list[int], cb_tokens: list[int], results: 
         results["hf_single_stream"] = hb.hf_single_stream_decode(
             model, tok.pad_token_id, SINGLE_PROMPT_LEN, SINGLE_NEW_TOKENS, REPEATS
         )
-        log(f"  median {results['hf_single_stream'][0]:.1f} tok/s")
+        log(f"  median {results['hf_single_stream']['median']:.1f} tok/s")
         log("HF prefill ...")
         results["hf_prefill"] = hb.hf_prefill(model, PREFILL_LEN, REPEATS)
-        log(f"  median {results['hf_prefill'][0]:.1f} tok/s")
+        log(f"  median {results['hf_prefill']['median']:.1f} tok/s")
     except Exception as e:
         errors.append(f"HF single-stream/prefill failed: {e!r}")
         log(errors[-1])

@@ -9,6 +9,8 @@ import importlib.metadata as md
 import math
 import os
 import random
+import statistics
+import time
 from dataclasses import dataclass, field
 
 # SmolLM2's special tokens live at the bottom of the vocabulary (0..16); stay well clear of them.
@@ -112,3 +114,77 @@ def default_model_path() -> str:
 def warmup_prompts(n: int = 2) -> list[list[int]]:
     """Small warm-up prompts, distinct from every measured prompt (so prefix caching cannot help)."""
     return [random_prompt(16 + 8 * i, seed=1000 + i) for i in range(n)]
+
+
+class Stopwatch:
+    """Wall time plus contention diagnostics: this process's CPU seconds (all threads) and the
+    1-minute load average. cpu_util = cpu_s / wall_s; on a shared machine a value well below the
+    number of compute threads means the run was starved and its timing is pessimistic."""
+
+    def __enter__(self) -> "Stopwatch":
+        t = os.times()
+        self._cpu0 = t.user + t.system
+        self.load_start = os.getloadavg()[0]
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        t = os.times()
+        self.cpu_s = t.user + t.system - self._cpu0
+        self.load_end = os.getloadavg()[0]
+
+    @property
+    def cpu_util(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def load(self) -> float:
+        return max(self.load_start, self.load_end)
+
+
+@dataclass
+class RunResult:
+    name: str
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int  # useful output tokens
+    note: str = ""
+    cpu_util: float | None = None  # process CPU seconds / wall seconds during the timed part
+    load: float | None = None  # max 1-min load average seen at start / end
+
+    @classmethod
+    def from_stopwatch(cls, name: str, sw: Stopwatch, prompt_tokens: int, output_tokens: int, note: str = ""):
+        return cls(name, sw.wall_s, prompt_tokens, output_tokens, note, sw.cpu_util, sw.load)
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "wall_s": self.wall_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "output_tok_per_s": self.output_tps,
+            "total_tok_per_s": self.total_tps,
+            "cpu_util": self.cpu_util,
+            "load_avg_1m": self.load,
+            "note": self.note,
+        }
+
+
+def rate_summary(tokens: int, stopwatches: list[Stopwatch]) -> dict:
+    """Repeated single-request measurement -> {"median": tok/s, "runs": [...], "cpu_util": [...]}."""
+    rates = [tokens / sw.wall_s for sw in stopwatches]
+    return {
+        "median": statistics.median(rates),
+        "runs": rates,
+        "cpu_util": [sw.cpu_util for sw in stopwatches],
+        "load_avg_1m": max(sw.load for sw in stopwatches),
+    }

@@ -58,6 +58,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.engine.encode_chat(messages)
 

@@ -135,8 +135,8 @@ class EngineReplica:
         tokenizer = self.engine.tokenizer
         return ModelInfo(
             served_model_name=self.config.model_name,
-            max_model_len=self._max_model_len(),
-            block_size=self._block_size(),
+            max_model_len=self.engine.max_model_len,
+            block_size=self.engine.block_size,
             tokenizer_path=getattr(tokenizer, "name_or_path", None),
             tokenizer=tokenizer if _picklable(tokenizer) else None,
         )
@@ -151,7 +151,7 @@ class EngineReplica:
             num_total_blocks=int(s.num_total_blocks),
             kv_usage=float(s.kv_usage),
             num_queued_tokens=int(getattr(s, "num_queued_tokens", 0)),
-            block_size=self._block_size(),
+            block_size=self.engine.block_size,
             received_ids=tuple(self._received_ids),
             reported_at=time.monotonic(),
         )
@@ -284,29 +284,6 @@ class EngineReplica:
                 self.engine.abort(request_id)
 
     # ------------------------------------------------------------ load reports
-
-    def _engine_int(self, paths: tuple[str, ...]) -> int | None:
-        """First int found along dotted attribute paths from the engine (the contract names
-        `config.max_model_len`; the engine keeps the resolved value elsewhere today)."""
-        for path in paths:
-            obj: Any = self.engine
-            for name in path.split("."):
-                obj = getattr(obj, name, None)
-            if isinstance(obj, int) and not isinstance(obj, bool):
-                return obj
-        return None
-
-    def _max_model_len(self) -> int:
-        value = self._engine_int(("max_model_len", "engine.max_model_len",
-                                  "config.max_model_len", "config.model.max_model_len"))
-        if value is None:
-            raise RuntimeError("cannot find the engine's max_model_len")
-        return value
-
-    def _block_size(self) -> int:
-        value = self._engine_int(("config.cache.block_size", "config.block_size",
-                                  "config.cache_config.block_size", "engine.config.cache.block_size"))
-        return value or self.config.engine_args.block_size or 16
 
     def _maybe_start_reporting(self) -> None:
         if self._router is None or (self._report_task and not self._report_task.done()):

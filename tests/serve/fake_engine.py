@@ -105,7 +105,6 @@ class FakeAsyncEngine:
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
-        self.config = SimpleNamespace(max_model_len=self.max_model_len, block_size=self.block_size)
         self._waiting: list[str] = []
         self._running: dict[str, _Live] = {}
         self._slot_freed = asyncio.Condition()
@@ -125,8 +124,6 @@ class FakeAsyncEngine:
         for key in ("max_num_seqs", "num_blocks", "block_size", "max_model_len"):
             if key in engine_args:
                 setattr(engine, key, engine_args[key])
-        engine.config = SimpleNamespace(max_model_len=engine.max_model_len,
-                                        block_size=engine.block_size)
         return engine
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

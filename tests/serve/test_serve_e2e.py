@@ -206,10 +206,6 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_app(serve_cluster, tiny_model):
-    import engine
-
-    if not hasattr(engine, "AsyncEngine"):
-        pytest.skip("engine.AsyncEngine is not available yet")
     from ray import serve
 
     from serve_app.app import build_app
