@@ -276,36 +276,37 @@ def build_report(wl: Workload, results: dict, errors: list, meta: dict) -> tuple
     for r in results.get("hf_continuous", []):
         rows.append((r, " (best)" if r is best_cb and len(results["hf_continuous"]) > 1 else ""))
 
+    threads = meta["torch_threads"]
     lines = [
-        f"Workload: {wl.describe()}; greedy, ignore_eos. torch threads: {meta['torch_threads']}.",
+        f"Workload: {wl.describe()}; greedy, ignore_eos. torch threads: {threads}.",
         "",
-        "| system | wall s | output tok/s | total tok/s | notes |",
-        "|---|---:|---:|---:|---|",
+        "| system | wall s | output tok/s | total tok/s | cpu util | notes |",
+        "|---|---:|---:|---:|---:|---|",
     ]
+    util = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     for r, mark in rows:
-        lines.append(f"| {r.name}{mark} | {r.wall_s:.2f} | {r.output_tps:.1f} | {r.total_tps:.1f} | {r.note} |")
+        lines.append(f"| {r.name}{mark} | {r.wall_s:.2f} | {r.output_tps:.1f} | {r.total_tps:.1f} | "
+                     f"{util(r.cpu_util)} | {r.note} |")
 
     def _ss(key):
-        v = results.get(key)
-        return (v[0], v[1]) if v else (None, None)
+        return results.get(key) or {}
 
-    e_dec, e_dec_runs = _ss("engine_single_stream")
-    h_dec, h_dec_runs = _ss("hf_single_stream")
-    e_pre, e_pre_runs = _ss("engine_prefill")
-    h_pre, h_pre_runs = _ss("hf_prefill")
+    ss = {k: _ss(k) for k in ("engine_single_stream", "hf_single_stream", "engine_prefill", "hf_prefill")}
     fmt = lambda v: f"{v:.1f}" if v else "n/a"  # noqa: E731
-    runs = lambda v: ", ".join(f"{x:.1f}" for x in v) if v else ""  # noqa: E731
-    lines += [
-        "",
-        "| single stream | tok/s (median of 3) | runs | how |",
-        "|---|---:|---|---|",
-        f"| engine decode | {fmt(e_dec)} | {runs(e_dec_runs)} | {SINGLE_PROMPT_LEN}-tok prompt, {SINGLE_NEW_TOKENS} new "
-        "tokens, new tokens / wall of generate() |",
-        f"| HF decode | {fmt(h_dec)} | {runs(h_dec_runs)} | model.generate, batch 1, greedy, default DynamicCache, sdpa; "
-        "same measure |",
-        f"| engine prefill | {fmt(e_pre)} | {runs(e_pre_runs)} | {PREFILL_LEN}-tok prompt, max_tokens=1, prompt tokens / wall |",
-        f"| HF prefill | {fmt(h_pre)} | {runs(h_pre_runs)} | one forward, {PREFILL_LEN} tokens, use_cache, logits_to_keep=1 |",
-    ]
+    runs = lambda v: ", ".join(f"{x:.1f}" for x in v.get("runs", []))  # noqa: E731
+    utils = lambda v: ", ".join(f"{x:.2f}" for x in v.get("cpu_util", []))  # noqa: E731
+    how = {
+        "engine_single_stream": f"engine decode: {SINGLE_PROMPT_LEN}-tok prompt, {SINGLE_NEW_TOKENS} new tokens, "
+                                "new tokens / wall of generate()",
+        "hf_single_stream": "HF decode: model.generate, batch 1, greedy, default DynamicCache, sdpa; same measure",
+        "engine_prefill": f"engine prefill: {PREFILL_LEN}-tok prompt, max_tokens=1, prompt tokens / wall",
+        "hf_prefill": f"HF prefill: one forward, {PREFILL_LEN} tokens, use_cache, logits_to_keep=1",
+    }
+    lines += ["", "| single stream | tok/s (median of 3) | runs | cpu util |", "|---|---:|---|---|"]
+    for k, v in ss.items():
+        lines.append(f"| {how[k]} | {fmt(v.get('median'))} | {runs(v)} | {utils(v)} |")
+    e_dec, h_dec = ss["engine_single_stream"].get("median"), ss["hf_single_stream"].get("median")
+    e_pre, h_pre = ss["engine_prefill"].get("median"), ss["hf_prefill"].get("median")
 
     ec, es = results.get("engine_continuous"), results.get("engine_static")
     ratios = {
@@ -330,6 +331,9 @@ def build_report(wl: Workload, results: dict, errors: list, meta: dict) -> tuple
     if agr is not None:
         lines.append(f"greedy agreement engine vs HF continuous: {agr[0]}/{len(wl)} identical, "
                      f"mean common-prefix fraction {agr[1]:.3f} (fp32 ties may legitimately diverge)")
+    lines.append(f"cpu util = process CPU s / wall s while timed (max {threads} with {threads} torch threads); "
+                 f"well below that means the run was starved by other load (1-min load avg at start "
+                 f"{meta.get('load_avg_start', float('nan')):.2f}, end {meta.get('load_avg_end', float('nan')):.2f}).")
     if errors:
         lines += ["", "ERRORS:"] + [f"- {e}" for e in errors]
 
@@ -349,9 +353,9 @@ def build_report(wl: Workload, results: dict, errors: list, meta: dict) -> tuple
         "hf_continuous": [r.as_dict() for r in results.get("hf_continuous", [])],
         "best_hf_static": best_static.name if best_static else None,
         "best_hf_continuous": best_cb.name if best_cb else None,
-        "single_stream_decode_tok_per_s": {"engine": e_dec, "engine_runs": e_dec_runs,
-                                           "hf": h_dec, "hf_runs": h_dec_runs},
-        "prefill_tok_per_s": {"engine": e_pre, "engine_runs": e_pre_runs, "hf": h_pre, "hf_runs": h_pre_runs},
+        "single_stream_decode_tok_per_s": {"engine": ss["engine_single_stream"] or None,
+                                           "hf": ss["hf_single_stream"] or None},
+        "prefill_tok_per_s": {"engine": ss["engine_prefill"] or None, "hf": ss["hf_prefill"] or None},
         "ratios": ratios,
         "targets": TARGETS,
         "greedy_agreement_engine_vs_hf_cb": list(agr) if agr else None,
@@ -400,6 +404,7 @@ def main(argv=None) -> int:
         "hf_cb_max_batch_tokens": cb_tokens,
         "quick": args.quick,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "load_avg_start": os.getloadavg()[0],
     }
     log(f"workload: {wl.describe()}")
     results: dict = {}
@@ -410,6 +415,7 @@ def main(argv=None) -> int:
     if not args.skip_hf:
         run_hf(wl, batch_sizes, cb_tokens, results, errors)
     meta["total_benchmark_s"] = time.perf_counter() - t_all
+    meta["load_avg_end"] = os.getloadavg()[0]
 
     text, js = build_report(wl, results, errors, meta)
     print(text, flush=True)

@@ -1,0 +1,666 @@
+"""Online serving benchmark: replays a seeded workload over HTTP against an OpenAI-compatible server.
+
+Every request is a streaming `/v1/completions` call (token-id prompts by default, `--text-prompts`
+for servers that only take text) with `temperature=0`, `ignore_eos=true` and `max_tokens` set, so
+each request generates exactly its output length. Arrivals are Poisson at `--rate` req/s
+(`inf`: all at t=0, i.e. a saturating burst). The default workload is the offline benchmark's
+(benchmarks/workload.py: 64 requests, prompts log-uniform 16-512 tokens, outputs 8-256).
+
+Per request: TTFT (send -> first SSE event carrying a choice, i.e. generated tokens), TPOT
+((e2e - TTFT) / (output tokens - 1)), e2e latency, output tokens (the `usage` of the final event,
+requested with stream_options.include_usage; else the number of choice events). Aggregates:
+p50/p95/p99, output tok/s and total (prompt + output) tok/s over the wall time from the first
+arrival to the last completion, error count.
+
+    # against a running server
+    nice -n 10 .venv/bin/python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000/v1
+    # start our serve app in-process (configs/serve.yaml), bench it, shut it down, then run the
+    # same workload through the offline engine.LLM and print HTTP / offline throughput
+    nice -n 10 .venv/bin/python benchmarks/serve_bench.py --launch --compare-offline \
+        --json serve_bench.json --plot serve_bench.png
+
+`--launch` starts a private local Ray instance (address="local", temp dir from $RAY_TMPDIR or a
+fresh mkdtemp, RAY_AUTH_MODE=disabled) and always shuts Serve and Ray down again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.workload import Workload, make_workload, warmup_prompts  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(_ROOT, "configs", "serve.yaml")
+OFFLINE_RATIO_TARGET = 0.85
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- #
+# workload and arrivals                                                                          #
+# --------------------------------------------------------------------------------------------- #
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s after the start) of a Poisson process at `rate` req/s; inf = all at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed + 7919)  # independent of the workload's stream
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+class TextPrompter:
+    """Token ids -> text for `--text-prompts`: decoded with a tokenizer when one is given,
+    else deterministic pseudo-words (one word per id, so roughly >= the id count in tokens)."""
+
+    def __init__(self, tokenizer: str | None):
+        self.tok = None
+        if tokenizer:
+            from engine.model_loader import default_model_path
+            from transformers import AutoTokenizer
+
+            path = default_model_path() if tokenizer == "embedded" else tokenizer
+            if path.endswith(".gguf"):
+                d, f = os.path.split(os.path.abspath(path))
+                self.tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+            else:
+                self.tok = AutoTokenizer.from_pretrained(path)
+
+    def __call__(self, ids: list[int]) -> str:
+        if self.tok is not None:
+            return self.tok.decode(ids)
+        return " ".join(f"w{i % 997}" for i in ids)
+
+
+# --------------------------------------------------------------------------------------------- #
+# the HTTP client side                                                                           #
+# --------------------------------------------------------------------------------------------- #
+
+
+@dataclass
+class RequestResult:
+    index: int
+    prompt_len: int  # token ids sent (or the workload's length for text prompts)
+    expected_output_len: int
+    scheduled_s: float  # arrival offset
+    ok: bool = False
+    error: str | None = None
+    status: int | None = None
+    sent_s: float | None = None  # relative to the benchmark start
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tpot_s: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int | None = None  # from usage
+    usage_present: bool = False
+    num_events: int = 0  # SSE events with a choice
+    finish_reason: str | None = None
+
+
+def _usage_tokens(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    if not usage:
+        return None, None
+    return usage.get("prompt_tokens"), usage.get("completion_tokens")
+
+
+async def _one_request(client, url: str, model: str | None, prompt: Any, max_tokens: int,
+                       res: RequestResult, t_start: float, extra: dict[str, Any]) -> None:
+    body: dict[str, Any] = {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    body.update(extra)
+    t0 = time.perf_counter()
+    res.sent_s = t0 - t_start
+    first: float | None = None
+    usage = None
+    done = False
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")
+                res.error = f"HTTP {r.status_code}: {text[:300]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event and event["error"]:
+                    res.error = f"stream error: {json.dumps(event['error'])[:300]}"
+                    return
+                if event.get("usage"):
+                    usage = event["usage"]
+                choices = event.get("choices") or []
+                if choices:
+                    if first is None:
+                        first = time.perf_counter()
+                    res.num_events += 1
+                    for c in choices:
+                        if c.get("finish_reason"):
+                            res.finish_reason = c["finish_reason"]
+        t1 = time.perf_counter()
+    except Exception as e:  # connection reset, timeout, bad JSON ...
+        res.error = f"{type(e).__name__}: {e}"[:300]
+        return
+    if not done:
+        res.error = "stream ended without [DONE]"
+        return
+    if first is None:
+        res.error = "no tokens streamed"
+        return
+    res.usage_present = usage is not None
+    res.prompt_tokens, completion = _usage_tokens(usage)
+    res.output_tokens = completion if completion is not None else res.num_events
+    res.ttft_s = first - t0
+    res.e2e_s = t1 - t0
+    if res.output_tokens > 1:
+        res.tpot_s = (res.e2e_s - res.ttft_s) / (res.output_tokens - 1)
+    res.ok = True
+
+
+async def _resolve_model(client, base_url: str) -> str | None:
+    try:
+        r = await client.get(base_url.rstrip("/") + "/models")
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        return data[0]["id"] if data else None
+    except Exception as e:
+        log(f"could not list models ({e!r}); sending no `model`")
+        return None
+
+
+async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model: str | None,
+                   prompter: TextPrompter | None) -> tuple[list[RequestResult], float, str | None]:
+    """Warm-up, then the timed replay. Returns (results, wall seconds, model)."""
+    import httpx
+
+    cap = args.max_concurrency or len(wl)
+    limits = httpx.Limits(max_connections=cap + 4, max_keepalive_connections=cap + 4)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    url = base_url.rstrip("/") + "/completions"
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        if model is None:
+            model = await _resolve_model(client, base_url)
+            log(f"model: {model!r}")
+
+        def prompt_of(ids: list[int]) -> Any:
+            return prompter(ids) if prompter is not None else list(ids)
+
+        # warm-up (not timed): distinct prompts, so prefix caching cannot help the measured run
+        for i, ids in enumerate(warmup_prompts(args.warmup)):
+            w = RequestResult(-1 - i, len(ids), 4, 0.0)
+            await _one_request(client, url, model, prompt_of(ids), 4, w, time.perf_counter(), extra)
+            if not w.ok:
+                raise RuntimeError(f"warm-up request failed: {w.error}")
+
+        offsets = arrival_offsets(len(wl), args.rate, args.seed)
+        results = [RequestResult(r.index, r.prompt_len, r.output_len, off)
+                   for r, off in zip(wl.requests, offsets)]
+        sem = asyncio.Semaphore(cap)
+        t_start = time.perf_counter()
+
+        async def launch(req, res: RequestResult) -> None:
+            delay = res.scheduled_s - (time.perf_counter() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with sem:
+                await _one_request(client, url, model, prompt_of(req.prompt_token_ids),
+                                   req.output_len, res, t_start, extra)
+
+        await asyncio.gather(*(launch(r, res) for r, res in zip(wl.requests, results)))
+        wall = time.perf_counter() - t_start
+    return results, wall, model
+
+
+# --------------------------------------------------------------------------------------------- #
+# statistics                                                                                     #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _pcts(values: list[float]) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {"mean": None, "p50": None, "p95": None, "p99": None, "max": None}
+    a = np.asarray(values, dtype=float)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p95": float(np.percentile(a, 95)), "p99": float(np.percentile(a, 99)),
+            "max": float(a.max())}
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len
+                        for r in ok)
+    mismatched = [r.index for r in ok if r.output_tokens != r.expected_output_len]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = (r.error or "?")[:120]
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "num_errors": len(results) - len(ok),
+        "errors": errors,
+        "wall_s": wall,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "output_len_mismatches": mismatched,
+        "usage_reported": sum(r.usage_present for r in ok),
+        "request_throughput": len(ok) / wall if wall > 0 else None,
+        "output_tps": out_tokens / wall if wall > 0 else None,
+        "total_tps": (out_tokens + prompt_tokens) / wall if wall > 0 else None,
+        "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_s": _pcts([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_s": _pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "mean_events_per_request": (sum(r.num_events for r in ok) / len(ok)) if ok else None,
+    }
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.1f}"
+
+
+def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: dict[str, Any] | None) -> str:
+    s = summary
+    lines = [
+        f"### serve_bench: {meta['num_requests']} requests, rate {meta['rate']} req/s, "
+        f"seed {meta['seed']}, {meta['base_url']} ({meta['model']})",
+        "",
+        f"workload: {meta['workload']}",
+        "",
+        "| metric | mean | p50 | p95 | p99 | max |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, key in (("TTFT (ms)", "ttft_s"), ("TPOT (ms/token)", "tpot_s"),
+                      ("e2e latency (ms)", "e2e_s")):
+        p = s[key]
+        lines.append(f"| {name} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p95'])} | "
+                     f"{_ms(p['p99'])} | {_ms(p['max'])} |")
+    lines += [
+        "",
+        "| throughput | value |",
+        "|---|---:|",
+        f"| wall time (s) | {s['wall_s']:.2f} |",
+        f"| requests ok / errors | {s['num_ok']} / {s['num_errors']} |",
+        f"| request throughput (req/s) | {s['request_throughput']:.2f} |",
+        f"| output tokens | {s['output_tokens']} |",
+        f"| output tok/s | {s['output_tps']:.1f} |",
+        f"| total (prompt+output) tok/s | {s['total_tps']:.1f} |",
+        f"| output length mismatches | {len(s['output_len_mismatches'])} |",
+    ]
+    if offline is not None:
+        if offline.get("error"):
+            lines.append(f"| offline LLM | failed: {offline['error']} |")
+        else:
+            ratio = offline.get("ratio_http_over_offline")
+            flag = "" if ratio is None else ("  (meets target)" if ratio >= OFFLINE_RATIO_TARGET
+                                             else "  (BELOW target)")
+            lines += [
+                f"| offline LLM wall (s) | {offline['wall_s']:.2f} |",
+                f"| offline LLM output tok/s | {offline['output_tps']:.1f} |",
+                f"| HTTP / offline output tok/s (target >= {OFFLINE_RATIO_TARGET}) | "
+                f"{ratio:.3f}{flag} |",
+            ]
+    if s["errors"]:
+        lines += ["", "errors:"] + [f"- {n} x {e}" for e, n in s["errors"].items()]
+    return "\n".join(lines)
+
+
+def plot_cdfs(results: list[RequestResult], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ok = [r for r in results if r.ok]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "ttft_s", "TTFT"), (axes[1], "e2e_s", "end-to-end latency")):
+        vals = np.sort([getattr(r, key) for r in ok if getattr(r, key) is not None])
+        if len(vals):
+            y = np.arange(1, len(vals) + 1) / len(vals)
+            ax.step(vals, y, where="post")
+            for q, ls in ((0.5, ":"), (0.95, "--"), (0.99, "-.")):
+                v = float(np.percentile(vals, 100 * q))
+                ax.axvline(v, color="gray", ls=ls, lw=0.8, label=f"p{int(q * 100)} {v:.2f}s")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_xlabel(f"{label} (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{label} CDF")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------- #
+# --launch: our serve app in-process                                                             #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _http_options(config_path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(config_path) as f:
+        data = yaml.safe_load(f) or {}
+    return dict(data.get("http_options") or {})
+
+
+def _ray_descendants() -> list[Any]:
+    """Our Ray processes (children of this driver), as psutil.Process objects."""
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except Exception:
+        return []
+
+
+def _proc_label(p: Any) -> str:
+    try:
+        cmd = " ".join(p.cmdline())
+    except Exception:
+        return "?"
+    for key in ("EngineReplica", "Router", "Ingress", "ProxyActor", "ServeController"):
+        if key in cmd:
+            return key
+    return "other_ray"
+
+
+def ray_process_info() -> dict[str, Any]:
+    """OMP_NUM_THREADS / thread count of the replica processes (a Ray worker with num_cpus=k gets
+    OMP_NUM_THREADS=floor(k) unless the variable is set, which caps torch's intra-op threads)."""
+    info = {}
+    for p in _ray_descendants():
+        if _proc_label(p) != "EngineReplica":
+            continue
+        try:
+            env = p.environ()
+            info[str(p.pid)] = {"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
+                                "num_threads": p.num_threads()}
+        except Exception as e:
+            info[str(p.pid)] = {"error": repr(e)}
+    return info
+
+
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds (user+sys) per process role for this driver and its Ray descendants."""
+    import psutil
+
+    out: dict[str, float] = {}
+    me = psutil.Process()
+    for p, label in [(me, "bench_client+driver")] + [(p, _proc_label(p)) for p in _ray_descendants()]:
+        try:
+            t = p.cpu_times()
+            out[label] = out.get(label, 0.0) + t.user + t.system
+        except Exception:
+            pass
+    return out
+
+
+@contextlib.contextmanager
+def launched_app(config_path: str, host: str | None, port: int | None,
+                 startup_timeout: float) -> Iterator[tuple[str, Any]]:
+    """Starts a private Ray + Serve with serve_app.app.build_app(config); yields (base_url, cfg)."""
+    from serve_app.config import load_config
+
+    cfg = load_config(config_path)
+    http = _http_options(config_path)
+    host = host or http.get("host", "127.0.0.1")
+    if port is None:
+        port = int(http.get("port", 8000))
+        if not _port_free(host, port):
+            new = _free_port(host)
+            log(f"port {port} is busy; using {new}")
+            port = new
+    tmp = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="rsb-")
+    os.environ["RAY_TMPDIR"] = tmp
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH")] if p)
+    need = (cfg.engine.num_cpus * max(cfg.engine.num_replicas,
+                                      cfg.engine.autoscaling.max_replicas if cfg.engine.autoscaling else 0)
+            + cfg.router.num_cpus + cfg.ingress.num_cpus * cfg.ingress.num_replicas)
+    num_cpus = max(os.cpu_count() or 1, math.ceil(need + 0.5))
+    import httpx
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    log(f"starting Ray (address=local, num_cpus={num_cpus}, temp dir {tmp}) ...")
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp,
+             log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(cfg), name="cbserve", route_prefix="/", blocking=False)
+        base = f"http://{host}:{port}"
+        deadline = time.time() + startup_timeout
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except Exception:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"serve app not healthy after {startup_timeout}s")
+            time.sleep(0.5)
+        log(f"serve app healthy at {base} after {time.perf_counter() - t0:.1f}s")
+        yield base + "/v1", cfg
+    finally:
+        log("shutting down Serve and Ray ...")
+        try:
+            serve.shutdown()
+        except Exception:
+            traceback.print_exc()
+        ray.shutdown()
+
+
+# --------------------------------------------------------------------------------------------- #
+# --compare-offline                                                                              #
+# --------------------------------------------------------------------------------------------- #
+
+
+def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any]) -> dict[str, Any]:
+    from engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, **engine_args)
+    log(f"offline LLM(model={model!r}, {engine_args}) ready in {time.perf_counter() - t0:.1f}s")
+    warm = warmup_prompts()
+    llm.generate([list(p) for p in warm],
+                 [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True) for _ in warm],
+                 use_tqdm=False)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate([list(p) for p in wl.prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    mism = [i for i, (o, n) in enumerate(zip(outs, wl.output_lens))
+            if len(o.outputs[0].token_ids) != n]
+    del llm
+    return {"wall_s": wall, "output_tokens": out_tokens, "output_tps": out_tokens / wall,
+            "total_tps": (out_tokens + wl.num_prompt_tokens) / wall,
+            "output_len_mismatches": mism, "engine_args": engine_args, "model": model}
+
+
+# --------------------------------------------------------------------------------------------- #
+# main                                                                                           #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _range(s: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in s.split(","))
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= lo <= hi, got {s!r}")
+    return lo, hi
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default=None,
+                   help="`model` field; default: the launched app's name, else /v1/models' first")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--rate", type=float, default=float("inf"),
+                   help="Poisson arrival rate in req/s; inf (default) = all at once")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len-range", type=_range, default=(16, 512), metavar="LO,HI")
+    p.add_argument("--output-len-range", type=_range, default=(8, 256), metavar="LO,HI")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="in-flight cap (default: --num-requests)")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send text prompts instead of token ids")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --text-prompts: decode the ids with this HF tokenizer "
+                        "(path, .gguf, or 'embedded'); default: pseudo-words")
+    p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up requests")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--launch", action="store_true",
+                   help="start serve_app in-process from --config, bench it, shut it down")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="serve YAML (or bare AppConfig YAML)")
+    p.add_argument("--host", default=None, help="--launch: HTTP host (default: the config's)")
+    p.add_argument("--port", type=int, default=None,
+                   help="--launch: HTTP port (default: the config's, or a free one if busy)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--compare-offline", action="store_true",
+                   help="afterwards run the workload through engine.LLM with the config's engine "
+                        "args and report HTTP / offline output throughput")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--plot", default=None, help="write a TTFT / e2e latency CDF PNG here")
+    args = p.parse_args(argv)
+    if args.rate <= 0:
+        p.error("--rate must be > 0 (inf = all at once)")
+    if args.num_requests < 1:
+        p.error("--num-requests must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    wl = make_workload(args.num_requests, args.prompt_len_range, args.output_len_range,
+                       seed=args.seed)
+    log(f"workload: {wl.describe()}")
+    prompter = TextPrompter(args.tokenizer) if args.text_prompts else None
+    meta: dict[str, Any] = {
+        "num_requests": len(wl), "rate": "inf" if math.isinf(args.rate) else args.rate, "seed": args.seed,
+        "workload": wl.describe(), "text_prompts": args.text_prompts,
+        "launch": args.launch, "config": args.config if args.launch or args.compare_offline else None,
+        "host": platform.node(), "cpu_count": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    cfg = None
+    extra: dict[str, Any] = {}
+    if args.launch:
+        with launched_app(args.config, args.host, args.port, args.startup_timeout) as (base, cfg):
+            model = args.model or cfg.engine.model_name
+            extra["replica_processes"] = ray_process_info()
+            cpu0 = cpu_snapshot()
+            results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter))
+            cpu1 = cpu_snapshot()
+            extra["cpu_s_during_run"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+            meta["base_url"] = base
+    else:
+        results, wall, model = asyncio.run(run_http(args, wl, args.base_url, args.model, prompter))
+        meta["base_url"] = args.base_url
+    meta["model"] = model
+    meta["loadavg_end_http"] = list(os.getloadavg())
+    summary = summarize(results, wall)
+
+    offline = None
+    if args.compare_offline:
+        if cfg is None:
+            from serve_app.config import load_config
+
+            cfg = load_config(args.config)
+        log("offline LLM on the same workload ...")
+        try:
+            offline = run_offline(wl, cfg.engine.model, cfg.engine.engine_args.as_kwargs())
+            offline["ratio_http_over_offline"] = (summary["output_tps"] / offline["output_tps"]
+                                                  if summary["output_tps"] else None)
+            offline["ratio_target"] = OFFLINE_RATIO_TARGET
+            if not math.isinf(args.rate):
+                offline["note"] = ("HTTP run was rate-limited; the ratio is only meaningful "
+                                   "for --rate inf")
+        except Exception as e:
+            traceback.print_exc()
+            offline = {"error": repr(e)}
+        meta["loadavg_end_offline"] = list(os.getloadavg())
+
+    print(markdown(summary, meta, offline))
+    if extra.get("cpu_s_during_run"):
+        print("\nCPU seconds during the HTTP run: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(extra["cpu_s_during_run"].items(), key=lambda kv: -kv[1])))
+    if extra.get("replica_processes"):
+        print(f"engine replica processes: {extra['replica_processes']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "summary": summary, "offline": offline, **extra,
+                       "requests": [asdict(r) for r in results]}, f, indent=1,
+                      default=str)
+        log(f"wrote {args.json}")
+    if args.plot:
+        plot_cdfs(results, args.plot,
+                  f"{len(wl)} requests, rate {args.rate} req/s, seed {args.seed} - {meta['base_url']}")
+        log(f"wrote {args.plot}")
+    return 0 if summary["num_errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
