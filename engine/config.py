@@ -17,13 +17,13 @@ VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 class ModelConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the embedded default
     device: str = "cpu"
-    attention_backend: str = "auto"  # "auto" | "torch" | "flash"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" (see attention/base.py)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):
-        if self.attention_backend not in ("auto", "torch", "flash"):
-            raise ValueError(f"attention_backend must be auto, torch or flash, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

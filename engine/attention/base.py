@@ -43,11 +43,18 @@ def flash_available(device: torch.device) -> bool:
 
 
 def select_backend(name: str, device: torch.device, scale: float) -> AttentionBackend:
-    """`auto` takes flash attention only on CUDA with the package importable, else torch."""
+    """`auto`: flash attention on CUDA when importable; on CPU torch with the C++ decode kernel
+    when it builds; else pure torch. `torch` forces the pure-torch path, `cpu` requires the kernel."""
     if name == "flash" or (name == "auto" and flash_available(device)):
         if not flash_available(device):
             raise ValueError("attention_backend 'flash' needs a CUDA device and vllm_flash_attn or flash_attn")
         from engine.attention.flash import FlashAttentionBackend
         return FlashAttentionBackend(scale)
     from engine.attention.torch_backend import TorchAttentionBackend
-    return TorchAttentionBackend(scale)
+    kernel = None
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from engine.attention.cpu_kernel import load_paged_decode
+        kernel = load_paged_decode()
+    if name == "cpu" and kernel is None:
+        raise ValueError("attention_backend 'cpu' needs the C++ decode kernel, which could not be built here")
+    return TorchAttentionBackend(scale, kernel)

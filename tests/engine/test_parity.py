@@ -36,8 +36,10 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="swap"),
     dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="recompute"),
     dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="auto", policy="priority"),
+    dict(max_num_seqs=64, max_num_batched_tokens=16, attention_backend="torch"),  # pure torch: gather + buckets
+    dict(max_num_seqs=64, max_num_batched_tokens=16, attention_backend="cpu"),  # C++ decode kernel
 ], ids=["batch64", "batch1", "chunked16", "chunked7-bs4", "no-prefix-cache", "static", "preempt-swap",
-        "preempt-recompute", "preempt-auto"])
+        "preempt-recompute", "preempt-auto", "torch-attention", "cpu-kernel-attention"])
 def test_greedy_matches_transformers(model_and_reference, engine_args):
     model_dir, prompts, expected = model_and_reference
     llm = LLM(model_dir, **engine_args)
