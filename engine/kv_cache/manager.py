@@ -79,15 +79,12 @@ class KVCacheManager:
         """Makes room for `num_new_tokens` tokens after the request's computed ones (plus a cached
         prefix `computed`, for a request with no blocks yet). Returns the copy-on-write block
         copies (src, dst) to run before the forward, or None, changing nothing, if blocks are short."""
+        if self.num_free_blocks_needed(request, num_new_tokens, computed) > self.pool.num_free_blocks:
+            return None
         table = self.block_tables.get(request.request_id, [])
         start = request.num_computed_tokens + computed.num_tokens
-        end = start + num_new_tokens
-        num_new_blocks = self.num_blocks_for(end) - len(table) - len(computed.block_ids)
-        shared = [i for i in range(start // self.block_size, min(len(table), self.num_blocks_for(end)))
-                  if self.pool.ref_cnt[table[i]] > 1 or self.pool.block_hash[table[i]] is not None]
-        num_touched_free = sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0)
-        if max(num_new_blocks, 0) + len(shared) + num_touched_free > self.pool.num_free_blocks:
-            return None
+        num_new_blocks = self.num_blocks_for(start + num_new_tokens) - len(table) - len(computed.block_ids)
+        shared = self._blocks_to_copy(table, start, start + num_new_tokens)
         if computed.block_ids:
             self.pool.touch(list(computed.block_ids))
             table = list(computed.block_ids)
@@ -102,6 +99,32 @@ class KVCacheManager:
         if num_new_blocks > 0:
             table.extend(self.pool.get_new_blocks(num_new_blocks))
         return copies
+
+    def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
+                               computed: ComputedBlocks = NO_COMPUTED_BLOCKS) -> int:
+        """Free blocks `allocate_slots` would take: new blocks, copies of shared blocks it
+        writes, and cached prefix blocks that now sit in the free queue."""
+        table = self.block_tables.get(request.request_id, [])
+        start = request.num_computed_tokens + computed.num_tokens
+        end = start + num_new_tokens
+        num_new_blocks = self.num_blocks_for(end) - len(table) - len(computed.block_ids)
+        num_touched_free = sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0)
+        return max(num_new_blocks, 0) + len(self._blocks_to_copy(table, start, end)) + num_touched_free
+
+    def _blocks_to_copy(self, table: list[int], start: int, end: int) -> list[int]:
+        """Indexes of existing blocks written by positions [start, end) that are shared or cached."""
+        return [i for i in range(start // self.block_size, min(len(table), self.num_blocks_for(end)))
+                if self.pool.ref_cnt[table[i]] > 1 or self.pool.block_hash[table[i]] is not None]
+
+    def num_shared_prefix_tokens(self, request: Request) -> int:
+        """Tokens in the request's leading blocks that other requests also hold: they survive its
+        preemption, so recomputing them is free."""
+        num_blocks = 0
+        for block_id in self.block_tables.get(request.request_id, []):
+            if self.pool.ref_cnt[block_id] < 2:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
 
     def fork(self, parent: Request, child: Request) -> None:
         """Gives `child` the parent's blocks, shared: writes to a shared block copy it first."""

@@ -101,7 +101,7 @@ class Scheduler:
         if self.config.policy == "priority":
             self._preempt_for_priority(out, now)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        budget = self._schedule_swapped(out, budget)
+        budget = self._schedule_swapped(out, budget, now)
         if self.config.policy != "static" or self._static_batch_open:
             self._schedule_waiting(out, budget, now)
         if self.config.policy == "static" and self.running and (
@@ -125,11 +125,19 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Swaps requests back in, best first, ahead of new admissions; never one preempted this
+        step, nor (under `priority`) one that ranks below the best waiting request."""
+        preempted = set(out.preempted_ids)
+        best_waiting = next(self.waiting.ordered(now), None) if self.config.policy == "priority" else None
         for request in sorted(self.swapped, key=self._victim_rank):
+            if request.request_id in preempted:
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if (num_new == 0 or len(self.running) >= self.config.max_num_seqs
-                    or self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_free_blocks):
+                    or self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_free_blocks
+                    or (best_waiting is not None
+                        and self.waiting.rank(best_waiting, now) < self._victim_rank(request))):
                 break
             pairs = self.kv.swap_in(request)
             self.swapped.remove(request)
@@ -191,11 +199,12 @@ class Scheduler:
         """Displaces running requests of strictly worse rank while the best waiting request finds
         the batch or the KV cache full. Never preempts to admit a request of lower rank."""
         for best in self.waiting.ordered(now):
+            computed = self.kv.get_computed_blocks(best)
+            num_new = min(best.num_tokens - computed.num_tokens, self.config.max_num_batched_tokens)
             while self.running:
                 worst = max(self.running, key=self._victim_rank)
-                num_blocks = self.kv.num_blocks_for(min(best.num_tokens, self.config.max_num_batched_tokens))
                 full = (len(self.running) >= self.config.max_num_seqs
-                        or num_blocks > self.kv.num_free_blocks)
+                        or self.kv.num_free_blocks_needed(best, num_new, computed) > self.kv.num_free_blocks)
                 if not full or self.waiting.rank(best, now) >= self._victim_rank(worst):
                     return
                 self._preempt(worst, out)
@@ -226,8 +235,8 @@ class Scheduler:
             return mode == "swap"
         num_blocks = len(self.kv.block_table(request.request_id))
         swap_s = 2 * num_blocks * self.costs.block_bytes / self.costs.swap_bytes_per_s
-        cached = self.kv.get_computed_blocks(request).num_tokens
-        recompute_s = (request.num_computed_tokens - cached) / self.costs.recompute_tokens_per_s
+        shared = self.kv.num_shared_prefix_tokens(request)
+        recompute_s = (request.num_computed_tokens - shared) / self.costs.recompute_tokens_per_s
         return swap_s < recompute_s
 
     # ---- after the forward ---------------------------------------------------------------
@@ -242,8 +251,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += len(item.token_ids)
-            if request.num_computed_tokens <= request.num_prompt_tokens:
-                self.counters.num_prompt_tokens += len(item.token_ids)
+            self.counters.num_prompt_tokens += max(
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - item.start_pos)
             self.kv.cache_full_blocks(request)
             if not item.sample:
                 continue

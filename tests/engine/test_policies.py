@@ -188,9 +188,6 @@ def test_priority_victim_is_the_lowest_priority_then_the_latest_arrival(clock):
     assert set(out.num_scheduled_tokens) == {p1.request_id, p2_early.request_id, urgent.request_id}
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: with preemption_mode=swap, a request preempted for "
-                   "priority is swapped back in by _schedule_swapped in the same step, so the higher-priority "
-                   "request is never admitted and the victim's blocks go out and back every step")
 def test_priority_swap_preemption_admits_the_high_priority_request(clock):
     """Same as the recompute case above, with swap: the high request must prefill this step and the
     low one must stay swapped out until the high one is done."""
@@ -204,9 +201,27 @@ def test_priority_swap_preemption_admits_the_high_priority_request(clock):
     clock.now = 1.0
     out = _step(sched)
     assert out.preempted_ids == [low.request_id]
-    assert out.blocks_to_swap_in == []  # today: the victim's 2 blocks come straight back
-    assert out.num_scheduled_tokens == {high.request_id: 6}  # today: {low: 1}
+    assert out.blocks_to_swap_in == []  # the victim is not swapped straight back in
+    assert out.num_scheduled_tokens == {high.request_id: 6}
     assert low.status is RequestStatus.SWAPPED
+
+
+def test_priority_does_not_preempt_when_the_cached_prefix_makes_the_request_fit(clock):
+    """4 blocks of 4. The low request (8 shared tokens + 1) holds 3 blocks, 2 of them cached.
+    The high request (the same 8 tokens + 1) hits those 2 blocks and needs 1 new block: exactly
+    the one free block. Nothing must be preempted; both run this step."""
+    sched = make_scheduler(policy="priority", num_blocks=4, block_size=4, aging_rate=0.0)
+    shared = [11, 12, 13, 14, 15, 16, 17, 18]
+    low = make_request(prompt=shared + [40], max_tokens=3, priority=5, arrival_time=0.0)
+    sched.add_request(low)
+    _step(sched)
+    assert sched.kv.num_free_blocks == 1
+    high = make_request(prompt=shared + [50], max_tokens=2, priority=0, arrival_time=1.0)
+    sched.add_request(high)
+    out = _step(sched)
+    assert out.preempted_ids == []
+    assert out.num_scheduled_tokens == {low.request_id: 1, high.request_id: 1}
+    assert sched.counters.num_recomputed_tokens == 0
 
 
 # ---- aging ---------------------------------------------------------------------------------
@@ -345,7 +360,7 @@ def test_auto_preemption_recomputes_a_victim_whose_prefix_is_shared_and_cached(c
     """The late request's 8 tokens are the early request's prompt prefix, which stays owned (and
     cached) by the early request: recomputing costs nothing, so auto recomputes even though swap
     is cheap, and re-admission serves those 8 tokens from the cache."""
-    sched = _scheduler(num_blocks=6, num_host_blocks=8, preemption_mode="auto", costs=PreemptionCosts(block_bytes=1))
+    sched = _scheduler(num_blocks=6, num_host_blocks=8, preemption_mode="auto", costs=PreemptionCosts(block_bytes=50_000_000))  # swap dearer than a few tokens
     shared = list(range(1, 9))
     early = make_request(prompt=shared + [40, 41, 42, 43, 44], max_tokens=8, arrival_time=1.0)
     sched.add_request(early)
@@ -364,15 +379,12 @@ def test_auto_preemption_recomputes_a_victim_whose_prefix_is_shared_and_cached(c
     assert sched.counters.num_prefix_hit_tokens - hits_before >= 8
 
 
-@pytest.mark.xfail(strict=True, reason="engine weakness: Scheduler._prefers_swap counts the victim's own "
-                   "blocks as 'cached', but preemption frees them for the very allocation that failed, so "
-                   "with prefix caching on auto recomputes even when swap is far cheaper and the blocks "
-                   "are then evicted")
 def test_auto_preemption_swaps_when_only_the_victim_holds_its_blocks(clock):
-    """Same contention as the swap-cheaper case above, prefix caching on (the default). The
-    victim's 2 blocks are owned by it alone; the early request takes one of them at once, so a
-    recompute must redo at least 5 of its 9 tokens while a swap costs under a microsecond."""
+    """Prefix caching on (the default), swap cheap (2 blocks of 1 kB). The victim's full blocks are
+    cached under its own hashes only: preemption frees them for the allocation that failed, so
+    they are no cache to count on. Auto must weigh recomputing all 8 tokens and swap."""
     sched = _scheduler(num_blocks=4, num_host_blocks=4, preemption_mode="auto",
                        costs=PreemptionCosts(block_bytes=1_000))
     _, late, _ = _two_requests_contending(sched)
     assert late.status is RequestStatus.SWAPPED
+    assert sched.counters.num_recomputed_tokens == 0
