@@ -21,6 +21,12 @@ arrival to the last completion, error count.
 
 `--launch` starts a private local Ray instance (address="local", temp dir from $RAY_TMPDIR or a
 fresh mkdtemp, RAY_AUTH_MODE=disabled) and always shuts Serve and Ray down again.
+
+Threads: a Ray worker with num_cpus=k gets OMP_NUM_THREADS=floor(k) (min 1) unless the variable is
+already set, so with configs/serve.yaml (num_cpus: 1.0) the engine replica's torch runs 1 thread.
+`--launch` probes this and, by default (`--offline-threads match`), runs the offline comparison
+with the same torch thread count, so the ratio measures the serving layer, not a thread mismatch.
+`--replica-omp-threads N` exports OMP_NUM_THREADS=N to the Ray workers instead.
 """
 
 from __future__ import annotations
@@ -325,14 +331,15 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: dict[str, A
     ]
     if offline is not None:
         if offline.get("error"):
-            lines.append(f"| offline LLM | failed: {offline['error']} |")
+            lines.append(f"| offline LLM | {offline['error']} |")
         else:
             ratio = offline.get("ratio_http_over_offline")
             flag = "" if ratio is None else ("  (meets target)" if ratio >= OFFLINE_RATIO_TARGET
                                              else "  (BELOW target)")
             lines += [
                 f"| offline LLM wall (s) | {offline['wall_s']:.2f} |",
-                f"| offline LLM output tok/s | {offline['output_tps']:.1f} |",
+                f"| offline LLM output tok/s ({offline['torch_num_threads']} torch threads) | "
+                f"{offline['output_tps']:.1f} |",
                 f"| HTTP / offline output tok/s (target >= {OFFLINE_RATIO_TARGET}) | "
                 f"{ratio:.3f}{flag} |",
             ]
@@ -419,20 +426,26 @@ def _proc_label(p: Any) -> str:
     return "other_ray"
 
 
-def ray_process_info() -> dict[str, Any]:
-    """OMP_NUM_THREADS / thread count of the replica processes (a Ray worker with num_cpus=k gets
-    OMP_NUM_THREADS=floor(k) unless the variable is set, which caps torch's intra-op threads)."""
-    info = {}
-    for p in _ray_descendants():
-        if _proc_label(p) != "EngineReplica":
-            continue
-        try:
-            env = p.environ()
-            info[str(p.pid)] = {"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS"),
-                                "num_threads": p.num_threads()}
-        except Exception as e:
-            info[str(p.pid)] = {"error": repr(e)}
-    return info
+def probe_replica_threads(num_cpus: float) -> dict[str, Any]:
+    """What torch sees inside a Ray actor with the replica's num_cpus: Ray sets OMP_NUM_THREADS to
+    floor(num_cpus) (at least 1) in workers unless it is already set, and torch sizes its
+    intra-op pool from it."""
+    import ray
+
+    @ray.remote(num_cpus=num_cpus)
+    class _Probe:
+        def threads(self) -> tuple[str | None, int]:
+            import torch
+
+            return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+    try:
+        a = _Probe.remote()
+        omp, n = ray.get(a.threads.remote(), timeout=120)
+        ray.kill(a)
+        return {"num_cpus": num_cpus, "OMP_NUM_THREADS": omp, "torch_num_threads": n}
+    except Exception as e:
+        return {"num_cpus": num_cpus, "error": repr(e)}
 
 
 def cpu_snapshot() -> dict[str, float]:
@@ -451,9 +464,13 @@ def cpu_snapshot() -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def launched_app(config_path: str, host: str | None, port: int | None,
-                 startup_timeout: float) -> Iterator[tuple[str, Any]]:
-    """Starts a private Ray + Serve with serve_app.app.build_app(config); yields (base_url, cfg)."""
+def launched_app(config_path: str, host: str | None, port: int | None, startup_timeout: float,
+                 omp_threads: int | None = None,
+                 info: dict[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
+    """Starts a private Ray + Serve with serve_app.app.build_app(config); yields (base_url, cfg).
+
+    `omp_threads`: OMP_NUM_THREADS exported to the Ray processes (not to this one), overriding
+    Ray's floor(num_cpus) default for the engine replica's torch threads."""
     from serve_app.config import load_config
 
     cfg = load_config(config_path)
@@ -482,9 +499,21 @@ def launched_app(config_path: str, host: str | None, port: int | None,
 
     log(f"starting Ray (address=local, num_cpus={num_cpus}, temp dir {tmp}) ...")
     t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp,
-             log_to_driver=False, configure_logging=False)
+    saved_omp = os.environ.get("OMP_NUM_THREADS")
+    if omp_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(omp_threads)  # inherited by raylet -> workers
     try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp,
+                 log_to_driver=False, configure_logging=False)
+    finally:
+        if saved_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_omp
+    try:
+        if info is not None:
+            info["replica_threads_probe"] = probe_replica_threads(cfg.engine.num_cpus)
+            log(f"torch threads in a Ray actor like the replica: {info['replica_threads_probe']}")
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(cfg), name="cbserve", route_prefix="/", blocking=False)
         base = f"http://{host}:{port}"
@@ -514,8 +543,14 @@ def launched_app(config_path: str, host: str | None, port: int | None,
 # --------------------------------------------------------------------------------------------- #
 
 
-def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any]) -> dict[str, Any]:
+def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
+                threads: int | None = None) -> dict[str, Any]:
+    import torch
+
     from engine import LLM, SamplingParams
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
     llm = LLM(model=model, **engine_args)
@@ -532,7 +567,8 @@ def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any]) ->
     mism = [i for i, (o, n) in enumerate(zip(outs, wl.output_lens))
             if len(o.outputs[0].token_ids) != n]
     del llm
-    return {"wall_s": wall, "output_tokens": out_tokens, "output_tps": out_tokens / wall,
+    return {"wall_s": wall, "torch_num_threads": torch.get_num_threads(),
+            "output_tokens": out_tokens, "output_tps": out_tokens / wall,
             "total_tps": (out_tokens + wl.num_prompt_tokens) / wall,
             "output_len_mismatches": mism, "engine_args": engine_args, "model": model}
 
@@ -579,12 +615,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None,
                    help="--launch: HTTP port (default: the config's, or a free one if busy)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--replica-omp-threads", type=int, default=None,
+                   help="--launch: export OMP_NUM_THREADS=N to the Ray workers (default: Ray's "
+                        "floor(num_cpus), which caps the replica's torch threads)")
     p.add_argument("--compare-offline", action="store_true",
                    help="afterwards run the workload through engine.LLM with the config's engine "
                         "args and report HTTP / offline output throughput")
+    p.add_argument("--offline-threads", default="match",
+                   help="torch threads for the offline run: an int, 'default' (torch's own), or "
+                        "'match' (default): the replica's torch threads when --launch probed "
+                        "them, else torch's own")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a TTFT / e2e latency CDF PNG here")
     args = p.parse_args(argv)
+    if args.offline_threads not in ("match", "default") and not args.offline_threads.isdigit():
+        p.error("--offline-threads: an int, 'match' or 'default'")
     if args.rate <= 0:
         p.error("--rate must be > 0 (inf = all at once)")
     if args.num_requests < 1:
@@ -599,18 +644,19 @@ def main(argv: list[str] | None = None) -> int:
     log(f"workload: {wl.describe()}")
     prompter = TextPrompter(args.tokenizer) if args.text_prompts else None
     meta: dict[str, Any] = {
-        "num_requests": len(wl), "rate": "inf" if math.isinf(args.rate) else args.rate, "seed": args.seed,
-        "workload": wl.describe(), "text_prompts": args.text_prompts,
-        "launch": args.launch, "config": args.config if args.launch or args.compare_offline else None,
+        "num_requests": len(wl), "rate": "inf" if math.isinf(args.rate) else args.rate,
+        "seed": args.seed, "workload": wl.describe(), "text_prompts": args.text_prompts,
+        "launch": args.launch, "replica_omp_threads": args.replica_omp_threads,
+        "config": args.config if args.launch or args.compare_offline else None,
         "host": platform.node(), "cpu_count": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     cfg = None
     extra: dict[str, Any] = {}
     if args.launch:
-        with launched_app(args.config, args.host, args.port, args.startup_timeout) as (base, cfg):
+        with launched_app(args.config, args.host, args.port, args.startup_timeout,
+                          args.replica_omp_threads, extra) as (base, cfg):
             model = args.model or cfg.engine.model_name
-            extra["replica_processes"] = ray_process_info()
             cpu0 = cpu_snapshot()
             results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter))
             cpu1 = cpu_snapshot()
@@ -623,15 +669,43 @@ def main(argv: list[str] | None = None) -> int:
     meta["loadavg_end_http"] = list(os.getloadavg())
     summary = summarize(results, wall)
 
+    def report(offline: dict[str, Any] | None) -> None:
+        print(markdown(summary, meta, offline), flush=True)
+        if extra.get("cpu_s_during_run"):
+            print("\nCPU seconds during the HTTP run: " + ", ".join(
+                f"{k} {v}" for k, v in sorted(extra["cpu_s_during_run"].items(),
+                                              key=lambda kv: -kv[1])))
+        if extra.get("replica_threads_probe"):
+            print(f"torch threads in a Ray actor with the replica's num_cpus: "
+                  f"{extra['replica_threads_probe']}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "summary": summary, "offline": offline, **extra,
+                           "requests": [asdict(r) for r in results]}, f, indent=1, default=str)
+            log(f"wrote {args.json}")
+
+    if args.plot:
+        plot_cdfs(results, args.plot,
+                  f"{len(wl)} requests, rate {meta['rate']} req/s, seed {args.seed} - "
+                  f"{meta['base_url']}")
+        log(f"wrote {args.plot}")
     offline = None
     if args.compare_offline:
+        # the HTTP figures first (and on disk), in case the offline run is cut short
+        report({"error": "offline run not finished"})
         if cfg is None:
             from serve_app.config import load_config
 
             cfg = load_config(args.config)
         log("offline LLM on the same workload ...")
         try:
-            offline = run_offline(wl, cfg.engine.model, cfg.engine.engine_args.as_kwargs())
+            threads = None
+            if args.offline_threads == "match":
+                threads = (extra.get("replica_threads_probe") or {}).get("torch_num_threads")
+            elif args.offline_threads != "default":
+                threads = int(args.offline_threads)
+            offline = run_offline(wl, cfg.engine.model, cfg.engine.engine_args.as_kwargs(),
+                                  threads)
             offline["ratio_http_over_offline"] = (summary["output_tps"] / offline["output_tps"]
                                                   if summary["output_tps"] else None)
             offline["ratio_target"] = OFFLINE_RATIO_TARGET
@@ -642,23 +716,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             offline = {"error": repr(e)}
         meta["loadavg_end_offline"] = list(os.getloadavg())
-
-    print(markdown(summary, meta, offline))
-    if extra.get("cpu_s_during_run"):
-        print("\nCPU seconds during the HTTP run: " + ", ".join(
-            f"{k} {v}" for k, v in sorted(extra["cpu_s_during_run"].items(), key=lambda kv: -kv[1])))
-    if extra.get("replica_processes"):
-        print(f"engine replica processes: {extra['replica_processes']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "summary": summary, "offline": offline, **extra,
-                       "requests": [asdict(r) for r in results]}, f, indent=1,
-                      default=str)
-        log(f"wrote {args.json}")
-    if args.plot:
-        plot_cdfs(results, args.plot,
-                  f"{len(wl)} requests, rate {args.rate} req/s, seed {args.seed} - {meta['base_url']}")
-        log(f"wrote {args.plot}")
+        print()
+    report(offline)
     return 0 if summary["num_errors"] == 0 else 1
 
 

@@ -12,7 +12,12 @@ plus single-stream decode tok/s (128-token prompt, 128 new tokens; median of 3) 
 (512-token prompt) for the engine and for transformers, and the ratios the project targets.
 
     nice -n 10 .venv/bin/python benchmarks/throughput.py [--quick] [--skip-hf] [--json OUT]
-                                                       [--engine-arg key=value ...]
+                                                       [--engine-arg key=value ...] [--threads N]
+
+Shared machines: each timed section first waits (--quiet-wait, default 120 s) for other processes
+to go quiet, and the report shows per measurement this process's CPU utilisation and the cores
+other processes used meanwhile. With torch's 2 threads and any competing process, decode gets
+15-25x slower here, so only trust rows whose "others" column is near 0.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.workload import (  # noqa: E402
+    QUIET_WAIT,
     RunResult,
     Stopwatch,
     Workload,
@@ -280,13 +286,13 @@ def build_report(wl: Workload, results: dict, errors: list, meta: dict) -> tuple
     lines = [
         f"Workload: {wl.describe()}; greedy, ignore_eos. torch threads: {threads}.",
         "",
-        "| system | wall s | output tok/s | total tok/s | cpu util | notes |",
-        "|---|---:|---:|---:|---:|---|",
+        "| system | wall s | output tok/s | total tok/s | cpu util | others | notes |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     util = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     for r, mark in rows:
         lines.append(f"| {r.name}{mark} | {r.wall_s:.2f} | {r.output_tps:.1f} | {r.total_tps:.1f} | "
-                     f"{util(r.cpu_util)} | {r.note} |")
+                     f"{util(r.cpu_util)} | {util(r.others)} | {r.note} |")
 
     def _ss(key):
         return results.get(key) or {}
@@ -294,7 +300,7 @@ def build_report(wl: Workload, results: dict, errors: list, meta: dict) -> tuple
     ss = {k: _ss(k) for k in ("engine_single_stream", "hf_single_stream", "engine_prefill", "hf_prefill")}
     fmt = lambda v: f"{v:.1f}" if v else "n/a"  # noqa: E731
     runs = lambda v: ", ".join(f"{x:.1f}" for x in v.get("runs", []))  # noqa: E731
-    utils = lambda v: ", ".join(f"{x:.2f}" for x in v.get("cpu_util", []))  # noqa: E731
+    utils = lambda v, k="cpu_util": ", ".join(util(x) for x in v.get(k, []))  # noqa: E731
     how = {
         "engine_single_stream": f"engine decode: {SINGLE_PROMPT_LEN}-tok prompt, {SINGLE_NEW_TOKENS} new tokens, "
                                 "new tokens / wall of generate()",
@@ -302,9 +308,9 @@ def build_report(wl: Workload, results: dict, errors: list, meta: dict) -> tuple
         "engine_prefill": f"engine prefill: {PREFILL_LEN}-tok prompt, max_tokens=1, prompt tokens / wall",
         "hf_prefill": f"HF prefill: one forward, {PREFILL_LEN} tokens, use_cache, logits_to_keep=1",
     }
-    lines += ["", "| single stream | tok/s (median of 3) | runs | cpu util |", "|---|---:|---|---|"]
+    lines += ["", "| single stream | tok/s (median of 3) | runs | cpu util | others |", "|---|---:|---|---|---|"]
     for k, v in ss.items():
-        lines.append(f"| {how[k]} | {fmt(v.get('median'))} | {runs(v)} | {utils(v)} |")
+        lines.append(f"| {how[k]} | {fmt(v.get('median'))} | {runs(v)} | {utils(v)} | {utils(v, 'others_cpu')} |")
     e_dec, h_dec = ss["engine_single_stream"].get("median"), ss["hf_single_stream"].get("median")
     e_pre, h_pre = ss["engine_prefill"].get("median"), ss["hf_prefill"].get("median")
 
@@ -327,13 +333,18 @@ def build_report(wl: Workload, results: dict, errors: list, meta: dict) -> tuple
         lines.append(f"\nbest HF static: {best_static.name}; best HF continuous: "
                      f"{best_cb.name if best_cb else 'n/a'}")
 
+    mns = meta.get("engine_args", {}).get("max_num_seqs", 64)  # contract default
+    if es is not None and mns >= len(wl):
+        lines.append(f"note: max_num_seqs={mns} >= {len(wl)} requests, all arriving at t=0, so the engine's static "
+                     "policy admits the whole workload as one batch and behaves like continuous batching; pass "
+                     "e.g. --engine-arg max_num_seqs=16 for a static-vs-continuous contrast.")
     agr = agreement(results.get("_engine_tokens"), results.get("_hf_cb_tokens"))
     if agr is not None:
         lines.append(f"greedy agreement engine vs HF continuous: {agr[0]}/{len(wl)} identical, "
                      f"mean common-prefix fraction {agr[1]:.3f} (fp32 ties may legitimately diverge)")
-    lines.append(f"cpu util = process CPU s / wall s while timed (max {threads} with {threads} torch threads); "
-                 f"well below that means the run was starved by other load (1-min load avg at start "
-                 f"{meta.get('load_avg_start', float('nan')):.2f}, end {meta.get('load_avg_end', float('nan')):.2f}).")
+    lines.append(f"cpu util = this process's CPU s / wall s while timed (at most {threads} with {threads} torch "
+                 f"threads); others = cores used by other processes meanwhile ({os.cpu_count()} cores). "
+                 "Low cpu util / high others = starved run, its timing is pessimistic.")
     if errors:
         lines += ["", "ERRORS:"] + [f"- {e}" for e in errors]
 
@@ -374,19 +385,30 @@ def main(argv=None) -> int:
                     help="passed to LLM(...) (repeatable; values parsed as Python literals)")
     ap.add_argument("--num-requests", type=int, default=None, help="default 64 (16 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads for the whole run (engine and transformers alike); default: "
+                         "torch's default. On an oversubscribed machine 1 thread is far more robust: with 2 "
+                         "threads and another busy process, decode was measured 15-25x slower")
+    ap.add_argument("--quiet-wait", type=float, default=120.0, metavar="SECONDS",
+                    help="before each timed section wait up to this long for other processes to use < 0.5 "
+                         "cores (shared machines; 0 disables)")
     ap.add_argument("--hf-batch-sizes", type=str, default=None, help="comma list, default 8,16,32 (8 with --quick)")
     ap.add_argument("--hf-cb-tokens", type=str, default=None,
                     help="comma list of max_batch_tokens for HF continuous batching, default 256,512,1024,2048 "
-                         "(512 with --quick)")
+                         "(256 with --quick)")
     args = ap.parse_args(argv)
 
     engine_args = parse_engine_args(args.engine_arg)
+    QUIET_WAIT.update(max_wait_s=args.quiet_wait, log=log)
     n = args.num_requests or (16 if args.quick else 64)
     batch_sizes = [int(x) for x in (args.hf_batch_sizes or ("8" if args.quick else "8,16,32")).split(",")]
-    cb_tokens = [int(x) for x in (args.hf_cb_tokens or ("512" if args.quick else "256,512,1024,2048")).split(",")]
+    cb_tokens = [int(x) for x in (args.hf_cb_tokens or ("256" if args.quick else "256,512,1024,2048")).split(",")]
 
     import torch
     import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     wl = make_workload(num_requests=n, seed=args.seed)
     meta = {
@@ -404,7 +426,7 @@ def main(argv=None) -> int:
         "hf_cb_max_batch_tokens": cb_tokens,
         "quick": args.quick,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "load_avg_start": os.getloadavg()[0],
+        "quiet_wait_s": args.quiet_wait,
     }
     log(f"workload: {wl.describe()}")
     results: dict = {}
@@ -415,7 +437,7 @@ def main(argv=None) -> int:
     if not args.skip_hf:
         run_hf(wl, batch_sizes, cb_tokens, results, errors)
     meta["total_benchmark_s"] = time.perf_counter() - t_all
-    meta["load_avg_end"] = os.getloadavg()[0]
+    meta["torch_threads_end"] = torch.get_num_threads()  # in case the engine changed it
 
     text, js = build_report(wl, results, errors, meta)
     print(text, flush=True)

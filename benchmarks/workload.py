@@ -116,31 +116,82 @@ def warmup_prompts(n: int = 2) -> list[list[int]]:
     return [random_prompt(16 + 8 * i, seed=1000 + i) for i in range(n)]
 
 
+def _system_busy_cpu_s() -> float | None:
+    """CPU seconds all processes spent busy so far (from /proc/stat), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()
+        ticks = [int(x) for x in parts[1:]]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal
+        return busy / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def others_cpu_load(window_s: float = 2.0) -> float | None:
+    """Cores' worth of CPU used by *other* processes over a short window (this one sleeps)."""
+    b0, o0, t0 = _system_busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    if b0 is None:
+        return None
+    time.sleep(window_s)
+    b1, o1, t1 = _system_busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    return max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.3, log=None) -> float | None:
+    """Before a timed section: wait (at most max_wait_s) until other processes use less than
+    `threshold` cores. Returns the last observed others' load (None if unknown)."""
+    if max_wait_s <= 0:
+        return None
+    deadline = time.perf_counter() + max_wait_s
+    load = others_cpu_load()
+    waited = False
+    while load is not None and load > threshold and time.perf_counter() < deadline:
+        if log is not None and not waited:
+            log(f"  machine busy (others use {load:.2f} cores); waiting up to {max_wait_s:.0f}s for it to quiet down")
+        waited = True
+        load = others_cpu_load(5.0)
+    return load
+
+
+# Set by the benchmark driver: every Stopwatch first waits up to max_wait_s for the machine to be quiet.
+QUIET_WAIT = {"max_wait_s": 0.0, "threshold": 0.5, "log": None}
+
+
 class Stopwatch:
-    """Wall time plus contention diagnostics: this process's CPU seconds (all threads) and the
-    1-minute load average. cpu_util = cpu_s / wall_s; on a shared machine a value well below the
-    number of compute threads means the run was starved and its timing is pessimistic."""
+    """Wall time plus contention diagnostics.
+
+    cpu_util = this process's CPU seconds (all threads) / wall seconds; others = cores' worth of
+    CPU used by other processes meanwhile (from /proc/stat). On a shared machine, cpu_util well
+    below the number of compute threads or others well above 0 means the run was starved and its
+    timing is pessimistic."""
 
     def __enter__(self) -> "Stopwatch":
-        t = os.times()
-        self._cpu0 = t.user + t.system
-        self.load_start = os.getloadavg()[0]
+        self.others_before = wait_for_quiet(QUIET_WAIT["max_wait_s"], QUIET_WAIT["threshold"], QUIET_WAIT["log"])
+        self._cpu0 = _own_cpu_s()
+        self._sys0 = _system_busy_cpu_s()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         self.wall_s = time.perf_counter() - self._t0
-        t = os.times()
-        self.cpu_s = t.user + t.system - self._cpu0
-        self.load_end = os.getloadavg()[0]
+        self.cpu_s = _own_cpu_s() - self._cpu0
+        sys1 = _system_busy_cpu_s()
+        self.others = (
+            max(0.0, (sys1 - self._sys0 - self.cpu_s) / self.wall_s)
+            if sys1 is not None and self._sys0 is not None and self.wall_s > 0
+            else None
+        )
 
     @property
     def cpu_util(self) -> float:
         return self.cpu_s / self.wall_s if self.wall_s > 0 else float("nan")
-
-    @property
-    def load(self) -> float:
-        return max(self.load_start, self.load_end)
 
 
 @dataclass
@@ -151,11 +202,11 @@ class RunResult:
     output_tokens: int  # useful output tokens
     note: str = ""
     cpu_util: float | None = None  # process CPU seconds / wall seconds during the timed part
-    load: float | None = None  # max 1-min load average seen at start / end
+    others: float | None = None  # cores' worth of CPU other processes used meanwhile
 
     @classmethod
     def from_stopwatch(cls, name: str, sw: Stopwatch, prompt_tokens: int, output_tokens: int, note: str = ""):
-        return cls(name, sw.wall_s, prompt_tokens, output_tokens, note, sw.cpu_util, sw.load)
+        return cls(name, sw.wall_s, prompt_tokens, output_tokens, note, sw.cpu_util, sw.others)
 
     @property
     def output_tps(self) -> float:
@@ -174,7 +225,7 @@ class RunResult:
             "output_tok_per_s": self.output_tps,
             "total_tok_per_s": self.total_tps,
             "cpu_util": self.cpu_util,
-            "load_avg_1m": self.load,
+            "others_cpu": self.others,
             "note": self.note,
         }
 
@@ -186,5 +237,5 @@ def rate_summary(tokens: int, stopwatches: list[Stopwatch]) -> dict:
         "median": statistics.median(rates),
         "runs": rates,
         "cpu_util": [sw.cpu_util for sw in stopwatches],
-        "load_avg_1m": max(sw.load for sw in stopwatches),
+        "others_cpu": [sw.others for sw in stopwatches],
     }

@@ -20,10 +20,13 @@ class ModelConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" (see attention/base.py)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0  # seeds requests that carry no seed of their own
+    num_threads: int | None = None  # torch intra-op threads for this process; None keeps torch's
 
     def __post_init__(self):
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

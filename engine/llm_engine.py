@@ -26,6 +26,8 @@ from engine.scheduler.scheduler import PreemptionCosts, Scheduler
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.model.num_threads is not None:  # process-wide: the engine is the process's main work
+            torch.set_num_threads(config.model.num_threads)
         device = torch.device(config.model.device)
         hf_model, self.tokenizer = load_hf(config.model.model)
         self.max_model_len = config.model.max_model_len or hf_model.config.max_position_embeddings

@@ -39,8 +39,11 @@ class EngineArgs(_Strict):
     swap_space_bytes: int | None = Field(None, ge=0, description="Host swap pool size.")
     enable_prefix_caching: bool | None = Field(None, description="Reuse cached prompt blocks.")
     device: str | None = Field(None, description="'cpu' or 'cuda'.")
-    attention_backend: str | None = Field(None, description="'auto', 'torch', 'flash'.")
+    attention_backend: Literal["auto", "torch", "cpu", "flash"] | None = Field(
+        None, description="'auto', 'torch', 'cpu' (C++ decode kernel), 'flash' (CUDA).")
     seed: int | None = Field(None, description="Engine RNG seed.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads in the replica (Ray otherwise sets OMP threads to num_cpus).")
 
     def as_kwargs(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
