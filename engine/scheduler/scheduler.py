@@ -128,6 +128,8 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Swaps requests back in, best first, ahead of new admissions; never one preempted this
         step, nor (under `priority`) one that ranks below the best waiting request."""
+        if not self.swapped:
+            return budget
         preempted = set(out.preempted_ids)
         best_waiting = next(self.waiting.ordered(now), None) if self.config.policy == "priority" else None
         for request in sorted(self.swapped, key=self._victim_rank):
