@@ -19,24 +19,39 @@ WORDS = ("the cat sat on a mat while dogs ran fast over green hills and blue lak
          "stars as people sang songs about old ships sailing far away").split()
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE (decodes any id sequence) trained on a small generated corpus."""
-    rng = random.Random(0)
-    corpus = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(300)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(kind: str = "bpe") -> PreTrainedTokenizerFast:
+    """'bpe': a byte-level BPE (decodes any id sequence) trained on a small generated corpus.
+    'words': one token per word of WORDS (and chat role), decoded as words joined by spaces, so
+    tests can pick a generated word as a stop string and read outputs."""
+    if kind == "bpe":
+        rng = random.Random(0)
+        corpus = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(300)]
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(corpus, trainer)
+    elif kind == "words":
+        vocab = {t: i for i, t in enumerate(dict.fromkeys(
+            SPECIAL_TOKENS + ["<unk>", "system", "user", "assistant"] + WORDS))}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.add_special_tokens(SPECIAL_TOKENS)
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def save_tiny_model(path, arch: str = "llama", seed: int = 0) -> str:
-    tokenizer = build_tokenizer()
+def save_tiny_model(path, arch: str = "llama", seed: int = 0, tokenizer: str = "bpe") -> str:
+    tokenizer = build_tokenizer(tokenizer)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.3, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -62,3 +77,8 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_words(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-words"), "llama", tokenizer="words")

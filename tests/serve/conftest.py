@@ -1,4 +1,5 @@
-"""Serve test helpers: an in-process stack (ingress + router + replicas on fake engines).
+"""Serve test helpers: an in-process stack (ingress + router + replicas on fake engines), and
+the one Ray cluster with Serve that every real-Ray test shares (`serve_cluster`).
 
 Tests that start a real Ray Serve cluster are marked `slow` (marker registered in pyproject.toml);
 deselect them with `-m "not slow"`.
@@ -9,16 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import socket
 import sys
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
+import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
 
 from fake_engine import FakeAsyncEngine, FakeSamplingParams, FakeTokenizer  # noqa: E402
 
+from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local import build_local_app  # noqa: E402
 
@@ -59,6 +65,51 @@ async def local_stack(
             router._tick_task.cancel()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(tmp_path_factory):
+    """Head node + Serve, shared by every real-Ray test: a process connects to one cluster at a
+    time and each costs seconds and GBs, so tests needing more nodes add them to this one
+    (`cluster.add_node`) and remove them before they end."""
+    tmp = tmp_path_factory.mktemp("ray")
+    env = {
+        "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
+        "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
+        "PYTHONPATH": os.pathsep.join(
+            [str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    metrics_port = _free_port()
+    (tmp / "ray").mkdir()  # Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=4, include_dashboard=False, temp_dir=str(tmp), metrics_export_port=metrics_port))
+    ray.init(address=cluster.address, log_to_driver=False)
+    http_port = _free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
+    try:
+        yield {"http": f"http://127.0.0.1:{http_port}", "metrics_port": metrics_port,
+               "cluster": cluster}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -82,3 +133,25 @@ def greedy_tokens(prompt_ids: list[int], n: int) -> list[int]:
 
 def greedy_text(prompt_ids: list[int], n: int) -> str:
     return "".join(f" t{t}" for t in greedy_tokens(prompt_ids, n))
+
+
+@contextlib.contextmanager
+def fake_serve_app(serve_cluster: dict, name: str, config: dict,
+                   **engine_options: Any) -> Iterator[str]:
+    """build_app on the fake engine (class attributes `engine_options`) as Serve app `name` at
+    /name; yields its URL and deletes the app on exit. One completion goes through first, so
+    tests start with the ingress holding the model info and one request counted per app."""
+    from ray import serve
+
+    base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}}
+    cfg = AppConfig.model_validate(_merge(base, config))
+    engine_cls = FakeAsyncEngine.with_options(**engine_options)
+    serve.run(build_app(cfg, engine_cls, FakeSamplingParams), name=name, route_prefix=f"/{name}")
+    url = f"{serve_cluster['http']}/{name}"
+    try:
+        warm = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1},
+                          timeout=60)
+        assert warm.status_code == 200, warm.text
+        yield url
+    finally:
+        serve.delete(name)

@@ -2,97 +2,37 @@
 
 - `fake` app: the fake engine behind real deployments (pinning router, handles, SSE via the
   proxy, openai client sync + async, metrics on the node's endpoint).
-- `real` app: a tiny random Llama through engine.AsyncEngine; greedy text == engine.LLM.
+- `real` app: a tiny random Llama (word-level tokenizer) through engine.AsyncEngine; greedy
+  text == engine.LLM.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
+from conftest import fake_serve_app, greedy_text
+from fake_engine import FakeTokenizer
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def serve_cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ray")
-    env = {
-        "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
-        "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import ray
-    from ray import serve
-
-    metrics_port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp),
-             _metrics_export_port=metrics_port, log_to_driver=False)
-    http_port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    try:
-        yield {"http": f"http://127.0.0.1:{http_port}", "metrics_port": metrics_port}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="session")
 def fake_app(serve_cluster):
-    from ray import serve
-
-    sys.path.insert(0, str(HERE))
-    from fake_engine import FakeAsyncEngine, FakeSamplingParams
-
-    from serve_app.app import build_app
-    from serve_app.config import AppConfig
-
-    cfg = AppConfig.model_validate({
-        "engine": {"served_model_name": "fake", "num_replicas": 2, "num_cpus": 0.1},
-        "router": {"max_waiting_per_replica": 2},
-    })
-    engine_cls = FakeAsyncEngine.with_options(step_delay_s=0.01, max_model_len=8192,
-                                              num_blocks=4096)
-    serve.run(build_app(cfg, engine_cls, FakeSamplingParams),
-              name="fake", route_prefix="/fake")
-    return serve_cluster["http"] + "/fake"
-
-
-def _greedy_text(prompt_ids, n):
-    return "".join(f" t{10 + (sum(prompt_ids) + 7 * s) % 40}" for s in range(n))
+    with fake_serve_app(serve_cluster, "fake", {"engine": {"num_replicas": 2},
+                                               "router": {"max_waiting_per_replica": 2}},
+                        step_delay_s=0.01, max_model_len=8192, num_blocks=4096) as url:
+        yield url
 
 
 def test_fake_app_openai_sync_and_stream(fake_app):
-    sys.path.insert(0, str(HERE))
-    from fake_engine import FakeTokenizer
-
     client = openai.OpenAI(base_url=fake_app + "/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == ["fake"]
     c = client.completions.create(model="fake", prompt="hello world", max_tokens=5, temperature=0)
-    assert c.choices[0].text == _greedy_text(FakeTokenizer().encode("hello world"), 5)
+    assert c.choices[0].text == greedy_text(FakeTokenizer().encode("hello world"), 5)
     parts = [ch.choices[0].text for ch in client.completions.create(
         model="fake", prompt="hello world", max_tokens=5, temperature=0, stream=True)]
     assert "".join(parts) == c.choices[0].text
@@ -197,22 +137,14 @@ def test_fake_app_replica_killed_midstream_gets_error_event_then_served(fake_app
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    sys.path.insert(0, str(HERE))
-    from tiny_model import build_tiny_llama
-
-    return str(build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def real_app(serve_cluster, tiny_model):
+def real_app(serve_cluster, tiny_llama_words):
     from ray import serve
 
     from serve_app.app import build_app
     from serve_app.config import AppConfig
 
     cfg = AppConfig.model_validate({
-        "engine": {"model": tiny_model, "served_model_name": "tiny", "num_replicas": 1,
+        "engine": {"model": tiny_llama_words, "served_model_name": "tiny", "num_replicas": 1,
                    "num_cpus": 0.5, "engine_args": {"max_num_seqs": 8, "seed": 0}},
     })
     serve.run(build_app(cfg), name="real", route_prefix="/real")
@@ -220,13 +152,13 @@ def real_app(serve_cluster, tiny_model):
 
 
 @pytest.fixture(scope="session")
-def offline_llm(tiny_model):
+def offline_llm(tiny_llama_words):
     import engine
 
-    return engine.LLM(model=tiny_model, seed=0)
+    return engine.LLM(model=tiny_llama_words, seed=0)
 
 
-PROMPTS = ["hello world the cat", "one two three", "why is the sky blue"]
+PROMPTS = ["the cat sat on", "dogs ran fast", "people sang songs about old ships"]
 
 
 def test_real_greedy_equals_offline_generate(real_app, offline_llm):
@@ -250,7 +182,7 @@ def test_real_greedy_equals_offline_generate(real_app, offline_llm):
 def test_real_chat_equals_offline_chat(real_app, offline_llm):
     import engine
 
-    messages = [{"role": "user", "content": "hello cat"}]
+    messages = [{"role": "user", "content": "blue lakes"}]
     params = engine.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     want = offline_llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
     client = openai.OpenAI(base_url=real_app + "/v1", api_key="none")
@@ -265,19 +197,19 @@ def test_real_chat_equals_offline_chat(real_app, offline_llm):
 
 def test_real_n_seed_stop_and_errors(real_app, offline_llm):
     client = openai.OpenAI(base_url=real_app + "/v1", api_key="none")
-    kw = dict(model="tiny", prompt="one two", max_tokens=6, n=2, seed=11, temperature=1.0,
+    kw = dict(model="tiny", prompt="green hills", max_tokens=6, n=2, seed=11, temperature=1.0,
               extra_body={"ignore_eos": True})
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.usage.completion_tokens == 12
-    greedy = client.completions.create(model="tiny", prompt="one two", max_tokens=8,
+    greedy = client.completions.create(model="tiny", prompt="green hills", max_tokens=8,
                                        temperature=0, extra_body={"ignore_eos": True})
     words = greedy.choices[0].text.split()
     stop = words[len(words) // 2]
-    s = client.completions.create(model="tiny", prompt="one two", max_tokens=8, temperature=0,
+    s = client.completions.create(model="tiny", prompt="green hills", max_tokens=8, temperature=0,
                                   stop=[stop], extra_body={"ignore_eos": True})
     assert stop not in s.choices[0].text and s.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.completions.create(model="tiny", prompt="the " * 300, max_tokens=4)
+        client.completions.create(model="tiny", prompt="the " * 600, max_tokens=4)
     ok = client.completions.create(model="tiny", prompt="the cat", max_tokens=2)
     assert ok.choices[0].finish_reason in ("length", "stop")
