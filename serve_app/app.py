@@ -32,6 +32,8 @@ def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
         logging_config=_QUIET,
         health_check_period_s=5,
     )
+    if engine.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = engine.max_replicas_per_node
     if engine.autoscaling is not None:
         options["autoscaling_config"] = engine.autoscaling.model_dump(exclude_none=True)
     else:

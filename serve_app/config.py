@@ -58,6 +58,10 @@ class AutoscalingSettings(_Strict):
     target_ongoing_requests: float = Field(16.0, gt=0, description="Per replica.")
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float | None = Field(
+        None, gt=0, description="Window the ongoing-request counts are averaged over (Serve: 30).")
+    metrics_interval_s: float | None = Field(
+        None, gt=0, description="How often callers push those counts to Serve (Serve: 10).")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "AutoscalingSettings":
@@ -76,6 +80,8 @@ class EngineReplicaConfig(_Strict):
     engine_args: EngineArgs = Field(default_factory=EngineArgs)
     num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored with autoscaling).")
     autoscaling: AutoscalingSettings | None = Field(None, description="Serve autoscaling.")
+    max_replicas_per_node: int | None = Field(
+        None, ge=1, description="Spread replicas over nodes: at most this many on one node.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (1 on GPU hosts).")
     max_ongoing_requests: int = Field(

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.app import replica_deployment_options
-from serve_app.config import AppConfig, load_config
+from serve_app.config import AppConfig, AutoscalingSettings, load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
 
@@ -24,6 +24,22 @@ def test_shipped_configs_parse(path):
 def test_gpu_config_takes_one_gpu_per_replica():
     cfg = load_config(Path(__file__).parents[2] / "configs" / "serve-gpu.yaml")
     assert replica_deployment_options(cfg)["ray_actor_options"]["num_gpus"] == 1
+
+
+def test_scaling_settings_reach_serve_under_its_names():
+    """Serve ignores unknown autoscaling keys, so a misnamed field would silently not apply."""
+    from ray.serve.config import AutoscalingConfig
+
+    cfg = AppConfig.model_validate({"engine": {"max_replicas_per_node": 1, "autoscaling": {
+        "min_replicas": 1, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 4,
+        "upscale_delay_s": 1.0, "downscale_delay_s": 5.0, "look_back_period_s": 3.0,
+        "metrics_interval_s": 0.5}}})
+    opts = replica_deployment_options(cfg)
+    assert opts["max_replicas_per_node"] == 1
+    serve_cfg = AutoscalingConfig(**opts["autoscaling_config"])
+    assert set(opts["autoscaling_config"]) == set(AutoscalingSettings.model_fields)
+    for key, value in opts["autoscaling_config"].items():
+        assert getattr(serve_cfg, key) == value, key
 
 
 @pytest.mark.parametrize("bad", [
