@@ -87,5 +87,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
+  // Release the GIL: the kernel touches no Python objects, and a server thread may need it.
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)",
+        py::call_guard<py::gil_scoped_release>());
 }
