@@ -148,6 +148,25 @@ class AppConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
+    @model_validator(mode="after")
+    def _autoscaling_sees_demand(self) -> "AppConfig":
+        """Serve scales on requests ongoing at replicas, but the router holds the rest: a replica
+        never has more than max_num_seqs + max_waiting_per_replica, so a target at or above that
+        would never scale up."""
+        auto = self.engine.autoscaling
+        if auto is None:
+            return self
+        from engine.config import SchedulerConfig
+
+        max_seqs = self.engine.engine_args.max_num_seqs or SchedulerConfig().max_num_seqs
+        ceiling = max_seqs + self.router.max_waiting_per_replica
+        if auto.target_ongoing_requests >= ceiling:
+            raise ValueError(
+                f"autoscaling.target_ongoing_requests ({auto.target_ongoing_requests:g}) must be "
+                f"below max_num_seqs + router.max_waiting_per_replica ({ceiling}), the most "
+                "requests the router lets one replica hold; otherwise it never scales up")
+        return self
+
 
 def load_config(path: str | Path) -> AppConfig:
     """Reads a config YAML: either a bare AppConfig mapping or a serve config whose first

@@ -52,3 +52,15 @@ def test_scaling_settings_reach_serve_under_its_names():
 def test_unknown_or_invalid_keys_are_errors(bad):
     with pytest.raises(ValidationError):
         AppConfig.model_validate(bad)
+
+
+def test_autoscaling_target_must_be_reachable_behind_the_router():
+    def cfg(target: float) -> AppConfig:
+        return AppConfig.model_validate({
+            "engine": {"engine_args": {"max_num_seqs": 8},
+                       "autoscaling": {"max_replicas": 2, "target_ongoing_requests": target}},
+            "router": {"max_waiting_per_replica": 2}})
+
+    assert cfg(9).engine.autoscaling.target_ongoing_requests == 9
+    with pytest.raises(ValidationError, match=r"below max_num_seqs \+ router.max_waiting_per_replica \(10\)"):
+        cfg(10)
