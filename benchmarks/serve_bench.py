@@ -420,6 +420,8 @@ def _proc_label(p: Any) -> str:
         cmd = " ".join(p.cmdline())
     except Exception:
         return "?"
+    if "engine.engine_core" in cmd:
+        return "EngineProcess"  # a replica's step loop (engine_process=True)
     for key in ("EngineReplica", "Router", "Ingress", "ProxyActor", "ServeController"):
         if key in cmd:
             return key

@@ -23,6 +23,14 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
 
 
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template applied, generation prompt added."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -75,11 +83,7 @@ class LLMEngine:
         return token_ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The chat template applied, generation prompt added."""
-        if not messages:
-            raise ValueError("messages must not be empty")
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+        return encode_chat(self.tokenizer, messages)
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError if the request can never run. Changes nothing,

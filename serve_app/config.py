@@ -87,6 +87,9 @@ class EngineReplicaConfig(_Strict):
     max_ongoing_requests: int = Field(
         1024, ge=1, description="Serve-level cap; admission is the router's job, keep it high."
     )
+    engine_process: bool = Field(
+        True, description="Run the engine's step loop in a child process of the replica, so the "
+                          "replica's serving threads take neither the GIL nor the forward's cores.")
     stream_flush_interval_s: float = Field(
         0.05, ge=0, description="Coalesce token deltas into one message per interval per stream."
     )
@@ -139,8 +142,8 @@ class IngressConfig(_Strict):
     num_cpus: float = Field(0.1, ge=0)
     default_completion_max_tokens: int = Field(16, ge=1, description="OpenAI's default.")
     grpc_transport: bool = Field(
-        False, description="Stream from replicas over Serve's gRPC transport (_by_reference=False)."
-    )
+        True, description="Admission calls and replica streams over Serve's gRPC transport "
+                          "(_by_reference=False) instead of the object store.")
 
 
 class AppConfig(_Strict):

@@ -116,7 +116,8 @@ class EngineReplica:
             params_cls = params_cls or engine_pkg.SamplingParams
         self.config = config
         self.engine = engine_cls.from_engine_args(
-            model=config.model, **config.engine_args.as_kwargs()
+            model=config.model, engine_process=config.engine_process,
+            **config.engine_args.as_kwargs()
         )
         self._params_cls = params_cls
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]

@@ -1,4 +1,5 @@
-"""AsyncEngine: streamed deltas, concurrency, abort, cancellation, validation before streaming."""
+"""AsyncEngine: streamed deltas, concurrency, abort, cancellation, validation before streaming;
+each with the step loop on a thread and in its own process."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,9 @@ from engine import LLM, AsyncEngine, SamplingParams
 PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    eng = AsyncEngine.from_engine_args(tiny_llama, max_num_batched_tokens=32)
+@pytest.fixture(scope="module", params=[False, True], ids=["thread", "process"])
+def engine(request, tiny_llama):
+    eng = AsyncEngine.from_engine_args(tiny_llama, engine_process=request.param, max_num_batched_tokens=32)
     yield eng
     eng.shutdown()
 
@@ -77,6 +78,27 @@ def test_invalid_request_raises_before_streaming(engine):
 
     tokens, _, _, last = asyncio.run(main())
     assert len(tokens) == 20 and last.finished
+
+
+def test_engine_process_death_fails_streams_and_later_calls(tiny_llama):
+    """1. a stream is running in the child process; 2. the child is killed; 3. the stream raises
+    instead of hanging, and the engine refuses new requests."""
+    eng = AsyncEngine.from_engine_args(tiny_llama, engine_process=True)
+
+    async def main():
+        stream = eng.generate([5, 6, 7], SamplingParams(max_tokens=5000, ignore_eos=True), "doomed")
+        await stream.__anext__()
+        eng._core._proc.kill()
+        with pytest.raises(RuntimeError, match="engine process exited"):
+            async for _ in stream:
+                pass
+        with pytest.raises(RuntimeError, match="shut down"):
+            await eng.generate([5], PARAMS, "after").__anext__()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        eng.shutdown()
 
 
 def _wait_idle(engine, timeout_s: float = 10.0):
