@@ -89,13 +89,13 @@ class ThreadCore:
     """The step loop on a daemon thread of this process."""
 
     def __init__(self, config: EngineConfig, emit: Emit):
-        self.engine = LLMEngine(config)
-        self.tokenizer, self.max_model_len = self.engine.tokenizer, self.engine.max_model_len
-        self.initial_stats = self.engine.get_stats()
+        engine = LLMEngine(config)
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self.initial_stats = engine.get_stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = False
-        loop = StepLoop(self.engine, emit)
+        loop = StepLoop(engine, emit)
         self._thread = threading.Thread(target=loop.run, args=(self._receive,), name="engine-step-loop",
                                         daemon=True)
         self._thread.start()
