@@ -2,18 +2,23 @@
 asyncio consumers in this process, step loop on a thread vs in its own process (engine_process).
 
 Shows what an event loop sharing the engine's process costs a multi-threaded forward, and that the
-engine process removes it (compare with the offline `LLM` figure of serve_bench.py).
+engine process removes it (compare with the offline `LLM` figure of serve_bench.py). With
+`--idle-serve`, a local Ray instance with Serve started (controller and proxy, no application)
+runs alongside: what Ray's background activity alone takes from the forward.
 
-    .venv/bin/python benchmarks/async_engine.py [--threads 2] [--repeats 1]
+    .venv/bin/python benchmarks/async_engine.py [--threads 2] [--repeats 1] [--idle-serve]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import contextlib
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -50,16 +55,34 @@ def output_tps(engine_process: bool, threads: int) -> float:
         engine.shutdown()
 
 
+@contextlib.contextmanager
+def idle_serve() -> Iterator[None]:
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="idle-serve-"))
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--idle-serve", action="store_true", help="with an idle Ray Serve alongside")
     args = p.parse_args()
-    for engine_process in (False, True):
-        runs = [output_tps(engine_process, args.threads) for _ in range(args.repeats)]
-        where = "in its own process" if engine_process else "on a thread"
-        print(f"step loop {where}: {statistics.median(runs):.1f} output tok/s "
-              f"(median of {len(runs)}, {args.threads} torch threads)", flush=True)
+    with idle_serve() if args.idle_serve else contextlib.nullcontext():
+        for engine_process in (False, True):
+            runs = [output_tps(engine_process, args.threads) for _ in range(args.repeats)]
+            where = "in its own process" if engine_process else "on a thread"
+            print(f"step loop {where}: {statistics.median(runs):.1f} output tok/s "
+                  f"(median of {len(runs)}, {args.threads} torch threads)", flush=True)
 
 
 if __name__ == "__main__":
