@@ -85,19 +85,13 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.tokenizer, messages)
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, or ValueError if the request can never run. Changes nothing,
-        so it may be called from any thread."""
-        token_ids = self.encode_prompt(prompt)
-        self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        return token_ids
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0) -> None:
         """Queues a request (validated first: ValueError leaves the engine unchanged)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.validate(prompt, params)
+        token_ids = self.encode_prompt(prompt)
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
         request = Request(request_id, token_ids, params, priority=priority)
         self.scheduler.add_request(request)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
