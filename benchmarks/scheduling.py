@@ -15,7 +15,7 @@ Experiments (--exp, comma-separated; default all):
 Every configuration of one run sees the same seeded workload. Prompts are random token ids and every
 request is greedy with ignore_eos, so each generates exactly its output length. The model is loaded
 once and shared by the engines of all configurations (the model is stateless; each engine owns its
-KV cache), which is why load_hf / build_model are memoized below.
+KV cache): one LoadedModel is passed to each LLMEngine.
 
 Clock: `--clock wall` (default) times everything on time.monotonic. On a shared machine other
 processes stretch wall time unevenly across configurations (the tables print each run's cpu util);
@@ -54,36 +54,20 @@ def log(msg: str) -> None:
 
 
 # ---- engines ---------------------------------------------------------------------------------
-def share_model_across_engines() -> None:
-    """Memoizes the engine's weight loading so that every LLMEngine built in this process reuses one
-    model (loading SmolLM2 takes ~15-30 s on this machine). Falls back silently to normal loading."""
-    import engine.llm_engine as le
-
-    cache: dict = {}
-    load_hf, build_model = le.load_hf, le.build_model
-
-    def cached_load_hf(model, *args, **kwargs):
-        key = ("hf", model, args, tuple(sorted(kwargs.items())))
-        if key not in cache:
-            cache[key] = load_hf(model, *args, **kwargs)
-        return cache[key]
-
-    def cached_build_model(hf_model, max_model_len):
-        key = ("model", id(hf_model), max_model_len)
-        if key not in cache:
-            cache[key] = build_model(hf_model, max_model_len)
-        return cache[key]
-
-    le.load_hf, le.build_model = cached_load_hf, cached_build_model
+_LOADED: list = []  # the model, loaded once and shared by every engine of the run
 
 
 def make_engine(**engine_args):
-    from engine import LLMEngine
+    from engine import EngineConfig, LLMEngine
+    from engine.model_loader import load_model
 
     gc.collect()
     args = dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
     args.update(engine_args)
-    return LLMEngine.from_engine_args(None, **args)
+    config = EngineConfig.from_kwargs(model=None, **args)
+    if not _LOADED:
+        _LOADED.append(load_model(config.model))
+    return LLMEngine(config, _LOADED[0], clock=CLOCK.now)
 
 
 # ---- workloads ---------------------------------------------------------------------------------
@@ -201,8 +185,8 @@ class Clock:
 
     wall: time.monotonic, the engine's own clock. cpu: this process's CPU seconds plus the idle gaps
     skipped between arrivals; it stops while other processes hold the CPU, so on a shared machine a
-    run measures what it would on a dedicated core (valid with --threads 1). With cpu the engine's
-    scheduler and request modules are switched to this clock (aging, arrival and finish stamps)."""
+    run measures what it would on a dedicated core (valid with --threads 1). Engines get it as
+    their clock (aging, arrival and finish stamps)."""
 
     def __init__(self, kind: str = "wall"):
         self.kind = kind
@@ -216,17 +200,6 @@ class Clock:
             time.sleep(max(0.0, t - self.now()))
         else:
             self.skipped += max(0.0, t - self.now())
-
-    def install(self) -> None:
-        if self.kind == "cpu":
-            from types import SimpleNamespace
-
-            import engine.request
-            import engine.scheduler.scheduler
-
-            shim = SimpleNamespace(monotonic=self.now)
-            engine.scheduler.scheduler.time = shim
-            engine.request.time = shim
 
 
 CLOCK = Clock("wall")
@@ -523,9 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    share_model_across_engines()
     CLOCK.kind = args.clock
-    CLOCK.install()
     t0 = time.time()
     results = {"meta": {"model": "SmolLM2-135M-Instruct (embedded GGUF, fp32)", "device": "cpu",
                         "torch_threads": args.threads, "clock": args.clock, "cpu_count": os.cpu_count(),

@@ -1,24 +1,37 @@
 """The engine for servers: the step loop runs off the event loop (a background thread, or with
 `engine_process=True` a child process, see engine/engine_core.py); callers await per-request
-streams of output deltas.
+streams of output deltas. Implements engine.client.EngineClient.
 
-Callers send commands (add, abort) to the loop and receive each step's outputs in one batch,
-handed to the per-request asyncio queues with one event-loop wake-up per step, so the event loop
-is never blocked by a forward pass. The loop validates a request when it adds it: bad input
-raises ValueError on the stream's first iteration, before any output, and changes nothing.
+Callers send commands (AddRequest, AbortRequest) to the loop and receive each step's outputs in
+one batch, handed to the per-request asyncio queues with one event-loop wake-up per step, so the
+event loop is never blocked by a forward pass. The loop validates a request when it adds it: bad
+input raises InvalidRequestError on the stream's first iteration, before any output.
+
+The engine heals: if the step-loop process dies, its live streams raise EngineDeadError and a
+new process is started at once; requests that arrive meanwhile wait for it. Only if it keeps
+dying (more than `max_restarts_per_minute`) or cannot start does the engine stay dead, and
+`check_health` says so, so that the server replaces it.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.client import EngineClient
 from engine.config import EngineConfig
-from engine.engine_core import Event, ProcessCore, RequestError, ThreadCore
-from engine.llm_engine import encode_chat
+from engine.engine_core import AbortRequest, AddRequest, CoreOutputs, ProcessCore, ThreadCore
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.metrics import EngineStats
-from engine.outputs import RequestOutput
+from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -32,52 +45,74 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> No
         q.put_nowait(item)
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig, engine_process: bool = False):
+class AsyncEngine(EngineClient):
+    # Invariant (under _lock): a stream is registered only while a live core is installed, and a
+    # core's exit fails every stream registered before it; so no stream waits on a dead core.
+    def __init__(self, config: EngineConfig, engine_process: bool = False, max_restarts_per_minute: int = 3):
         self.config = config
+        self.engine_process = engine_process
+        self.max_restarts_per_minute = max_restarts_per_minute
+        self.num_restarts = 0
         self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
         self._stopped = False
-        if engine_process:
-            self._core = ProcessCore(config, self._on_events, self._on_core_exit)
-        else:
-            self._core = ThreadCore(config, self._on_events)
-        self._stats: EngineStats = self._core.initial_stats
+        self._dead: EngineDeadError | None = None
+        self._exits: deque[float] = deque()
+        self._restart: concurrent.futures.Future | None = None
+        self._core = self._start_core()
+        self._info = self._core.info
+        self._stats: EngineStats = self._info.stats
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> AsyncEngine:
+        return cls(config, engine_process)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, engine_process: bool = False,
                          **engine_args) -> AsyncEngine:
         return cls(EngineConfig.from_kwargs(model=model, **engine_args), engine_process)
 
+    def _start_core(self) -> ProcessCore | ThreadCore:
+        if self.engine_process:
+            return ProcessCore(self.config, self._on_outputs, self._on_core_exit)
+        return ThreadCore(self.config, self._on_outputs)
+
     @property
     def tokenizer(self):
-        return self._core.tokenizer
+        return self._info.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self._core.max_model_len
+        return self._info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size
 
     @property
     def block_size(self) -> int:
         return self.config.cache.block_size
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, messages)
+    @property
+    def is_ready(self) -> bool:
+        return self._core is not None and self._dead is None and not self._stopped
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step."""
         return self._stats
 
+    def check_health(self) -> None:
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        if self._dead is not None:
+            raise self._dead
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes; the last has `finished=True`. Leaving the
         iteration early (cancel, disconnect, break) aborts the request and frees its blocks."""
-        if self._stopped:
-            raise RuntimeError("engine is shut down")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._core.send(("add", request_id, prompt, params, priority))
+        await self._register(request_id, stream, AddRequest(request_id, prompt, params, priority, waited_s))
         finished = False
         try:
             while not finished:
@@ -90,22 +125,42 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._core.send(("abort", request_id))
+                self.abort(request_id)
+
+    async def _register(self, request_id: str, stream: _Stream, command: AddRequest) -> None:
+        """Registers the stream and sends its request to the live core, waiting out a restart."""
+        while True:
+            with self._lock:
+                self.check_health()
+                if self._core is not None:
+                    if request_id in self._streams:
+                        raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
+                    self._streams[request_id] = stream
+                    self._core.send(command)
+                    return
+                restart = self._restart
+            await asyncio.wrap_future(restart)
 
     def abort(self, request_id: str) -> None:
         """Stops the request at the next step boundary; its stream ends with finish_reason "abort"."""
-        self._core.send(("abort", request_id))
+        core = self._core
+        if core is not None:
+            core.send(AbortRequest(request_id))
 
     def shutdown(self) -> None:
-        if not self._stopped:
+        with self._lock:
+            if self._stopped:
+                return
             self._stopped = True
-            self._core.shutdown()
+            core, self._core = self._core, None
+        if core is not None:
+            core.shutdown()
 
     # ---- called on the loop's side (engine thread, or the process reader thread) ---------
-    def _on_events(self, events: list[Event], stats: EngineStats) -> None:
-        self._stats = stats
+    def _on_outputs(self, outputs: CoreOutputs) -> None:
+        self._stats = outputs.stats
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for event in events:
+        for event in outputs.events:
             stream = self._streams.get(event.request_id)
             if stream is not None:
                 item = event.error if isinstance(event, RequestError) else event
@@ -114,5 +169,41 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _on_core_exit(self, error: Exception) -> None:
-        self._stopped = True
-        self._on_events([RequestError(rid, error) for rid in list(self._streams)], self._stats)
+        """The child process died: fail its streams, then restart it (or give up)."""
+        now = time.monotonic()
+        with self._lock:
+            self._core = None
+            failed = list(self._streams)
+            self._exits.append(now)
+            while self._exits and now - self._exits[0] > 60:
+                self._exits.popleft()
+            restart = not self._stopped and len(self._exits) <= self.max_restarts_per_minute
+            if restart:
+                self._restart = concurrent.futures.Future()
+                threading.Thread(target=self._restart_core, args=(self._restart,), name="engine-restart",
+                                 daemon=True).start()
+            elif not self._stopped:
+                self._dead = EngineDeadError(f"{error}; it died {len(self._exits)} times within a minute")
+        logger.error("%s; %s", error, "restarting it" if restart else "not restarting it")
+        self._on_outputs(CoreOutputs([RequestError(rid, EngineDeadError(str(error))) for rid in failed], self._stats))
+
+    def _restart_core(self, done: concurrent.futures.Future) -> None:
+        t0 = time.monotonic()
+        try:
+            core = self._start_core()
+        except Exception as e:
+            with self._lock:
+                self._dead = EngineDeadError(f"engine process could not be restarted: {e}")
+            done.set_exception(self._dead)
+            return
+        with self._lock:
+            stopped = self._stopped
+            if not stopped:
+                self._core = core
+                self.num_restarts += 1
+        if stopped:
+            core.shutdown()
+            done.set_exception(EngineDeadError("engine is shut down"))
+            return
+        logger.warning("engine process restarted in %.1f s", time.monotonic() - t0)
+        done.set_result(core)

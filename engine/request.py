@@ -22,6 +22,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the request failed; its stream ends with the error, not a finish reason
 
 
 class Request:
@@ -48,7 +49,6 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
-        self.generator = None  # the sampler's per-request RNG when the request is seeded
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,12 +2,16 @@
 
 Greedy rows take the argmax. Other rows go through penalties, temperature, top-k, top-p and min-p,
 then an exponential race (argmax of p / E, E ~ Exp(1)), which equals drawing from p. A seeded
-request draws its noise from its own generator, so its tokens do not depend on what else is in the
-batch. Owns no stop checks.
+request draws its noise from its own generator (kept here, by request id, until the runner says
+the request ended), so its tokens do not depend on what else is in the batch.
+
+One row's failure is that row's alone: if the batched pass raises, every generator is put back
+as it was and the rows are sampled one by one, so the rows that raise fail and the others get
+exactly the tokens the batched pass would have given them. Owns no stop checks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,24 +20,52 @@ from engine.request import Request
 
 @dataclass(slots=True)
 class SamplerOutput:
-    token_ids: list[int]  # (R,) one per row
-    logprobs: list[dict[int, float] | None]  # (R,) sampled token + top-`logprobs` tokens, if asked
+    token_ids: list[int | None]  # (R,) one per row; None where the row failed
+    logprobs: list[dict[int, float] | None]  # (R,) sampled + top-`logprobs` tokens, if asked
+    errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why its row failed
 
 
 class Sampler:
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drops the generators of requests that ended."""
+        for request_id in request_ids:
+            self._request_generators.pop(request_id, None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        snapshot = self._snapshot(requests)
+        try:
+            return self._sample_batch(logits, requests)
+        except Exception:
+            self._restore(snapshot)
+        token_ids, logprobs, errors = [], [], {}
+        for row, request in enumerate(requests):
+            try:
+                one = self._sample_batch(logits[row:row + 1], [request])
+            except Exception as e:  # this request's own fault: fail it, keep its batch-mates
+                token_ids.append(None)
+                logprobs.append(None)
+                errors[request.request_id] = e
+                continue
+            token_ids += one.token_ids
+            logprobs += one.logprobs
+        return SamplerOutput(token_ids, logprobs, errors)
+
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.params.logprobs is not None for r in requests) else None)
-        for row, request in enumerate(requests):
-            if request.params.has_penalties:
-                _apply_penalties(logits[row], request)
+        penalized = [row for row, r in enumerate(requests) if r.params.has_penalties]
+        if penalized:
+            logits = logits.clone()  # the caller's logits stay intact for a row-by-row retry
+            for row in penalized:
+                _apply_penalties(logits[row], requests[row])
         token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows)
             token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
@@ -54,11 +86,27 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.params.seed is not None:
-                if request.generator is None:
-                    request.generator = torch.Generator().manual_seed(
-                        hash((request.params.seed, request.sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
-                noise[row].exponential_(generator=request.generator)
+                noise[row].exponential_(generator=self._request_generator(request))
         return (probs / noise).argmax(dim=-1)
+
+    def _request_generator(self, request: Request) -> torch.Generator:
+        generator = self._request_generators.get(request.request_id)
+        if generator is None:
+            seed = hash((request.params.seed, request.sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
+            generator = self._request_generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return generator
+
+    def _snapshot(self, requests: list[Request]) -> tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]:
+        """Generator states before a pass, and the seeded requests that have no generator yet."""
+        seeded = [r.request_id for r in requests if r.params.seed is not None]
+        generators = [self.generator] + [self._request_generators[i] for i in seeded if i in self._request_generators]
+        return [(g, g.get_state()) for g in generators], [i for i in seeded if i not in self._request_generators]
+
+    def _restore(self, snapshot: tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]) -> None:
+        states, new_ids = snapshot
+        for generator, state in states:
+            generator.set_state(state)
+        self.forget(new_ids)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

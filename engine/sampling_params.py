@@ -1,14 +1,72 @@
-"""User-facing sampling parameters, validated on construction (vLLM's SamplingParams fields)."""
+"""User-facing sampling parameters, validated on construction (vLLM's SamplingParams fields).
+
+This is the one home of every sampling range: the engine checks them here and the serve app
+builds a SamplingParams at its edge, so a value either side accepts the other accepts too.
+Integers are bounded to what the sampler's tensors hold (int64 seeds, int32 counts), floats
+must be finite, and a temperature below `GREEDY_EPS` means greedy, as in vLLM (dividing logits
+by 1e-300 would overflow them). Torch-free.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+GREEDY_EPS = 1e-5
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _show(value) -> str:
+    """The value as an error message shows it: short even for a 5,000-digit int."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"an int of {value.bit_length()} bits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _int_in(lo: int, hi: int):
+    return lambda v: _is_int(v) and lo <= v <= hi
+
+
+def _number_in(lo: float, hi: float, lo_open: bool = False):
+    return lambda v: _is_number(v) and (lo < v if lo_open else lo <= v) and v <= hi
+
+
+_RULES = (  # field, accepts, rule as the error message states it
+    ("n", _int_in(1, MAX_N), f"must be an int in [1, {MAX_N}]"),
+    ("max_tokens", _int_in(1, INT32_MAX), f"must be an int in [1, {INT32_MAX}]"),
+    ("temperature", _number_in(0, math.inf), "must be a finite number >= 0"),
+    ("top_k", lambda v: v == -1 or _int_in(0, INT32_MAX)(v), f"must be an int in [1, {INT32_MAX}], or 0/-1 to disable"),
+    ("top_p", _number_in(0, 1, lo_open=True), "must be a number in (0, 1]"),
+    ("min_p", _number_in(0, 1), "must be a number in [0, 1]"),
+    ("seed", lambda v: v is None or _int_in(INT64_MIN, INT64_MAX)(v), "must be a 64-bit signed int or null"),
+    ("ignore_eos", lambda v: isinstance(v, bool), "must be a bool"),
+    ("presence_penalty", _number_in(-2, 2), "must be a number in [-2, 2]"),
+    ("frequency_penalty", _number_in(-2, 2), "must be a number in [-2, 2]"),
+    ("repetition_penalty", _number_in(0, math.inf, lo_open=True), "must be a finite number > 0"),
+    ("logprobs", lambda v: v is None or _int_in(0, MAX_LOGPROBS)(v), f"must be an int in [0, {MAX_LOGPROBS}] or null"),
+    ("stop", lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
+     f"must be at most {MAX_STOP_STRINGS} non-empty strings"),
+    ("stop_token_ids", lambda v: all(_int_in(0, INT32_MAX)(t) for t in v), f"must be ints in [0, {INT32_MAX}]"),
+)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below GREEDY_EPS = greedy
     top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -24,35 +82,23 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {_show(self.stop)}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of ints, got "
+                                                        f"{_show(self.stop_token_ids)}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name, accepts, rule in _RULES:
+            value = getattr(self, name)
+            if not accepts(value):
+                raise InvalidRequestError(name, f"{name} {rule}, got {_show(value)}")
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
-
-    def _validate(self):
-        checks = (
-            ("n", self.n >= 1, "must be >= 1"),
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 1, or 0/-1 to disable"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative ints"),
-        )
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -42,6 +42,10 @@ class KVCacheManager:
 
     # ---- queries -------------------------------------------------------------------------
     @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

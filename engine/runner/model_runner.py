@@ -4,20 +4,13 @@ Owns the device KV cache and its host swap mirror; makes no scheduling decisions
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.outputs import ModelRunnerOutput
 from engine.runner.inputs import build_inputs
 from engine.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    sampled: dict[str, int]  # request id -> sampled token
-    logprobs: dict[str, dict[int, float]]  # request id -> logprobs of this step's token, when asked
 
 
 class ModelRunner:
@@ -42,6 +35,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.forget(out.finished_ids)
         self._move_blocks(out)
         if out.is_empty:
             return ModelRunnerOutput({}, {})
@@ -51,8 +45,9 @@ class ModelRunner:
                             inputs.sample_indices)
         result = self.sampler(logits, inputs.sampled_requests)
         ids = [r.request_id for r in inputs.sampled_requests]
-        return ModelRunnerOutput(dict(zip(ids, result.token_ids)),
-                                 {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None})
+        return ModelRunnerOutput({i: t for i, t in zip(ids, result.token_ids) if t is not None},
+                                 {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
+                                 result.errors)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies: batched index copies, in that order."""

@@ -22,6 +22,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), run second
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst), third
     preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop their state
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

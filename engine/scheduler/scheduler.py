@@ -3,15 +3,19 @@
 There are no prefill or decode phases: every request has `num_tokens` and `num_computed_tokens`,
 and each step hands out tokens under one budget (`max_num_batched_tokens`, `max_num_seqs`), so
 prefill chunks and decodes share one ragged batch. Owns admission order, preemption (swap or
-recompute) and finishing; owns no tensors. Block bookkeeping is the KVCacheManager's.
+recompute), finishing, and the statistics of all of it; owns no tensors. Block bookkeeping is
+the KVCacheManager's. Time comes from the injected `clock`.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.metrics import EngineStats, StepStats
+from engine.outputs import ModelRunnerOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from engine.scheduler.queue import WaitingQueue
@@ -19,7 +23,7 @@ from engine.scheduler.queue import WaitingQueue
 
 @dataclass(slots=True)
 class SchedulerCounters:
-    """Cumulative counts since start (metrics read them)."""
+    """Cumulative counts since start (make_stats reports them)."""
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0
     num_blocks_swapped_out: int = 0
@@ -29,6 +33,7 @@ class SchedulerCounters:
     num_prefix_hit_tokens: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int = 0
+    num_failed_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,28 +44,40 @@ class PreemptionCosts:
     recompute_tokens_per_s: float = 400.0
 
 
+@dataclass(slots=True)
+class SchedulerUpdate:
+    """What a step changed: requests that got a token (finished ones included, with status
+    FINISHED) and the user requests (groups) that failed, already finished with ERROR."""
+    updated: list[Request] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)  # group id -> error
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: frozenset[int] = frozenset(), costs: PreemptionCosts = PreemptionCosts()):
+                 eos_token_ids: frozenset[int] = frozenset(), costs: PreemptionCosts = PreemptionCosts(),
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.costs = costs
+        self.clock = clock
         self.waiting = WaitingQueue(config.policy, config.aging_rate)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
+        self._groups: dict[str, list[str]] = {}  # group id -> request ids of its samples
+        self._finished_ids: list[str] = []  # since the last schedule(): the runner drops their state
         self._static_batch_open = True
 
     # ---- requests in and out -------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raises ValueError for a request that could never be scheduled. Changes nothing."""
         max_len = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        if self.kv.num_blocks_for(max_len) > self.kv.pool.num_blocks:
+        if self.kv.num_blocks_for(max_len) > self.kv.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {self.kv.num_blocks_for(max_len)} KV blocks "
-                             f"({max_len} tokens); the KV cache has {self.kv.pool.num_blocks}")
+                             f"({max_len} tokens); the KV cache has {self.kv.num_blocks}")
         if not self.config.enable_chunked_prefill and num_prompt_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, over max_num_batched_tokens "
                              f"{self.config.max_num_batched_tokens} with chunked prefill off")
@@ -68,8 +85,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a request. Raises ValueError if it could never fit (see check_fits)."""
         self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
-        self.requests[request.request_id] = request
+        self._track(request)
         self.waiting.add(request)
+
+    def _track(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._groups.setdefault(request.group_id, []).append(request.request_id)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
         """Ends a request wherever it is and frees its blocks at once; None if unknown."""
@@ -84,26 +105,38 @@ class Scheduler:
             self.waiting.remove(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
         self.kv.free(request)
         self.kv.forget(request)
+        self._finished_ids.append(request_id)
+        siblings = self._groups[request.group_id]
+        siblings.remove(request_id)
+        if not siblings:
+            del self._groups[request.group_id]
         if not self.running and not self.swapped:
             self._static_batch_open = True
         return request
+
+    def finish_group(self, group_id: str, reason: FinishReason) -> None:
+        """Ends every sample of a user request that has not finished yet."""
+        if reason is FinishReason.ERROR and group_id in self._groups:
+            self.counters.num_failed_requests += 1
+        for request_id in list(self._groups.get(group_id, ())):
+            self.finish_request(request_id, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        now = time.monotonic()
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         if self.config.policy == "priority":
-            self._preempt_for_priority(out, now)
+            self._preempt_for_priority(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        budget = self._schedule_swapped(out, budget, now)
+        budget = self._schedule_swapped(out, budget)
         if self.config.policy != "static" or self._static_batch_open:
-            self._schedule_waiting(out, budget, now)
+            self._schedule_waiting(out, budget, self.clock())
         if self.config.policy == "static" and self.running and (
                 len(self.running) >= self.config.max_num_seqs or not self.waiting):
             self._static_batch_open = False
@@ -125,21 +158,20 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int, now: float) -> int:
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swaps requests back in, best first, ahead of new admissions; never one preempted this
         step, nor (under `priority`) one that ranks below the best waiting request."""
         if not self.swapped:
             return budget
         preempted = set(out.preempted_ids)
-        best_waiting = next(self.waiting.ordered(now), None) if self.config.policy == "priority" else None
+        best_waiting = self.waiting.peek() if self.config.policy == "priority" else None
         for request in sorted(self.swapped, key=self._victim_rank):
             if request.request_id in preempted:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if (num_new == 0 or len(self.running) >= self.config.max_num_seqs
                     or self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_free_blocks
-                    or (best_waiting is not None
-                        and self.waiting.rank(best_waiting, now) < self._victim_rank(request))):
+                    or (best_waiting is not None and self._victim_rank(best_waiting) < self._victim_rank(request))):
                 break
             pairs = self.kv.swap_in(request)
             self.swapped.remove(request)
@@ -152,7 +184,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        for request in self.waiting.ordered(now):
+        while (request := self.waiting.peek()) is not None:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             computed = self.kv.get_computed_blocks(request)
@@ -163,7 +195,7 @@ class Scheduler:
             copies = self.kv.allocate_slots(request, num_new, computed)
             if copies is None:
                 return  # no head-of-line bypass: lower ranks wait behind this one
-            self.waiting.remove(request.request_id)
+            self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = computed.num_tokens
@@ -189,28 +221,29 @@ class Scheduler:
 
     # ---- preemption ----------------------------------------------------------------------
     def _victim_rank(self, request: Request) -> tuple[float, float]:
-        """Lower is better; preemption takes the highest. Under `priority` this is the aged rank
-        of the waiting queue, so a waiting request and a running one compare on one scale."""
+        """Lower is better; preemption takes the highest. Under `priority` this is the waiting
+        queue's key, so a waiting request and a running one compare on one (aged) scale."""
         if self.config.policy == "priority":
-            return self.waiting.rank(request, time.monotonic())
+            return (self.waiting.key(request), request.arrival_time)
         if self.config.victim_order == "latest_arrival":
             return (0.0, request.arrival_time)
         return (float(request.priority), request.arrival_time)
 
-    def _preempt_for_priority(self, out: SchedulerOutput, now: float) -> None:
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Displaces running requests of strictly worse rank while the best waiting request finds
         the batch or the KV cache full. Never preempts to admit a request of lower rank."""
-        for best in self.waiting.ordered(now):
-            computed = self.kv.get_computed_blocks(best)
-            num_new = min(best.num_tokens - computed.num_tokens, self.config.max_num_batched_tokens)
-            while self.running:
-                worst = max(self.running, key=self._victim_rank)
-                full = (len(self.running) >= self.config.max_num_seqs
-                        or self.kv.num_free_blocks_needed(best, num_new, computed) > self.kv.num_free_blocks)
-                if not full or self.waiting.rank(best, now) >= self._victim_rank(worst):
-                    return
-                self._preempt(worst, out)
+        best = self.waiting.peek()
+        if best is None:
             return
+        computed = self.kv.get_computed_blocks(best)
+        num_new = min(best.num_tokens - computed.num_tokens, self.config.max_num_batched_tokens)
+        while self.running:
+            worst = max(self.running, key=self._victim_rank)
+            full = (len(self.running) >= self.config.max_num_seqs
+                    or self.kv.num_free_blocks_needed(best, num_new, computed) > self.kv.num_free_blocks)
+            if not full or self._victim_rank(best) >= self._victim_rank(worst):
+                return
+            self._preempt(worst, out)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -242,40 +275,53 @@ class Scheduler:
         return swap_s < recompute_s
 
     # ---- after the forward ---------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> SchedulerUpdate:
         """Advances computed tokens, appends sampled tokens, forks n > 1 requests after their
-        first token, finishes requests that hit a stop condition. Returns the requests that got a
-        token this step (finished ones included, with status FINISHED)."""
-        now = time.monotonic()
-        updated = []
+        first token, finishes requests that hit a stop condition. A request whose sampling or
+        stop check failed fails with its whole group; the others go on."""
+        now = self.clock()
+        update = SchedulerUpdate()
         for item in out.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += len(item.token_ids)
-            self.counters.num_prompt_tokens += max(
-                0, min(request.num_computed_tokens, request.num_prompt_tokens) - item.start_pos)
-            self.kv.cache_full_blocks(request)
-            if not item.sample:
-                continue
-            request.append_token(sampled[request.request_id])
-            self.counters.num_generation_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if request.params.n > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
-                self._fork(request)
-            reason = self._stop_reason(request)
-            if reason is not None:
-                self.finish_request(request.request_id, reason)
-            updated.append(request)
-        return updated
+            error = result.errors.get(request.request_id)
+            if error is None:
+                try:
+                    if self._advance(request, item, result.sampled, now):
+                        update.updated.append(request)
+                except Exception as e:  # this request's fault only
+                    error = e
+            if error is not None:  # fail its group, free its blocks; the batch goes on
+                update.failed[request.group_id] = error
+                self.finish_group(request.group_id, FinishReason.ERROR)
+        return update
+
+    def _advance(self, request: Request, item: ScheduledRequest, sampled: dict[str, int], now: float) -> bool:
+        """Applies one scheduled chunk to its request; True if it sampled a token."""
+        request.num_computed_tokens += len(item.token_ids)
+        self.counters.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
+                                               - item.start_pos)
+        self.kv.cache_full_blocks(request)
+        if not item.sample:
+            return False
+        request.append_token(sampled[request.request_id])
+        self.counters.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.params.n > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
+            self._fork(request)
+        reason = self._stop_reason(request)
+        if reason is not None:
+            self.finish_request(request.request_id, reason)
+        return True
 
     def _fork(self, parent: Request) -> None:
         for index in range(1, parent.params.n):
             child = parent.fork(index)
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING
-            self.requests[child.request_id] = child
+            self._track(child)
             self.running.append(child)
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
@@ -286,3 +332,19 @@ class Scheduler:
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    # ---- statistics ----------------------------------------------------------------------
+    def make_stats(self, step: StepStats) -> EngineStats:
+        """A snapshot of queues, KV use and counters, with the last step's figures."""
+        c = self.counters
+        return EngineStats(
+            num_waiting=len(self.waiting), num_running=len(self.running), num_swapped=len(self.swapped),
+            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks, kv_usage=self.kv.usage,
+            prefix_cache_hit_rate=c.num_prefix_hit_tokens / max(c.num_prefix_query_tokens, 1),
+            batch_size=step.batch_size, batch_tokens=step.batch_tokens, step_latency_s=step.step_latency_s,
+            scheduler_overhead_s=step.scheduler_overhead_s, num_steps=step.num_steps,
+            num_queued_tokens=self.waiting.num_tokens,
+            num_preemptions_swap=c.num_preemptions_swap, num_preemptions_recompute=c.num_preemptions_recompute,
+            num_blocks_swapped_out=c.num_blocks_swapped_out, num_blocks_swapped_in=c.num_blocks_swapped_in,
+            num_recomputed_tokens=c.num_recomputed_tokens, num_prompt_tokens=c.num_prompt_tokens,
+            num_generation_tokens=c.num_generation_tokens, num_failed_requests=c.num_failed_requests)

@@ -1,4 +1,5 @@
-"""Factories for engine tests: scheduler without a model, HF reference generation."""
+"""Factories for engine tests: scheduler without a model, one step with fake sampled tokens, a
+fake clock, HF reference generation."""
 from __future__ import annotations
 
 import itertools
@@ -8,18 +9,32 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
+from engine.outputs import ModelRunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.output import SchedulerOutput
+from engine.scheduler.scheduler import PreemptionCosts, Scheduler
 
 _ids = itertools.count()
 
 
+class FakeClock:
+    """A clock for Scheduler(clock=...): returns `now`, moved by hand."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 0,
                    enable_prefix_caching: bool = True, max_model_len: int = 4096,
-                   eos_token_ids=frozenset({0}), **scheduler_overrides) -> Scheduler:
+                   eos_token_ids=frozenset({0}), costs: PreemptionCosts = PreemptionCosts(),
+                   clock=None, **scheduler_overrides) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching)
-    return Scheduler(SchedulerConfig(**scheduler_overrides), kv, max_model_len, frozenset(eos_token_ids))
+    return Scheduler(SchedulerConfig(**scheduler_overrides), kv, max_model_len, frozenset(eos_token_ids), costs,
+                     clock or FakeClock())
 
 
 def make_request(num_tokens: int = 10, max_tokens: int = 4, prompt: list[int] | None = None, priority: int = 0,
@@ -27,6 +42,19 @@ def make_request(num_tokens: int = 10, max_tokens: int = 4, prompt: list[int] | 
     prompt = prompt if prompt is not None else [1 + (next(_ids) * 7 + i) % 97 for i in range(num_tokens)]
     return Request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
                    priority=priority, arrival_time=arrival_time)
+
+
+def sampled(out: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
+    """What a runner would return if it sampled `token` for every request due a token."""
+    return ModelRunnerOutput({s.request.request_id: token for s in out.scheduled if s.sample}, {})
+
+
+def step(sched: Scheduler, token: int = 5) -> SchedulerOutput:
+    """One scheduler step with `token` sampled for everyone; checks block accounting after it."""
+    out = sched.schedule()
+    sched.update_from_output(out, sampled(out, token))
+    sched.kv.check_integrity()
+    return out
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

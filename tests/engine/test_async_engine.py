@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncEngine, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.errors import EngineDeadError
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -80,23 +81,35 @@ def test_invalid_request_raises_before_streaming(engine):
     assert len(tokens) == 20 and last.finished
 
 
-def test_engine_process_death_fails_streams_and_later_calls(tiny_llama):
-    """1. a stream is running in the child process; 2. the child is killed; 3. the stream raises
-    instead of hanging, and the engine refuses new requests."""
-    eng = AsyncEngine.from_engine_args(tiny_llama, engine_process=True)
+def test_engine_process_death_fails_streams_then_the_engine_heals(tiny_llama):
+    """1. A stream runs in the child process; the child is killed. 2. The stream raises
+    EngineDeadError instead of hanging. 3. A request sent while the child restarts waits for it
+    and completes with the tokens of an undisturbed run. 4. Killed more often than
+    max_restarts_per_minute, the engine stays dead: check_health and new requests raise."""
+    eng = AsyncEngine(EngineConfig.from_kwargs(model=tiny_llama), engine_process=True, max_restarts_per_minute=1)
+    expected = LLM(tiny_llama).generate([[5, 6]], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
 
     async def main():
         stream = eng.generate([5, 6, 7], SamplingParams(max_tokens=5000, ignore_eos=True), "doomed")
         await stream.__anext__()
         eng._core._proc.kill()
-        with pytest.raises(RuntimeError, match="engine process exited"):
+        with pytest.raises(EngineDeadError, match="engine process exited"):
             async for _ in stream:
                 pass
-        with pytest.raises(RuntimeError, match="shut down"):
-            await eng.generate([5], PARAMS, "after").__anext__()
+        assert not eng.is_ready
+        tokens, _, _, last = await _collect(eng, [5, 6], "after-restart")
+        assert tokens == expected and last.finished and eng.num_restarts == 1 and eng.is_ready
+        eng._core._proc.kill()
+        while eng.is_ready:  # until the reader thread sees the second death
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError, match="within a minute"):
+            eng.check_health()
+        with pytest.raises(EngineDeadError, match="within a minute"):
+            async for _ in eng.generate([5], PARAMS, "after-second-death"):
+                pass
 
     try:
-        asyncio.run(asyncio.wait_for(main(), 60))
+        asyncio.run(asyncio.wait_for(main(), 120))
     finally:
         eng.shutdown()
 

@@ -21,7 +21,7 @@ def engine(tiny_llama):
 
 
 @pytest.mark.parametrize("prompt, match", [
-    ("", "prompt"), ([], "prompt_token_ids"), (list(range(3, 80)), "max_model_len"),
+    ("", "prompt"), ([], "prompt_token_ids"), (list(range(3, 80)), "context length"),
     ([5, 10**6], "prompt_token_ids"), ([5, -1], "prompt_token_ids"),
 ])
 def test_invalid_prompts_raise_and_engine_keeps_serving(engine, prompt, match):
@@ -36,7 +36,7 @@ def test_invalid_prompts_raise_and_engine_keeps_serving(engine, prompt, match):
         engine.add_request("bad", prompt, params)
     assert first + _run(engine)["good"] == alone
     engine.kv.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_request_that_can_never_fit_is_rejected(engine):

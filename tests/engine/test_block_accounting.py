@@ -1,10 +1,12 @@
-"""Property test: random arrivals, lengths, forks (n > 1), shared prefixes, aborts and preemption
-through the real scheduler and KV manager; accounting is exact after every step."""
+"""Property test: random arrivals, lengths, forks (n > 1), shared prefixes, aborts, requests that
+fail mid-batch and preemption through the real scheduler and KV manager; accounting is exact
+after every step."""
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.outputs import ModelRunnerOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_scheduler
@@ -18,7 +20,8 @@ request_spec = st.tuples(
     st.integers(1, 3),  # n
     st.integers(0, 2),  # priority
 )
-step_spec = st.tuples(st.lists(request_spec, max_size=3), st.booleans(), st.integers(0, 10_000))
+# new requests, abort one group?, which group, fail one sampled request this step?
+step_spec = st.tuples(st.lists(request_spec, max_size=3), st.booleans(), st.integers(0, 10_000), st.booleans())
 
 
 @settings(max_examples=120, deadline=None)
@@ -31,7 +34,7 @@ def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, s
                            policy=policy, max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64)
     token = seed
     count = 0
-    for new, abort, pick in steps + [([], False, 0)] * 400:
+    for new, abort, pick, fail in steps + [([], False, 0, False)] * 400:
         for prefix, own, max_tokens, n, priority in new:
             prompt = (PREFIXES[prefix - 1] if prefix else []) + [(token + i) % 50 + 1 for i in range(own)]
             request = Request(f"g{count}", prompt, SamplingParams(max_tokens=max_tokens, n=n, temperature=0),
@@ -44,17 +47,19 @@ def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, s
         if abort and sched.requests:
             group = sorted({r.group_id for r in sched.requests.values()})[pick % len({
                 r.group_id for r in sched.requests.values()})]
-            for rid in [r.request_id for r in sched.requests.values() if r.group_id == group]:
-                sched.finish_request(rid, FinishReason.ABORT)
+            sched.finish_group(group, FinishReason.ABORT)
         out = sched.schedule()
         sampled = {}
         for item in out.scheduled:
             token = (token * 1103515245 + 12345) % (1 << 31)
             sampled[item.request.request_id] = token % 60  # 0 is eos: some requests stop early
-        sched.update_from_output(out, sampled)
+        due = [item.request.request_id for item in out.scheduled if item.sample]
+        errors = {due[pick % len(due)]: RuntimeError("injected")} if fail and due else {}
+        update = sched.update_from_output(out, ModelRunnerOutput(sampled, {}, errors))
+        assert not any(r.group_id in update.failed for r in sched.requests.values())  # failed whole
         sched.kv.check_integrity()
         if not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "requests left unfinished: the scheduler stalled"
-    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert sched.kv.host_pool.num_free_blocks == sched.kv.host_pool.num_blocks

@@ -1,12 +1,12 @@
 """Engine statistics (EngineStats) and per-request timings (RequestMetrics) on known workloads:
-model-free through StatsCollector over the scheduler, then through LLMEngine on the tiny model."""
+model-free through Scheduler.make_stats, then through LLMEngine on the tiny model."""
 from __future__ import annotations
 
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.metrics import StatsCollector
-from tests.engine.helpers import make_request, make_scheduler
+from engine.metrics import StepStats
+from tests.engine.helpers import make_request, make_scheduler, sampled
 
 BS = 4
 
@@ -15,12 +15,21 @@ def _prompt(first: int, n: int) -> list[int]:
     return [first + i for i in range(n)]  # distinct first tokens: no accidental prefix hits
 
 
-def _step(sched, stats: StatsCollector, token: int = 5):
-    out = sched.schedule()
-    sched.update_from_output(out, {s.request.request_id: token for s in out.scheduled})
-    stats.record_step(out, 0.0, 0.0)
-    sched.kv.check_integrity()
-    return stats.snapshot()
+class _Steps:
+    """Steps a scheduler with fake tokens, counting steps as the engine does."""
+
+    def __init__(self, sched):
+        self.sched, self.last = sched, StepStats()
+
+    def step(self, token: int = 5):
+        out = self.sched.schedule()
+        self.sched.update_from_output(out, sampled(out, token))
+        self.last = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, 0.0, 0.0, self.last.num_steps + 1)
+        self.sched.kv.check_integrity()
+        return self.snapshot()
+
+    def snapshot(self):
+        return self.sched.make_stats(self.last)
 
 
 def _queue_shape(s) -> tuple:
@@ -34,7 +43,7 @@ def test_stats_follow_a_known_workload_step_by_step():
     3. r0 decodes its last token and finishes; r2 prefills (1 + 9 tokens).
     4. r2 decodes and finishes: nothing left, no block owned."""
     sched = make_scheduler(num_blocks=64, block_size=BS, max_num_seqs=2)
-    stats = StatsCollector(sched)
+    stats = _Steps(sched)
     reqs = [make_request(prompt=_prompt(100 * (i + 1), n), max_tokens=m, arrival_time=float(i))
             for i, (n, m) in enumerate([(10, 3), (6, 2), (9, 2)])]
     for r in reqs:
@@ -42,20 +51,20 @@ def test_stats_follow_a_known_workload_step_by_step():
     s = stats.snapshot()
     assert _queue_shape(s) == (3, 0, 0, 0, 0) and s.num_queued_tokens == 25 and s.kv_usage == 0.0
 
-    s = _step(sched, stats)
+    s = stats.step()
     assert _queue_shape(s) == (1, 2, 0, 2, 16)
     assert s.num_queued_tokens == 9 and s.num_free_blocks == 64 - 5 and s.kv_usage == pytest.approx(5 / 64)
     assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps) == (16, 2, 1)
 
-    s = _step(sched, stats)
+    s = stats.step()
     assert _queue_shape(s) == (1, 1, 0, 2, 2) and reqs[1].is_finished
     assert s.kv_usage == pytest.approx(3 / 64) and (s.num_prompt_tokens, s.num_generation_tokens) == (16, 4)
 
-    s = _step(sched, stats)
+    s = stats.step()
     assert _queue_shape(s) == (0, 1, 0, 2, 10) and reqs[0].is_finished
     assert s.kv_usage == pytest.approx(3 / 64) and (s.num_prompt_tokens, s.num_generation_tokens) == (25, 6)
 
-    s = _step(sched, stats)
+    s = stats.step()
     assert _queue_shape(s) == (0, 0, 0, 1, 1) and s.kv_usage == 0.0 and s.num_free_blocks == 64
     assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps) == (25, 7, 4)
     assert s.prefix_cache_hit_rate == 0.0 and s.num_preemptions_swap == s.num_preemptions_recompute == 0
@@ -65,19 +74,19 @@ def test_stats_count_swapped_requests_and_blocks():
     """4 blocks of 4, swap mode: two 7-token prompts fill the cache; in step 3 the late one is
     swapped out (2 blocks) while the early one finishes; in step 4 it is swapped back in."""
     sched = make_scheduler(num_blocks=4, block_size=BS, num_host_blocks=4, preemption_mode="swap")
-    stats = StatsCollector(sched)
+    stats = _Steps(sched)
     early = make_request(prompt=_prompt(100, 7), max_tokens=3, arrival_time=1.0)
     late = make_request(prompt=_prompt(200, 7), max_tokens=3, arrival_time=2.0)
     sched.add_request(early)
     sched.add_request(late)
-    s = _step(sched, stats)
+    s = stats.step()
     assert s.kv_usage == 1.0 and s.num_free_blocks == 0
-    _step(sched, stats)
-    s = _step(sched, stats)
+    stats.step()
+    s = stats.step()
     assert _queue_shape(s) == (0, 0, 1, 1, 1)  # early decoded alone and finished; late is swapped out
     assert (s.num_preemptions_swap, s.num_blocks_swapped_out, s.num_blocks_swapped_in) == (1, 2, 0)
     assert s.kv_usage == 0.0
-    s = _step(sched, stats)
+    s = stats.step()
     assert _queue_shape(s) == (0, 0, 0, 1, 1) and late.is_finished
     assert (s.num_preemptions_swap, s.num_preemptions_recompute, s.num_blocks_swapped_out,
             s.num_blocks_swapped_in, s.num_recomputed_tokens) == (1, 0, 2, 2, 0)
@@ -96,7 +105,7 @@ def test_prompt_token_count_equals_the_prompt_positions_computed(case):
         sched = make_scheduler(num_blocks=64, block_size=BS, max_num_batched_tokens=5, enable_prefix_caching=False)
     else:  # the late request is preempted with 8 computed tokens and re-prefills 9 in one chunk
         sched = make_scheduler(num_blocks=4, block_size=BS, preemption_mode="recompute", enable_prefix_caching=False)
-    stats = StatsCollector(sched)
+    stats = _Steps(sched)
     for i, n in enumerate([7, 7]):
         sched.add_request(make_request(prompt=_prompt(100 * (i + 1), n), max_tokens=3, arrival_time=float(i)))
     prompt_positions = 0
@@ -104,8 +113,7 @@ def test_prompt_token_count_equals_the_prompt_positions_computed(case):
         out = sched.schedule()
         prompt_positions += sum(max(0, min(s.start_pos + len(s.token_ids), s.request.num_prompt_tokens) - s.start_pos)
                                 for s in out.scheduled)
-        sched.update_from_output(out, {s.request.request_id: 5 for s in out.scheduled})
-        stats.record_step(out, 0.0, 0.0)
+        sched.update_from_output(out, sampled(out))
     s = stats.snapshot()
     assert (s.num_preemptions_recompute > 0) == (case != "chunked-no-preemption")
     assert s.num_prompt_tokens == prompt_positions

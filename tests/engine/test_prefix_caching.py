@@ -7,30 +7,23 @@ import os
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from tests.engine.helpers import make_request, make_scheduler
+from tests.engine.helpers import make_request, make_scheduler, sampled, step
 
 BS = 4
-
-
-def _step(sched, token: int = 5):
-    out = sched.schedule()
-    sched.update_from_output(out, {s.request.request_id: token for s in out.scheduled})
-    sched.kv.check_integrity()
-    return out
 
 
 def _run(sched, request):
     """Adds a request and steps until it finished; returns its first step's output."""
     sched.add_request(request)
-    first = _step(sched)
+    first = step(sched)
     while request.request_id in sched.requests:
-        _step(sched)
+        step(sched)
     return first
 
 
 def _step_add(sched, request):
     sched.add_request(request)
-    return _step(sched)
+    return step(sched)
 
 
 PREFIX = list(range(101, 111))  # 10 tokens: 2 full blocks of 4, and 2 tokens of a third
@@ -126,9 +119,9 @@ def test_unreferenced_cached_blocks_are_evicted_lazily_in_lru_order():
     assert pool.num_evictions == 1 and pool.block_hash[2] is None
     assert pool.block_hash[0] is not None and pool.block_hash[1] is not None
     assert list(pool.free_queue) == [1, 0]
-    sched.update_from_output(out, {s.request.request_id: 5 for s in out.scheduled})
+    sched.update_from_output(out, sampled(out))
     while sched.has_unfinished():
-        _step(sched)
+        step(sched)
 
     again = make_request(prompt=a_prompt + [1, 2, 3, 4], max_tokens=1)
     out = _step_add(sched, again)

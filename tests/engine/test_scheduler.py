@@ -3,13 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.helpers import make_request, make_scheduler
-
-
-def _step(sched, token: int = 5):
-    out = sched.schedule()
-    sched.update_from_output(out, {s.request.request_id: token for s in out.scheduled})
-    return out
+from tests.engine.helpers import make_request, make_scheduler, step
 
 
 def test_token_budget_chunks_prefill_after_decodes():
@@ -19,9 +13,9 @@ def test_token_budget_chunks_prefill_after_decodes():
     reqs = [make_request(30, max_tokens=5) for _ in range(3)]
     for r in reqs:
         sched.add_request(r)
-    out = _step(sched)
+    out = step(sched)
     assert out.num_scheduled_tokens == {reqs[0].request_id: 30, reqs[1].request_id: 10}
-    out = _step(sched)
+    out = step(sched)
     assert out.num_scheduled_tokens == {reqs[0].request_id: 1, reqs[1].request_id: 20, reqs[2].request_id: 19}
     assert [s.sample for s in out.scheduled] == [True, True, False]
 
@@ -30,7 +24,7 @@ def test_max_num_seqs_bounds_the_batch():
     sched = make_scheduler(max_num_seqs=2)
     for _ in range(3):
         sched.add_request(make_request(5))
-    assert len(_step(sched).scheduled) == 2
+    assert len(step(sched).scheduled) == 2
 
 
 @pytest.mark.parametrize("policy", ["static", "fcfs"])
@@ -41,14 +35,14 @@ def test_a_freed_slot_is_refilled_at_once_only_by_continuous_batching(policy):
     first = [make_request(5, max_tokens=3), make_request(5, max_tokens=1)]
     for r in first:
         sched.add_request(r)
-    _step(sched)
+    step(sched)
     late = make_request(5, max_tokens=2)
     sched.add_request(late)
-    out = _step(sched)
+    out = step(sched)
     assert (late.request_id in out.num_scheduled_tokens) == (policy == "fcfs")
     while first[0].request_id in sched.requests:
-        _step(sched)
-    assert late.is_finished or late.request_id in _step(sched).num_scheduled_tokens
+        step(sched)
+    assert late.is_finished or late.request_id in step(sched).num_scheduled_tokens
 
 
 def test_recompute_preemption_takes_the_latest_arrival_and_requeues_it():
@@ -56,9 +50,9 @@ def test_recompute_preemption_takes_the_latest_arrival_and_requeues_it():
     early, late = make_request(7, max_tokens=8, arrival_time=1.0), make_request(7, max_tokens=8, arrival_time=2.0)
     sched.add_request(early)
     sched.add_request(late)
-    _step(sched)  # 7 prompt tokens each: 2 blocks each, the pool is full
-    _step(sched)  # position 7 still fits
-    out = _step(sched)  # position 8 needs a third block
+    step(sched)  # 7 prompt tokens each: 2 blocks each, the pool is full
+    step(sched)  # position 7 still fits
+    out = step(sched)  # position 8 needs a third block
     assert out.preempted_ids == [late.request_id]
     assert late.num_computed_tokens == 0 and late.request_id in sched.waiting
     assert sched.counters.num_preemptions_recompute == 1 and sched.counters.num_recomputed_tokens == 8
@@ -69,12 +63,12 @@ def test_swap_preemption_emits_block_pairs_and_swaps_back_first():
     early, late = make_request(7, max_tokens=3, arrival_time=1.0), make_request(7, max_tokens=3, arrival_time=2.0)
     sched.add_request(early)
     sched.add_request(late)
-    _step(sched)
-    _step(sched)
-    out = _step(sched)
+    step(sched)
+    step(sched)
+    out = step(sched)
     assert len(out.blocks_to_swap_out) == 2
     assert sched.swapped == [late]
     while early.request_id in sched.requests:
-        _step(sched)
-    out = _step(sched)
+        step(sched)
+    out = step(sched)
     assert len(out.blocks_to_swap_in) == 2 and late.request_id in out.num_scheduled_tokens

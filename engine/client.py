@@ -1,0 +1,68 @@
+"""`EngineClient`: the engine as a server sees it. The serve app's replica depends on this
+contract alone (cf. Ray Serve LLM's engine protocol); `engine.AsyncEngine` implements it, and the
+serve tests' fake engine does too. Torch-free, so the serve app imports it without a model.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.metrics import EngineStats
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class EngineClient(ABC):
+    """- `generate` yields RequestOutput DELTAS (per changed sample index, only the new tokens and
+      text); the last has `finished=True`. Input the engine refuses raises InvalidRequestError
+      (its `param` names the field) on the first iteration, before anything is yielded; a
+      request that fails while running raises RequestFailedError; an engine whose step loop
+      died raises EngineDeadError. Leaving the iteration early aborts the request.
+    - `abort` frees the request's KV blocks at once; unknown ids are ignored.
+    - `stats` is the snapshot taken after the latest step (cheap).
+    - `is_ready` is False while the engine cannot take requests (its step loop restarting);
+      `check_health` raises EngineDeadError once it never will again.
+    """
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> EngineClient: ...
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """A transformers tokenizer (encode, decode, apply_chat_template); picklable."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def block_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def is_ready(self) -> bool: ...
+
+    @abstractmethod
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+                 waited_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def check_health(self) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

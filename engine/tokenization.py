@@ -1,0 +1,49 @@
+"""Prompts to token ids, and the rules a prompt must satisfy: the one home of templating, prompt
+tokenization and the context-length check. The engine applies them when a request arrives as
+text; the serve app's ingress applies the same functions at its edge, tokenizes each prompt
+once and sends the engine the token ids. Torch-free.
+"""
+from __future__ import annotations
+
+from engine.errors import InvalidRequestError
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    if not isinstance(text, str) or not text:
+        raise InvalidRequestError("prompt", "prompt must be a non-empty string")
+    try:
+        return list(tokenizer.encode(text))
+    except Exception as e:  # e.g. a lone surrogate the tokenizer cannot take
+        raise InvalidRequestError("prompt", f"prompt could not be tokenized: {e}") from None
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template applied, generation prompt added."""
+    if not messages:
+        raise InvalidRequestError("messages", "messages must not be empty")
+    try:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # the template refuses the conversation (roles, order, content)
+        raise InvalidRequestError("messages", f"could not apply the chat template: {e}") from None
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    if not token_ids:
+        raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError("prompt", f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str = "prompt"
+                         ) -> None:
+    """The prompt plus `max_tokens` must fit in max_model_len (OpenAI's rule, for requests that
+    state max_tokens); with max_tokens None the prompt must leave room for one token, and
+    generation stops at max_model_len (the offline API's rule)."""
+    wanted = num_prompt_tokens + (1 if max_tokens is None else max_tokens)
+    if wanted > max_model_len:
+        raise InvalidRequestError(
+            param, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                   f"{wanted} tokens ({num_prompt_tokens} in the prompt, {wanted - num_prompt_tokens} in the "
+                   f"completion). Please reduce the prompt or max_tokens.")
