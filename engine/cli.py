@@ -2,24 +2,23 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import ENGINE_FIELDS
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for part in (ModelConfig, CacheConfig, SchedulerConfig):
-        for f in dataclasses.fields(part):
-            if f.name == "seed":  # --seed is the request's sampling seed here
-                continue
-            kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
-            if str(f.type) == "bool":
-                parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction)
-            else:
-                parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind)
+    for f in ENGINE_FIELDS:
+        if f.name == "seed":  # --seed is the request's sampling seed here
+            continue
+        flag, help = f"--{f.name.replace('_', '-')}", f.metadata["help"]
+        if str(f.type) == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
+        else:
+            kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, help=help)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """Engine configuration: one frozen dataclass per part, validated on construction.
 
-Owns the knobs and their validation; does not load weights or read YAML. `EngineConfig.from_kwargs`
-takes every field of every part by name, as vLLM's EngineArgs do.
+Owns the knobs, their one-line help and their validation; does not load weights or read YAML.
+`EngineConfig.from_kwargs` takes every field of every part by name, as vLLM's EngineArgs do; the
+CLI's flags and the serve config's `engine_args` are generated from these fields (ENGINE_FIELDS),
+so neither can drift from the engine. Torch-free.
 """
 from __future__ import annotations
 
@@ -13,14 +15,18 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
 
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str | None = None  # HF directory, .gguf file, or None for the embedded default
-    device: str = "cpu"
-    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" (see attention/base.py)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    seed: int = 0  # seeds requests that carry no seed of their own
-    num_threads: int | None = None  # torch intra-op threads for this process; None keeps torch's
+    model: str | None = _opt(None, "HF directory or .gguf file; None: the embedded SmolLM2-135M-Instruct")
+    device: str = _opt("cpu", "'cpu' or 'cuda'")
+    attention_backend: str = _opt("auto", "'auto', 'torch', 'cpu' (C++ decode kernel) or 'flash' (CUDA)")
+    max_model_len: int | None = _opt(None, "longest prompt + output; None: the model's max_position_embeddings")
+    seed: int = _opt(0, "seeds requests that carry no seed of their own")
+    num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
 
     def __post_init__(self):
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
@@ -33,11 +39,11 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # overrides kv_cache_memory_bytes when set
-    kv_cache_memory_bytes: int = 1 << 30
-    swap_space_bytes: int = 1 << 30  # host pool for swap preemption
-    enable_prefix_caching: bool = True
+    block_size: int = _opt(16, "tokens per KV block")
+    num_blocks: int | None = _opt(None, "KV blocks on the device; overrides kv_cache_memory_bytes when set")
+    kv_cache_memory_bytes: int = _opt(1 << 30, "device KV pool size in bytes")
+    swap_space_bytes: int = _opt(1 << 30, "host pool for swap preemption, bytes")
+    enable_prefix_caching: bool = _opt(True, "reuse cached full blocks of shared prefixes")
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -52,13 +58,13 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    policy: str = "fcfs"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    aging_rate: float = 1.0  # rank units gained per second of waiting (sjf: tokens/s, priority: classes/s)
-    preemption_mode: str = "recompute"
-    victim_order: str = "lowest_priority_latest_arrival"
+    policy: str = _opt("fcfs", "'fcfs', 'sjf', 'priority' (lower first; may preempt lower classes), 'static'")
+    max_num_seqs: int = _opt(64, "requests in one step's batch")
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (decodes first, prefill chunks fill the rest)")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    aging_rate: float = _opt(1.0, "rank gained per second of waiting (sjf: tokens/s, priority: classes/s)")
+    preemption_mode: str = _opt("recompute", "'recompute', 'swap', or 'auto' (cheaper of moving KV vs recomputing)")
+    victim_order: str = _opt("lowest_priority_latest_arrival", "who is preempted first (not under 'priority')")
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -85,9 +91,13 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Builds the config from flat field names (`max_num_seqs=8, block_size=16, ...`)."""
         parts = {}
-        for name, part_cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        for name, part_cls in zip(("model", "cache", "scheduler"), ENGINE_PARTS):
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
             raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
         return cls(**parts)
+
+
+ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
+ENGINE_FIELDS = tuple(f for part in ENGINE_PARTS for f in dataclasses.fields(part))  # every engine argument

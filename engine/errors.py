@@ -6,15 +6,17 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """Input the engine refuses; `param` names the offending field (an OpenAI error's `param`)."""
+    """Input the engine refuses; `param` names the offending field and `code` the rule, as an
+    OpenAI error body has them."""
 
-    def __init__(self, param: str | None, message: str):
+    def __init__(self, param: str | None, message: str, code: str | None = None):
         super().__init__(message)
         self.param = param
         self.message = message
+        self.code = code
 
-    def __reduce__(self):  # pickles across the step-loop process boundary with its param
-        return type(self), (self.param, self.message)
+    def __reduce__(self):  # pickles across process boundaries with its fields
+        return type(self), (self.param, self.message, self.code)
 
 
 class RequestFailedError(RuntimeError):

@@ -60,20 +60,26 @@ class RequestOutput:
     def merge(self, delta: RequestOutput) -> None:
         """Folds a delta of the same request into this cumulative output."""
         by_index = {o.index: o for o in self.outputs}
-        for d in delta.outputs:
-            mine = by_index.get(d.index)
-            if mine is None:
-                mine = by_index[d.index] = CompletionOutput(d.index, "", [], None, [] if d.logprobs is not None else None)
-                self.outputs.append(mine)
-            mine.text += d.text
-            mine.token_ids.extend(d.token_ids)
-            mine.finish_reason = d.finish_reason
-            if d.logprobs is not None:
-                mine.logprobs = (mine.logprobs or []) + d.logprobs
-        self.outputs.sort(key=lambda o: o.index)
+        merge_deltas(by_index, delta.outputs)
+        self.outputs = sorted(by_index.values(), key=lambda o: o.index)
         self.finished = delta.finished
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+
+
+def merge_deltas(by_index: dict[int, CompletionOutput], deltas: list[CompletionOutput], offset: int = 0) -> None:
+    """The one way deltas accumulate: each delta's text, tokens and logprobs are appended to the
+    output at `offset + delta.index` (created empty when new), and its finish reason kept."""
+    for d in deltas:
+        mine = by_index.get(offset + d.index)
+        if mine is None:
+            mine = by_index[offset + d.index] = CompletionOutput(offset + d.index, "", [])
+        mine.text += d.text
+        mine.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            mine.logprobs = (mine.logprobs or []) + d.logprobs
+        if d.finish_reason is not None:
+            mine.finish_reason = d.finish_reason
 
 
 @dataclass(slots=True)

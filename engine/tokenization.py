@@ -46,4 +46,4 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_mod
         raise InvalidRequestError(
             param, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                    f"{wanted} tokens ({num_prompt_tokens} in the prompt, {wanted - num_prompt_tokens} in the "
-                   f"completion). Please reduce the prompt or max_tokens.")
+                   f"completion). Please reduce the prompt or max_tokens.", code="context_length_exceeded")

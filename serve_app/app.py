@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.client import EngineClient
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineReplica
@@ -63,18 +64,16 @@ def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
     )
 
 
-def build_app(config: AppConfig, engine_cls: type | None = None, params_cls: type | None = None):
-    """The application graph; `engine_cls`/`params_cls` default to engine.AsyncEngine and
-    engine.SamplingParams (tests inject a fake; it must be importable on the workers)."""
+def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
+    """The application graph; `engine_cls` defaults to engine.AsyncEngine (tests inject a fake
+    EngineClient; it must be importable on the workers)."""
     from ray import serve
 
     router_dep = serve.deployment(Router, **router_deployment_options(config))
     replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
     ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
     router = router_dep.bind(config.router, metrics_enabled=True)
-    replicas = replica_dep.bind(
-        config.engine, router, engine_cls, params_cls, metrics_enabled=True
-    )
+    replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True)
     return ingress_dep.bind(config, router, replicas)
 
 

@@ -1,52 +1,57 @@
 """Serve-side configuration: pydantic models filled from the `args` of a serve YAML.
 
 Owns: the typed options of the ingress, the router and the engine replicas, and YAML loading.
-Does not own: engine internals (engine args are passed through to `AsyncEngine.from_engine_args`)
-or Serve deployment options beyond the few we expose (those are derived in `app.py`).
+The engine's own options (`engine.engine_args`) are not written here: `EngineArgs` is generated
+from the engine's config dataclasses (engine.config.ENGINE_PARTS) and validated by building the
+EngineConfig, so the two cannot drift. Deployment options beyond the few we expose are derived
+in `app.py`.
 
-Every model forbids unknown keys, so a typo in a YAML file is an error at `serve run` time.
+Every model forbids unknown keys and takes values strictly as typed, so a typo or a quoted
+number in a YAML file is an error at `serve run` time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, Strict, create_model, model_validator
+
+from engine.config import ENGINE_PARTS, EngineConfig
 
 Policy = Literal["fcfs", "sjf", "priority"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class EngineArgs(_Strict):
-    """Engine arguments from docs/CONTRACT.md; unset fields keep the engine's defaults."""
-
-    max_num_seqs: int | None = Field(None, ge=1, description="Max sequences per engine step.")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget per step.")
-    block_size: int | None = Field(None, ge=1, description="Tokens per KV block.")
-    num_blocks: int | None = Field(None, ge=1, description="KV blocks on the device.")
-    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes.")
-    max_model_len: int | None = Field(None, ge=1, description="Context length (prompt + output).")
-    policy: Literal["fcfs", "sjf", "priority", "static"] | None = Field(
-        None, description="Engine scheduling policy inside one replica."
-    )
-    aging_rate: float | None = Field(None, ge=0, description="Engine-side aging rate.")
-    preemption_mode: Literal["recompute", "swap", "auto"] | None = Field(None, description="")
-    swap_space_bytes: int | None = Field(None, ge=0, description="Host swap pool size.")
-    enable_prefix_caching: bool | None = Field(None, description="Reuse cached prompt blocks.")
-    device: str | None = Field(None, description="'cpu' or 'cuda'.")
-    attention_backend: Literal["auto", "torch", "cpu", "flash"] | None = Field(
-        None, description="'auto', 'torch', 'cpu' (C++ decode kernel), 'flash' (CUDA).")
-    seed: int | None = Field(None, description="Engine RNG seed.")
-    num_threads: int | None = Field(
-        None, ge=1, description="torch threads in the replica (Ray otherwise sets OMP threads to num_cpus).")
+class _EngineArgsBase(_Strict):
+    """Engine arguments (engine.config); unset fields keep the engine's defaults."""
 
     def as_kwargs(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> "_EngineArgsBase":
+        EngineConfig.from_kwargs(**self.as_kwargs())  # the engine's own checks, at load time
+        return self
+
+
+def _engine_args_model() -> type[_EngineArgsBase]:
+    fields = {}
+    for part in ENGINE_PARTS:
+        hints = typing.get_type_hints(part)
+        for f in dataclasses.fields(part):
+            if f.name != "model":  # the replica's `model` names it
+                fields[f.name] = (hints[f.name] | None, Field(None, description=f.metadata["help"]))
+    return create_model("EngineArgs", __base__=_EngineArgsBase, **fields)
+
+
+EngineArgs = _engine_args_model()
 
 
 class AutoscalingSettings(_Strict):
@@ -66,17 +71,14 @@ class AutoscalingSettings(_Strict):
     @model_validator(mode="after")
     def _check_bounds(self) -> "AutoscalingSettings":
         if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})"
-            )
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         return self
 
 
 class EngineReplicaConfig(_Strict):
     model: str | None = Field(None, description="Model directory/GGUF; None = embedded model.")
     served_model_name: str | None = Field(
-        None, description="Name clients pass as `model`; default: the model's directory name."
-    )
+        None, description="Name clients pass as `model`; default: the model's directory name.")
     engine_args: EngineArgs = Field(default_factory=EngineArgs)
     num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored with autoscaling).")
     autoscaling: AutoscalingSettings | None = Field(None, description="Serve autoscaling.")
@@ -85,17 +87,16 @@ class EngineReplicaConfig(_Strict):
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (1 on GPU hosts).")
     max_ongoing_requests: int = Field(
-        1024, ge=1, description="Serve-level cap; admission is the router's job, keep it high."
-    )
+        1024, ge=1, description="Serve-level cap; admission is the router's job, keep it high.")
     engine_process: bool = Field(
         True, description="Run the engine's step loop in a child process of the replica, so the "
                           "replica's serving threads take neither the GIL nor the forward's cores.")
     stream_flush_interval_s: float = Field(
-        0.05, ge=0, description="Coalesce token deltas into one message per interval per stream."
-    )
+        0.05, ge=0, description="Coalesce token deltas into one message per interval per stream.")
     stats_report_interval_s: float = Field(
-        0.25, gt=0, description="How often a replica pushes its load snapshot to the router."
-    )
+        0.25, gt=0, description="How often a replica checks its load and reports it if it changed.")
+    stats_heartbeat_s: float = Field(
+        1.0, gt=0, description="A replica reports at least this often, changed or not.")
 
     @property
     def model_name(self) -> str:
@@ -105,39 +106,64 @@ class EngineReplicaConfig(_Strict):
             return Path(self.model.rstrip("/")).name
         return "SmolLM2-135M-Instruct"
 
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_kwargs(model=self.model, **self.engine_args.as_kwargs())
+
+
+PriorityRange = Annotated[tuple[StrictInt, StrictInt], Strict(False)]  # YAML and JSON give a list
+
+
+def _check_range(r: PriorityRange, name: str) -> PriorityRange:
+    if r[0] > r[1]:
+        raise ValueError(f"{name} {list(r)}: the first bound must not exceed the second")
+    return r
+
 
 class RouterConfig(_Strict):
     policy: Policy = Field("fcfs", description="Order of the global admission queue.")
     aging_rate: float = Field(
-        1.0,
-        ge=0,
-        description=(
-            "Rank units gained per second of waiting, as in the engine: priority classes/s for "
-            "`priority`, tokens/s for `sjf`. FCFS ignores it."
-        ),
-    )
-    max_queued_requests: int = Field(256, ge=0, description="Bound of the admission queue.")
+        1.0, ge=0,
+        description="Rank units gained per second of waiting, as in the engine: priority classes/s "
+                    "for `priority`, tokens/s for `sjf`. FCFS ignores it.")
+    priority_range: PriorityRange = Field(
+        (0, 10), description="Priorities a request may ask for (lower = sooner); outside -> 400. "
+                             "With the default, clients can only lower their own priority.")
+    max_queued_requests: int = Field(256, ge=1, description="Bound of the admission queue.")
     max_queued_tokens: int = Field(
-        1_000_000, ge=1, description="Bound on prompt+max_tokens summed over the queue."
-    )
+        1_000_000, ge=1, description="Bound on prompt + n * max_tokens summed over the queue.")
     max_waiting_per_replica: int = Field(
-        2, ge=1, description="A replica has headroom while its waiting queue is below this."
-    )
+        2, ge=1, description="A replica has headroom while its waiting queue is below this.")
     replica_stale_after_s: float = Field(
-        5.0, gt=0, description="A replica silent for this long is taken out of rotation."
-    )
+        5.0, gt=0, description="A replica silent for this long is taken out of rotation.")
     no_replica_timeout_s: float = Field(
-        10.0, ge=0, description="Queued requests get 503 after this long with no live replica."
-    )
+        10.0, ge=0, description="Queued requests get 503 after this long with no live replica.")
     affinity_load_slack: float = Field(
-        0.05, ge=0, description="Loads within this of the least count as a tie (prefix decides)."
-    )
+        0.05, ge=0, description="Loads within this of the least count as a tie (prefix decides).")
     num_cpus: float = Field(0.1, ge=0)
+
+    @model_validator(mode="after")
+    def _range_ordered(self) -> "RouterConfig":
+        _check_range(self.priority_range, "priority_range")
+        return self
+
+
+class ApiKey(_Strict):
+    key: str = Field(min_length=1, description="The bearer token.")
+    priority_range: PriorityRange | None = Field(
+        None, description="Narrows router.priority_range for requests with this key.")
 
 
 class IngressConfig(_Strict):
-    api_keys: list[str] = Field(default_factory=list, description="Bearer tokens; empty = open.")
+    api_keys: list[str | ApiKey] = Field(
+        default_factory=list, description="Bearer tokens (a string, or a key with its priority range); "
+                                          "empty = open.")
     max_body_bytes: int = Field(1 << 20, ge=1, description="Larger bodies get 413.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body not received in full within this gets 408.")
+    max_prompts_per_request: int = Field(
+        64, ge=1, description="Prompts in one /v1/completions request; more get 400. Capped at "
+                              "router.max_queued_requests: more could never be admitted together.")
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.1, ge=0)
     default_completion_max_tokens: int = Field(16, ge=1, description="OpenAI's default.")
@@ -152,6 +178,17 @@ class AppConfig(_Strict):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
     @model_validator(mode="after")
+    def _bounds_agree(self) -> "AppConfig":
+        lo, hi = self.router.priority_range
+        for key in self.ingress.api_keys:
+            if isinstance(key, ApiKey) and key.priority_range is not None:
+                k_lo, k_hi = _check_range(key.priority_range, "api key priority_range")
+                if k_lo < lo or k_hi > hi:
+                    raise ValueError(f"an API key's priority_range {[k_lo, k_hi]} is not within "
+                                     f"router.priority_range {[lo, hi]}")
+        return self
+
+    @model_validator(mode="after")
     def _autoscaling_sees_demand(self) -> "AppConfig":
         """Serve scales on requests ongoing at replicas, but the router holds the rest: a replica
         never has more than max_num_seqs + max_waiting_per_replica, so a target at or above that
@@ -159,10 +196,7 @@ class AppConfig(_Strict):
         auto = self.engine.autoscaling
         if auto is None:
             return self
-        from engine.config import SchedulerConfig
-
-        max_seqs = self.engine.engine_args.max_num_seqs or SchedulerConfig().max_num_seqs
-        ceiling = max_seqs + self.router.max_waiting_per_replica
+        ceiling = self.engine.engine_config.scheduler.max_num_seqs + self.router.max_waiting_per_replica
         if auto.target_ongoing_requests >= ceiling:
             raise ValueError(
                 f"autoscaling.target_ongoing_requests ({auto.target_ongoing_requests:g}) must be "

@@ -1,7 +1,7 @@
 """StreamChunks -> OpenAI response bodies and SSE events (completions and chat).
 
-Owns: accumulation of choices and usage across a request's engine streams, logprobs shaping.
-Does not own: transport (ingress.py frames the events as SSE).
+Owns: choices and usage across a request's engine streams (accumulated with the engine's
+merge_deltas), logprobs shaping. Does not own: transport (jobs.py frames the events as SSE).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from serve_app.messages import ChoiceDelta, StreamChunk
+from engine.outputs import CompletionOutput, merge_deltas
+from serve_app.messages import StreamChunk
 from serve_app.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -28,9 +29,7 @@ class Formatter:
         self.response_id, self.model, self.req, self.tokenizer = response_id, model, req, tokenizer
         self.num_choices = num_choices
         self.created = int(time.time())
-        self.texts: dict[int, str] = {}
-        self.finish: dict[int, str | None] = {}
-        self.logprobs: dict[int, list[tuple[int, dict[int, float]]]] = {}
+        self.choices: dict[int, CompletionOutput] = {}  # response choice index -> cumulative output
         self.num_prompt: dict[int, int] = {}  # per job (choice_offset) prompt tokens
         self.num_completion = 0
 
@@ -38,18 +37,17 @@ class Formatter:
 
     def _account(self, chunk: StreamChunk, offset: int) -> None:
         self.num_prompt[offset] = chunk.num_prompt_tokens or self.num_prompt.get(offset, 0)
-        for d in chunk.deltas:
-            self.num_completion += len(d.token_ids)
+        self.num_completion += sum(len(o.token_ids) for o in chunk.outputs)
 
     def add(self, chunk: StreamChunk, offset: int) -> None:
         self._account(chunk, offset)
-        for d in chunk.deltas:
-            i = offset + d.index
-            self.texts[i] = self.texts.get(i, "") + d.text
-            if d.finish_reason is not None:
-                self.finish[i] = d.finish_reason
-            if d.logprobs is not None:
-                self.logprobs.setdefault(i, []).extend(zip(d.token_ids, d.logprobs))
+        merge_deltas(self.choices, chunk.outputs, offset)
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _choice(self, index: int) -> CompletionOutput:
+        return self.choices.get(index) or CompletionOutput(index, "", [])
 
     def usage(self) -> Usage:
         return Usage.of(sum(self.num_prompt.values()), self.num_completion)
@@ -62,7 +60,7 @@ class Formatter:
     def stream_events(self, chunk: StreamChunk, offset: int) -> list[dict[str, Any]]:
         self._account(chunk, offset)
         events = []
-        for d in chunk.deltas:
+        for d in chunk.outputs:
             choice = self._stream_choice(offset + d.index, d)
             event = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
                      "model": self.model, "choices": [choice]}
@@ -77,7 +75,7 @@ class Formatter:
         return {"id": self.response_id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": [], "usage": self.usage().model_dump()}
 
-    def _stream_choice(self, index: int, d: ChoiceDelta) -> dict[str, Any]:
+    def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
 
     def response(self) -> dict[str, Any]:
@@ -94,16 +92,16 @@ class CompletionFormatter(Formatter):
         tokens, token_logprobs, top, offsets, pos = [], [], [], [], 0
         k = self.req.logprobs or 0
         for token_id, entries in pairs:
-            s = self.tokenizer.token_str(token_id)
+            s = self._token_str(token_id)
             tokens.append(s)
             token_logprobs.append(entries.get(token_id))
-            top.append({self.tokenizer.token_str(t): lp for t, lp in self._top(entries)[:k]})
+            top.append({self._token_str(t): lp for t, lp in self._top(entries)[:k]})
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 
-    def _stream_choice(self, index: int, d: ChoiceDelta) -> dict[str, Any]:
+    def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
         lp = None
         if d.logprobs is not None:
             lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
@@ -111,13 +109,9 @@ class CompletionFormatter(Formatter):
 
     def response(self) -> dict[str, Any]:
         choices = [
-            CompletionChoice(
-                index=i,
-                text=self.texts.get(i, ""),
-                logprobs=self._logprobs(self.logprobs[i]) if i in self.logprobs else None,
-                finish_reason=self.finish.get(i),
-            )
-            for i in self._choice_indices()
+            CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                             logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
+            for c in map(self._choice, self._choice_indices())
         ]
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                   choices=choices, usage=self.usage()).model_dump()
@@ -131,7 +125,7 @@ class ChatFormatter(Formatter):
         self._role_sent: set[int] = set()
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        s = self.tokenizer.token_str(token_id)
+        s = self._token_str(token_id)
         return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
 
     def _logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
@@ -143,7 +137,7 @@ class ChatFormatter(Formatter):
             content.append(e)
         return {"content": content}
 
-    def _stream_choice(self, index: int, d: ChoiceDelta) -> dict[str, Any]:
+    def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": d.text}
         if index not in self._role_sent:
             self._role_sent.add(index)
@@ -155,13 +149,9 @@ class ChatFormatter(Formatter):
 
     def response(self) -> dict[str, Any]:
         choices = [
-            ChatChoice(
-                index=i,
-                message=ChatMessageOut(content=self.texts.get(i, "")),
-                logprobs=self._logprobs(self.logprobs[i]) if i in self.logprobs else None,
-                finish_reason=self.finish.get(i),
-            )
-            for i in self._choice_indices()
+            ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                       logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
+            for c in map(self._choice, self._choice_indices())
         ]
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                       choices=choices, usage=self.usage()).model_dump()

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 from typing import Any, AsyncIterator
 
+from engine.client import EngineClient
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineReplica
@@ -82,9 +83,7 @@ class LocalReplicaSet(LocalHandle):
 def build_local_app(
     config: AppConfig,
     num_replicas: int | None = None,
-    engine_cls: type | None = None,
-    params_cls: type | None = None,
-    tokenizer: Any = None,
+    engine_cls: type[EngineClient] | None = None,
 ) -> tuple[Any, Router, list[EngineReplica]]:
     """The whole graph in this process; returns (fastapi_app, router, replicas).
 
@@ -93,8 +92,8 @@ def build_local_app(
     router = Router(config.router)
     router_handle = LocalHandle(router)
     replicas = [
-        EngineReplica(config.engine, router_handle, engine_cls, params_cls, replica_id=f"r{i}")
+        EngineReplica(config.engine, router_handle, engine_cls, replica_id=f"r{i}")
         for i in range(num_replicas or config.engine.num_replicas)
     ]
-    ingress = Ingress(config, router_handle, LocalReplicaSet(replicas), tokenizer)
+    ingress = Ingress(config, router_handle, LocalReplicaSet(replicas))
     return ingress.build_asgi_app(), router, replicas

@@ -56,22 +56,27 @@ class RouterMetrics:
         )
         self.live_replicas = gauge("cbserve_router_live_replicas", "Replicas reporting load.", ())
 
-    def record_queue(self, depth_by_priority: dict[int, int], seen: set[int]) -> None:
-        for priority in seen:
-            self.queue_depth.set(depth_by_priority.get(priority, 0), tags={"priority": str(priority)})
+    def record_depth(self, priority: int, depth: int) -> None:
+        self.queue_depth.set(depth, tags={"priority": str(priority)})
+
+    def record_dispatch(self, replica_id: str, priority: int, wait_s: float) -> None:
+        self.admission_wait.observe(wait_s, tags={"priority": str(priority)})
+        self.dispatched.inc(tags={"replica": replica_id, "priority": str(priority)})
 
 
 class ReplicaMetrics:
-    """Engine load as seen by a replica, and per-request latencies tagged by priority class."""
+    """Engine load as seen by a replica, and per-request latencies tagged by priority class
+    (from the engine's own RequestMetrics: TTFT counts from the request's arrival at the router)."""
 
     def __init__(self, enabled: bool, replica_id: str):
         gauge, hist, counter = _make(enabled)
         self._gauge = gauge
         self._engine_gauges: dict[str, Any] = {}
-        self._tags = {"replica": replica_id}
+        self.tags = {"replica": replica_id}
         self.num_waiting = gauge("cbserve_replica_num_waiting", "Engine waiting queue.", ("replica",))
         self.num_running = gauge("cbserve_replica_num_running", "Engine running batch.", ("replica",))
         self.kv_usage = gauge("cbserve_replica_kv_usage", "KV cache usage 0..1.", ("replica",))
+        self.ready = gauge("cbserve_replica_ready", "1 while the engine takes requests.", ("replica",))
         self.ttft = hist("cbserve_ttft_s", "Time to first token.", ("replica", "priority"))
         self.e2e = hist("cbserve_e2e_latency_s", "Request latency.", ("replica", "priority"))
         self.tpot = hist("cbserve_tpot_s", "Time per output token.", ("replica", "priority"))
@@ -85,33 +90,35 @@ class ReplicaMetrics:
             "cbserve_stream_messages", "Coalesced stream messages sent.", ("replica",)
         )
 
-    def record_load(self, num_waiting: int, num_running: int, kv_usage: float) -> None:
-        self.num_waiting.set(num_waiting, tags=self._tags)
-        self.num_running.set(num_running, tags=self._tags)
-        self.kv_usage.set(kv_usage, tags=self._tags)
-
-    def record_engine_stats(self, fields: dict[str, Any]) -> None:
-        """Every numeric field of the engine's stats snapshot as `cbserve_engine_<field>`
-        (batch size, prefix-cache hit rate, step latency, preemptions, swapped blocks, ...)."""
-        for name, value in fields.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
+    def record_load(self, stats: Any, engine_stats: Any) -> None:
+        """`stats`: the replica's ReplicaStats; `engine_stats`: the engine's EngineStats, every
+        numeric field exported as `cbserve_engine_<field>` (batch size, prefix-cache hit rate,
+        step latency, preemptions, swapped blocks, failed requests, ...)."""
+        self.num_waiting.set(stats.num_waiting, tags=self.tags)
+        self.num_running.set(stats.num_running, tags=self.tags)
+        self.kv_usage.set(stats.kv_usage, tags=self.tags)
+        self.ready.set(int(stats.ready), tags=self.tags)
+        for name, value in engine_stats.as_dict().items():
             gauge = self._engine_gauges.get(name)
             if gauge is None:
                 gauge = self._engine_gauges[name] = self._gauge(
                     f"cbserve_engine_{name}", f"Engine stats field {name}.", ("replica",)
                 )
-            gauge.set(value, tags=self._tags)
+            gauge.set(value, tags=self.tags)
 
-    def record_request(
-        self, priority: int, ttft_s: float | None, e2e_s: float, num_prompt: int, num_output: int
-    ) -> None:
-        tags = {**self._tags, "priority": str(priority)}
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s, tags=tags)
-            if num_output > 1:
-                self.tpot.observe((e2e_s - ttft_s) / (num_output - 1), tags=tags)
-        self.e2e.observe(e2e_s, tags=tags)
+    def record_request(self, priority: int, timings: Any, num_messages: int, num_output: int,
+                       num_prompt: int) -> None:
+        """`timings`: the engine's RequestMetrics of the request (None if it never ran)."""
+        tags = {**self.tags, "priority": str(priority)}
+        if num_messages:
+            self.stream_messages.inc(num_messages, tags=self.tags)
+        if timings is not None and timings.ttft is not None:
+            self.ttft.observe(timings.ttft, tags=tags)
+            tpot = timings.time_per_output_token(num_output)
+            if tpot is not None:
+                self.tpot.observe(tpot, tags=tags)
+        if timings is not None and timings.e2e_latency is not None:
+            self.e2e.observe(timings.e2e_latency, tags=tags)
         if num_output:
             self.generation_tokens.inc(num_output, tags=tags)
         if num_prompt:

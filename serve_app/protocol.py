@@ -1,17 +1,20 @@
 """OpenAI wire format: request models, response models, the error body and SSE framing.
 
-Owns: what crosses the HTTP boundary and its validation (field ranges -> 400 at parse time).
-Does not own: tokenization, admission, or anything about replicas.
-Unknown request fields are ignored (as OpenAI and vLLM do); known fields are range-checked.
+Owns: what crosses the HTTP boundary and its type validation (-> 400 at parse time); value
+ranges are the engine's SamplingParams'. Does not own: tokenization, admission, or anything
+about replicas. Unknown request fields are ignored (as OpenAI and vLLM do).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- errors
 
@@ -32,6 +35,17 @@ class APIError(Exception):
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
 
+    @classmethod
+    def from_info(cls, info: Any) -> "APIError":
+        """From a serve_app.messages.ErrorInfo (an error that crossed a deployment boundary)."""
+        headers = {"Retry-After": str(info.retry_after_s)} if info.retry_after_s else None
+        return cls(info.status, info.message, info.type, info.param, info.code, headers)
+
+    @classmethod
+    def from_invalid(cls, error: InvalidRequestError) -> "APIError":
+        """A 400 for input the engine's rules refuse."""
+        return cls(400, str(error), param=error.param, code=error.code)
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {
@@ -46,84 +60,78 @@ class APIError(Exception):
 # ---------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Wire(BaseModel):
+    """Request bodies: strict JSON types as OpenAI's API has them (no "5" for 5, no true for 1,
+    no 2.0 for an int); unknown fields ignored, as OpenAI and vLLM do. Value ranges are the
+    engine's (engine.sampling_params), checked when the SamplingParams is built."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Wire):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Wire):
     """Fields shared by /v1/completions and /v1/chat/completions (incl. vLLM extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and any(s == "" for s in v) or v == "":
-            raise ValueError("stop strings must be non-empty")
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
+    priority: int | None = Field(None, description="Lower is served sooner; None: the API key's default.")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_kwargs(self, max_tokens: int, num_logprobs: int | None) -> dict[str, Any]:
-        """Keyword arguments for engine.SamplingParams."""
-        return dict(
-            n=self.n,
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logprobs=num_logprobs,
-        )
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; raises InvalidRequestError naming the field."""
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, min_p=self.min_p, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=num_logprobs)
 
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: PromptType
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: Any = Field(description="A string, a list of strings, a list of token ids, or a list of "
+                                    "lists of token ids.", json_schema_extra={"anyOf": [
+                                        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                                        {"type": "array", "items": {"type": "integer"}},
+                                        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_not_empty(cls, v: PromptType) -> PromptType:
-        if v == "" or v == [] or (isinstance(v, list) and any(p in ("", []) for p in v)):
-            raise ValueError("prompt must not be empty")
-        return v
+    def _prompt_shape(cls, v: Any) -> Any:
+        if (isinstance(v, str) and v) or _is_token_ids(v) or (
+                isinstance(v, list) and v and (all(isinstance(p, str) and p for p in v)
+                                               or all(_is_token_ids(p) for p in v))):
+            return v
+        raise ValueError("prompt must be a non-empty string, a list of non-empty strings, a list of token "
+                         "ids (ints), or a list of such lists")
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
@@ -136,21 +144,15 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""
         p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return [p] if isinstance(p, str) or _is_token_ids(p) else list(p)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(_Wire):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -165,13 +167,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:

@@ -22,7 +22,7 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from fake_engine import FakeAsyncEngine, FakeSamplingParams, FakeTokenizer  # noqa: E402
+from fake_engine import FakeAsyncEngine  # noqa: E402
 
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
@@ -45,8 +45,7 @@ async def local_stack(
                        "stats_report_interval_s": 0.05},
             "router": {"no_replica_timeout_s": 0.5}}
     cfg = AppConfig.model_validate(_merge(base, config))
-    app, router, replicas = build_local_app(cfg, num_replicas, engine_cls, FakeSamplingParams,
-                                            tokenizer=FakeTokenizer())
+    app, router, replicas = build_local_app(cfg, num_replicas, engine_cls)
     for r in replicas:
         await r.check_health()
     for _ in range(200):
@@ -146,7 +145,7 @@ def fake_serve_app(serve_cluster: dict, name: str, config: dict,
     base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}}
     cfg = AppConfig.model_validate(_merge(base, config))
     engine_cls = FakeAsyncEngine.with_options(**engine_options)
-    serve.run(build_app(cfg, engine_cls, FakeSamplingParams), name=name, route_prefix=f"/{name}")
+    serve.run(build_app(cfg, engine_cls), name=name, route_prefix=f"/{name}")
     url = f"{serve_cluster['http']}/{name}"
     try:
         warm = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1},

@@ -1,4 +1,4 @@
-"""A deterministic fake of the AsyncEngine contract (docs/CONTRACT.md) for serve tests.
+"""A deterministic fake of the engine.client.EngineClient contract for serve tests.
 
 Tokens: word-level; token id t decodes to " t{t}". Generation: greedy picks
 10 + (sum(prompt) + 7 * step) % 40; with temperature > 0 a Random(seed) picks from 10..49.
@@ -12,16 +12,20 @@ import asyncio
 import random
 import time
 import zlib
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import AsyncIterator
+
+from engine.client import EngineClient
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.metrics import EngineStats
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
 
 VOCAB = 64
 
 
 class FakeTokenizer:
-    name_or_path = None
-
     def encode(self, text: str) -> list[int]:
         ids = []
         for word in text.split():
@@ -43,68 +47,23 @@ class FakeTokenizer:
 
 
 @dataclass
-class FakeSamplingParams:
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: object = None
-
-
-@dataclass
 class _Live:
     request_id: str
     num_blocks: int
     aborted: bool = False
 
 
-class FakeAsyncEngine:
+class FakeAsyncEngine(EngineClient):
     step_delay_s = 0.002
     max_num_seqs = 4
     num_blocks = 64
     block_size = 16
     max_model_len = 256
+    vocab_size = VOCAB
+    is_ready = True
+    tokenizer = FakeTokenizer()
 
     def __init__(self) -> None:
-        self.tokenizer = FakeTokenizer()
         self._waiting: list[str] = []
         self._running: dict[str, _Live] = {}
         self._slot_freed = asyncio.Condition()
@@ -119,46 +78,51 @@ class FakeAsyncEngine:
         return type("FakeAsyncEngineVariant", (cls,), dict(options))
 
     @classmethod
-    def from_engine_args(cls, model=None, **engine_args) -> "FakeAsyncEngine":
+    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> "FakeAsyncEngine":
+        """Sizes from the class (with_options), unless the config sets them."""
         engine = cls()
-        for key in ("max_num_seqs", "num_blocks", "block_size", "max_model_len"):
-            if key in engine_args:
-                setattr(engine, key, engine_args[key])
+        engine.num_blocks = config.cache.num_blocks or cls.num_blocks
+        engine.block_size = config.cache.block_size
+        engine.max_model_len = config.model.max_model_len or cls.max_model_len
         return engine
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
-
-    def stats(self) -> SimpleNamespace:
+    def stats(self) -> EngineStats:
         used = sum(r.num_blocks for r in self._running.values())
-        return SimpleNamespace(
+        return EngineStats(
             num_waiting=len(self._waiting), num_running=len(self._running), num_swapped=0,
             num_free_blocks=self.num_blocks - used, num_total_blocks=self.num_blocks,
-            kv_usage=used / self.num_blocks,
-        )
+            kv_usage=used / self.num_blocks, prefix_cache_hit_rate=0.0, batch_size=len(self._running),
+            batch_tokens=len(self._running), step_latency_s=self.step_delay_s, scheduler_overhead_s=0.0,
+            num_steps=0, num_queued_tokens=0, num_preemptions_swap=0, num_preemptions_recompute=0,
+            num_blocks_swapped_out=0, num_blocks_swapped_in=0, num_recomputed_tokens=0, num_prompt_tokens=0,
+            num_generation_tokens=0, num_failed_requests=0)
 
     def abort(self, request_id: str) -> None:
         live = self._running.get(request_id)
         if live is not None:
             live.aborted = True
 
+    def check_health(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         self.shut_down = True
 
-    async def generate(
-        self, prompt, params: FakeSamplingParams, request_id: str, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
+                       waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidRequestError("prompt", "prompt: must not be empty")
         if any(not 0 <= t < VOCAB for t in ids):
-            raise ValueError(f"prompt: token ids must be in [0, {VOCAB})")
+            raise InvalidRequestError("prompt", f"prompt: token ids must be in [0, {VOCAB})")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens})"
-                             f" > max_model_len ({self.max_model_len})")
-        return self._generate(ids, prompt, params, request_id)
+            raise InvalidRequestError("max_tokens", f"max_tokens: prompt ({len(ids)}) + max_tokens "
+                                                    f"({params.max_tokens}) > max_model_len ({self.max_model_len})")
+        metrics = RequestMetrics(time.time() - waited_s)
+        async for out in self._generate(ids, prompt, params, request_id, metrics):
+            yield out
 
-    async def _generate(self, ids, prompt, params, request_id):
+    async def _generate(self, ids, prompt, params, request_id, metrics):
         self._waiting.append(request_id)
         try:
             async with self._slot_freed:
@@ -178,7 +142,7 @@ class FakeAsyncEngine:
         self.start_times[request_id] = time.monotonic()
         completed = False
         try:
-            async for out in self._decode(ids, prompt, params, live):
+            async for out in self._decode(ids, prompt, params, live, metrics):
                 yield out
             completed = not live.aborted
         finally:
@@ -187,7 +151,7 @@ class FakeAsyncEngine:
             async with self._slot_freed:
                 self._slot_freed.notify_all()
 
-    async def _decode(self, ids, prompt, params, live):
+    async def _decode(self, ids, prompt, params, live, metrics):
         rngs = [random.Random(None if params.seed is None else params.seed * 1000 + i)
                 for i in range(params.n)]
         texts = [""] * params.n
@@ -203,7 +167,7 @@ class FakeAsyncEngine:
                     done[i] = True
                     outputs.append(CompletionOutput(i, "", [], "abort"))
                     continue
-                if params.temperature == 0:
+                if params.greedy:
                     tok = 10 + (sum(ids) + 7 * step) % 40
                 else:
                     tok = rngs[i].randrange(10, 50)
@@ -224,7 +188,10 @@ class FakeAsyncEngine:
                     lp = [{tok: -0.5, (tok + 1) % VOCAB: -1.5}]
                 outputs.append(CompletionOutput(i, piece, [tok], finish, lp))
                 done[i] = finish is not None
+            now = time.time()
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.finished_time = now if all(done) else None
             yield RequestOutput(live.request_id, prompt if isinstance(prompt, str) else None,
-                                ids, outputs, all(done))
+                                ids, outputs, all(done), metrics)
             if all(done):
                 return

@@ -208,7 +208,7 @@ def test_aging_serves_starved_request_within_bound(serve_cluster):
        would wait behind every priority-0 request), the last 3 after it. The starved and the
        last 3 requests take 0.5 s each, so completions on either side are 0.5 s apart."""
     app, bound_s = "adm-aging", 15 / 5.0
-    with fake_serve_app(serve_cluster, app, _config("priority", aging_rate=5.0),
+    with fake_serve_app(serve_cluster, app, _config("priority", aging_rate=5.0, priority_range=[0, 15]),
                         **ENGINE) as url:
         async def go():
             async with _client(url) as client:

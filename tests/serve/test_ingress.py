@@ -153,7 +153,7 @@ BAD = [
      "max_tokens"),
     ("temperature -1", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("top_p 2", "/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p"),
-    ("n 0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "'n'"),
+    ("n 0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be"),
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("prompt over context", "/v1/completions", {"prompt": "w " * 300, "max_tokens": 4}, 400,

@@ -9,24 +9,26 @@ import pytest
 from conftest import local_stack, run
 from fake_engine import FakeAsyncEngine
 
+from serve_app.admission import AdmissionQueue
 from serve_app.config import RouterConfig
 from serve_app.messages import AdmitRequest, ReplicaStats
-from serve_app.router import AdmissionQueue, ReplicaPool, Router
+from serve_app.replica_pool import ReplicaPool
+from serve_app.router import Router
 
 
-def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=()) -> AdmitRequest:
-    return AdmitRequest(rid, priority, prompt, new, tuple(prefix))
+def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=(), n: int = 1) -> AdmitRequest:
+    return AdmitRequest(rid, priority, prompt, new, n, tuple(prefix))
 
 
 def stats(rid: str, waiting=0, running=0, free=100, total=100, received=(),
-          queued_tokens=0) -> ReplicaStats:
-    return ReplicaStats(rid, waiting, running, free, total, 1 - free / total, queued_tokens, 16,
+          queued_tokens=0, ready=True) -> ReplicaStats:
+    return ReplicaStats(rid, ready, waiting, running, free, total, 1 - free / total, queued_tokens, 16,
                         tuple(received), 0.0)
 
 
-def order(q: AdmissionQueue, now: float) -> list[str]:
+def order(q: AdmissionQueue) -> list[str]:
     out = []
-    while (e := q.peek(now)) is not None:
+    while (e := q.peek()) is not None:
         out.append(e.request.request_id)
         q.remove(e.request.request_id)
     return out
@@ -43,7 +45,7 @@ def test_queue_order_by_policy(policy, expected):
     q.push(req("b", priority=2, prompt=20), now=1.0)
     q.push(req("c", priority=0, prompt=90), now=2.0)
     q.push(req("d", priority=1, prompt=5), now=3.0)
-    assert order(q, now=4.0) == expected
+    assert order(q) == expected
 
 
 def test_aging_bound_priority_and_sjf():
@@ -53,28 +55,31 @@ def test_aging_bound_priority_and_sjf():
     q = AdmissionQueue(RouterConfig(policy="priority", aging_rate=1.0))
     q.push(req("old", priority=5), now=0.0)
     q.push(req("new", priority=0), now=4.9)
-    assert q.peek(4.9).request.request_id == "new"
+    assert q.peek().request.request_id == "new"
     q.remove("new")
     q.push(req("new2", priority=0), now=5.0)
-    assert q.peek(5.0).request.request_id == "old"
+    assert q.peek().request.request_id == "old"
 
     q = AdmissionQueue(RouterConfig(policy="sjf", aging_rate=100.0))
     q.push(req("long", prompt=500, new=500), now=0.0)
     q.push(req("short", prompt=50, new=50), now=8.9)
-    assert q.peek(8.9).request.request_id == "short"
+    assert q.peek().request.request_id == "short"
     q.remove("short")
     q.push(req("short2", prompt=50, new=50), now=9.0)
-    assert q.peek(9.0).request.request_id == "long"
+    assert q.peek().request.request_id == "long"
 
 
-def test_queue_bounds_requests_and_tokens():
+def test_queue_bounds_requests_and_tokens_and_counts_depth_per_priority():
+    """Work = prompt + n * max_tokens; the ingress refuses (413) a request over the whole bound."""
     q = AdmissionQueue(RouterConfig(max_queued_requests=2, max_queued_tokens=100))
-    assert q.can_accept(req("big", prompt=500, new=500))  # alone: accepted
-    q.push(req("a", prompt=30, new=30), 0.0)
+    q.push(req("a", prompt=30, new=15, n=2, priority=3), 0.0)
+    assert q.num_tokens == 60 and q.depth_by_priority[3] == 1
     assert not q.can_accept(req("b", prompt=30, new=30))  # 120 tokens > 100
     assert q.can_accept(req("c", prompt=10, new=10))
     q.push(req("c", prompt=10, new=10), 0.0)
     assert not q.can_accept(req("d", prompt=1, new=1))  # 2 requests
+    q.remove("a")
+    assert q.num_tokens == 20 and q.depth_by_priority[3] == 0 and len(q) == 1
 
 
 def test_headroom_unseen_admissions_and_blocks():
@@ -91,7 +96,7 @@ def test_headroom_unseen_admissions_and_blocks():
     assert pool.choose(req("c")) == "r0"
     pool.assign("r0", req("c"), now=0.1)
     pool.release("c")  # ended (e.g. client left) before the replica listed it: not pending
-    assert pool.views["r0"].num_unseen() == 0
+    assert not pool.views["r0"].pending
     pool.report(stats("r0", running=2, free=2), now=0.2)
     assert pool.choose(req("big", prompt=100)) is None  # needs 7 blocks
     pool.report(stats("r0", free=2), now=0.3)  # idle

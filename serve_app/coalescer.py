@@ -1,0 +1,76 @@
+"""`StreamCoalescer`: turns one request's engine deltas into at most one StreamChunk per
+interval. Streaming capacity is bounded by messages, not tokens (DESIGN.md), so a replica sends
+the first token at once, then what accumulated every `interval_s`, and the last chunk at once.
+
+Owns: buffering (engine.outputs.merge_deltas), the flush deadline, and closing the engine
+stream when the consumer leaves. Does not own: error mapping (engine exceptions propagate to
+the caller) or transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, merge_deltas
+from serve_app.messages import StreamChunk
+
+
+class StreamCoalescer:
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.interval_s = interval_s
+        self.clock = clock
+        self.num_messages = 0
+        self.num_output_tokens = 0
+        self.metrics: RequestMetrics | None = None  # the engine's timings, from the latest output
+
+    async def coalesce(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[StreamChunk]:
+        """Yields merged deltas: on the first token, then when `interval_s` has passed since the
+        last chunk, and with the final output. A pending read is raced against the flush
+        deadline, so buffered tokens never wait on a slow step longer than the interval.
+        Leaving early closes `stream` (which aborts the request in the engine)."""
+        iterator = stream.__aiter__()
+        pending: asyncio.Future | None = None
+        buffer: dict[int, CompletionOutput] = {}
+        num_prompt, last_flush, finished = 0, -math.inf, False
+        try:
+            while not finished:
+                if pending is None:
+                    pending = asyncio.ensure_future(iterator.__anext__())
+                timeout = max(0.0, last_flush + self.interval_s - self.clock()) if buffer else None
+                done, _ = await asyncio.wait({pending}, timeout=timeout)
+                if done:
+                    fut, pending = pending, None
+                    try:
+                        output = fut.result()
+                    except StopAsyncIteration:
+                        break
+                    self.metrics, num_prompt = output.metrics, len(output.prompt_token_ids)
+                    merge_deltas(buffer, output.outputs)
+                    finished = output.finished
+                    if not finished and self.clock() - last_flush < self.interval_s:
+                        continue
+                if buffer or finished:
+                    last_flush = self.clock()
+                    yield self._chunk(buffer, num_prompt, finished)
+                    buffer = {}
+            if finished:  # let the engine's stream end on its own (it then aborts nothing)
+                async for _ in iterator:
+                    pass
+            else:  # the stream ended without a finished output
+                yield self._chunk(buffer, num_prompt, True)
+        finally:
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _chunk(self, buffer: dict[int, CompletionOutput], num_prompt: int, finished: bool) -> StreamChunk:
+        self.num_messages += 1
+        outputs = [buffer[i] for i in sorted(buffer)]
+        self.num_output_tokens += sum(len(o.token_ids) for o in outputs)
+        return StreamChunk(outputs, num_prompt, finished)

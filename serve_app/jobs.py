@@ -1,0 +1,197 @@
+"""One HTTP request's engine requests ("jobs": one per prompt, n samples each): how they are
+built from a validated request, admitted, streamed and answered.
+
+Owns: turning token ids into EngineRequest + AdmitRequest with the engine's own rules (token
+range, context length, SamplingParams, prefix block hashes), the per-job flow `admit at the
+router -> stream from the named replica -> release`, and assembling the jobs' chunks into one
+JSON response or one SSE stream. Does not own: HTTP parsing or auth (ingress.py), wire shapes
+(protocol.py, formatting.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.kv_cache.hashing import extend_block_hashes
+from engine.tokenization import check_context_length, check_token_ids
+from serve_app.formatting import Formatter
+from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
+from serve_app.protocol import SSE_DONE, APIError, sse_event
+
+logger = logging.getLogger("cbserve.ingress")
+MAX_PREFIX_BLOCKS = 32  # the router's affinity key covers at most this many leading blocks
+
+
+@dataclass(frozen=True)
+class Job:
+    engine_request: EngineRequest
+    admit: AdmitRequest
+    choice_offset: int  # this job's choice indices start here in the response
+
+
+def make_job(request_id: str, prompt_ids: list[int], req: Any, info: ModelInfo, max_tokens: int | None,
+             default_max_tokens: int, num_logprobs: int | None, priority: int, choice_offset: int,
+             param: str) -> Job:
+    """Raises engine.errors.InvalidRequestError (a 400) for what the engine would refuse."""
+    check_token_ids(prompt_ids, info.vocab_size)
+    num_prompt = len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = max(1, min(default_max_tokens, info.max_model_len - num_prompt))
+    params = req.sampling_params(max_tokens, num_logprobs)
+    check_context_length(num_prompt, max_tokens, info.max_model_len, param)
+    bs = info.block_size
+    hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs))
+    return Job(EngineRequest(request_id, prompt_ids, params, priority),
+               AdmitRequest(request_id, priority, num_prompt, max_tokens, params.n, tuple(hashes)), choice_offset)
+
+
+def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:
+    """A request whose work exceeds the router's whole queue could never be admitted: 413, not
+    a 429 that no retry can cure."""
+    work = sum(job.admit.num_work_tokens for job in jobs)
+    if work > max_queued_tokens:
+        raise APIError(413, f"This request needs {work} tokens of work (prompts + n * max_tokens); the "
+                            f"admission queue holds at most {max_queued_tokens}. Split it or lower max_tokens.",
+                       param="max_tokens", code="request_too_large")
+
+
+def _own_serve_request_id() -> None:
+    """Serve (2.60) indexes a custom request router's pending calls by the HTTP request's id, so
+    concurrent calls made for one HTTP request collide: all but one are never routed and their
+    routing task spins. Each job's task takes an id of its own (a context variable)."""
+    from ray.serve.context import _set_request_context
+
+    _set_request_context(_internal_request_id=uuid.uuid4().hex)
+
+
+class JobStream:
+    """admit -> first chunk (errors here become HTTP errors) -> remaining chunks -> release."""
+
+    def __init__(self, ingress: Any, job: Job):
+        self.ingress, self.job = ingress, job
+        self._gen: Any = None
+        self._admitted = False
+        self._replica_id: str | None = None
+        self.first: StreamChunk | None = None
+
+    async def start(self) -> None:
+        _own_serve_request_id()
+        result = await self.ingress.router.admit.remote(self.job.admit)
+        if result.error is not None:
+            raise APIError.from_info(result.error)
+        self._admitted = True
+        self._replica_id = result.replica_id
+        request = dataclasses.replace(self.job.engine_request, waited_s=result.queue_wait_s)
+        self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)
+        self.first = await self._next()
+        if self.first is None:
+            raise APIError(503, "replica stream ended before any output", "service_unavailable")
+        if self.first.error is not None:
+            raise APIError.from_info(self.first.error)
+
+    async def _next(self) -> StreamChunk | None:
+        try:
+            return await self._gen.__anext__()
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # replica died / unavailable
+            logger.warning("replica stream failed: %r", e)
+            self.ingress.call_router_later("remove_replica", self._replica_id)
+            raise APIError(503, f"engine replica failed: {type(e).__name__}", "service_unavailable") from None
+
+    async def chunks(self) -> AsyncIterator[StreamChunk]:
+        chunk = self.first
+        while chunk is not None:
+            if chunk.error is not None:
+                raise APIError.from_info(chunk.error)
+            yield chunk
+            if chunk.finished:
+                await self._next()  # let the replica's generator end normally
+                return
+            chunk = await self._next()
+        raise APIError(503, "replica stream ended without finishing", "service_unavailable")
+
+    def close(self) -> None:
+        if self._gen is not None:
+            cancel = getattr(self._gen, "cancel", None)
+            if cancel is not None:
+                cancel()
+        if self._admitted:
+            self._admitted = False
+            self.ingress.call_router_later("release", self.job.admit.request_id)
+
+
+async def respond(ingress: Any, jobs: list[Job], fmt: Formatter, stream: bool):
+    """Admits every job (all or none: any refusal is the response), then answers with one JSON
+    body, or an SSE stream multiplexing the jobs' chunks."""
+    streams = [JobStream(ingress, job) for job in jobs]
+    try:
+        starts = [asyncio.ensure_future(s.start()) for s in streams]
+        try:
+            await asyncio.gather(*starts)
+        except BaseException:
+            for t in starts:
+                t.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    if not stream:
+        try:
+            for s, job in zip(streams, jobs):
+                async for chunk in s.chunks():
+                    fmt.add(chunk, job.choice_offset)
+        finally:
+            for s in streams:
+                s.close()
+        return JSONResponse(fmt.response())
+    return StreamingResponse(_sse(streams, jobs, fmt), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _sse(streams: list[JobStream], jobs: list[Job], fmt: Formatter) -> AsyncIterator[str]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(s: JobStream, job: Job) -> None:
+        try:
+            async for chunk in s.chunks():
+                await queue.put((job, chunk, None))
+        except APIError as e:
+            await queue.put((job, None, e))
+        finally:
+            await queue.put((job, None, None))
+
+    tasks = [asyncio.ensure_future(pump(s, j)) for s, j in zip(streams, jobs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            job, chunk, error = await queue.get()
+            if error is not None:
+                yield sse_event(error.body())
+                yield SSE_DONE
+                return
+            if chunk is None:
+                remaining -= 1
+                continue
+            for event in fmt.stream_events(chunk, job.choice_offset):
+                yield sse_event(event)
+        usage_event = fmt.usage_event()
+        if usage_event is not None:
+            yield sse_event(usage_event)
+        yield SSE_DONE
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
