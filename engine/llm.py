@@ -21,13 +21,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in input order. A str or a list of ints is one
         prompt. Raises ValueError (adding nothing) if any prompt or parameter is invalid."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         priorities = priority or [0] * len(prompts)

@@ -1,7 +1,8 @@
 """Turns sampled tokens into user outputs: incremental detokenization, stop strings, deltas.
 
 Owns per-request output state (text so far, what was already emitted); tells the engine which
-requests a stop string ended, and which failed to detokenize (those fail alone). Text never includes a stop string or a stop token; while a request
+requests a stop string ended, and which failed to detokenize (those fail alone). Text never
+includes a stop string or a stop token; while a request
 runs, the last (longest stop string - 1) characters are held back, so a stream never shows the
 start of a stop string that is later cut.
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, Strict, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, create_model, model_validator
 
 from engine.config import ENGINE_PARTS, EngineConfig
 
@@ -36,7 +36,7 @@ class _EngineArgsBase(_Strict):
         return self.model_dump(exclude_none=True)
 
     @model_validator(mode="after")
-    def _engine_accepts(self) -> "_EngineArgsBase":
+    def _engine_accepts(self) -> _EngineArgsBase:
         EngineConfig.from_kwargs(**self.as_kwargs())  # the engine's own checks, at load time
         return self
 
@@ -69,7 +69,7 @@ class AutoscalingSettings(_Strict):
         None, gt=0, description="How often callers push those counts to Serve (Serve: 10).")
 
     @model_validator(mode="after")
-    def _check_bounds(self) -> "AutoscalingSettings":
+    def _check_bounds(self) -> AutoscalingSettings:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         return self
@@ -143,7 +143,7 @@ class RouterConfig(_Strict):
     num_cpus: float = Field(0.1, ge=0)
 
     @model_validator(mode="after")
-    def _range_ordered(self) -> "RouterConfig":
+    def _range_ordered(self) -> RouterConfig:
         _check_range(self.priority_range, "priority_range")
         return self
 
@@ -178,7 +178,7 @@ class AppConfig(_Strict):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
     @model_validator(mode="after")
-    def _bounds_agree(self) -> "AppConfig":
+    def _bounds_agree(self) -> AppConfig:
         lo, hi = self.router.priority_range
         for key in self.ingress.api_keys:
             if isinstance(key, ApiKey) and key.priority_range is not None:
@@ -189,7 +189,7 @@ class AppConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _autoscaling_sees_demand(self) -> "AppConfig":
+    def _autoscaling_sees_demand(self) -> AppConfig:
         """Serve scales on requests ongoing at replicas, but the router holds the rest: a replica
         never has more than max_num_seqs + max_waiting_per_replica, so a target at or above that
         would never scale up."""

@@ -97,7 +97,7 @@ class Ingress:
                            code="request_too_large")
         try:
             body = await asyncio.wait_for(self._read_body(request, limit), self.config.ingress.body_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise APIError(408, f"The request body was not received within "
                                 f"{self.config.ingress.body_timeout_s:g} s.", code="request_timeout") from None
         try:
@@ -228,6 +228,7 @@ def openapi_schema(app: FastAPI) -> dict:
                                  ref_template="#/components/schemas/{model}")
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
     for path, model in _BODIES.items():
-        schema["paths"][path]["post"]["requestBody"] = {
-            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        body = {"required": True, "content": {"application/json": {"schema": ref}}}
+        schema["paths"][path]["post"]["requestBody"] = body
     return schema

@@ -14,8 +14,9 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -72,16 +73,53 @@ def _own_serve_request_id() -> None:
 
 
 class JobStream:
-    """admit -> first chunk (errors here become HTTP errors) -> remaining chunks -> release."""
+    """One job's flow, as its own task: admit -> stream every chunk into the response's queue ->
+    release as soon as the job finishes. Releasing per job, not per response, is what lets a
+    request with more jobs than the fleet admits at once complete."""
 
-    def __init__(self, ingress: Any, job: Job):
-        self.ingress, self.job = ingress, job
+    def __init__(self, ingress: Any, job: Job, out: asyncio.Queue):
+        self.ingress, self.job, self._out = ingress, job, out
         self._gen: Any = None
         self._admitted = False
         self._replica_id: str | None = None
-        self.first: StreamChunk | None = None
+        self.started: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    async def start(self) -> None:
+    async def run(self) -> None:
+        """Puts (job, chunk) per chunk and (job, None) at the end on the queue; an error before
+        the first chunk fails `started` (it becomes the HTTP status), one after it goes on the
+        queue (it becomes an error event)."""
+        try:
+            await self._admit()
+            chunk = await self._next()
+            while chunk is not None:
+                if chunk.error is not None:
+                    raise APIError.from_info(chunk.error)
+                if not self.started.done():
+                    self.started.set_result(None)
+                self._out.put_nowait((self.job, chunk))
+                if chunk.finished:
+                    await self._next()  # let the replica's generator end normally
+                    self._out.put_nowait((self.job, None))
+                    return
+                chunk = await self._next()
+            raise APIError(503, "replica stream ended without finishing", "service_unavailable")
+        except APIError as e:
+            self._fail(e)
+        except Exception:
+            logger.exception("job %s failed", self.job.admit.request_id)
+            self._fail(APIError(500, "internal error while streaming", "internal_error"))
+        finally:
+            if not self.started.done():
+                self.started.cancel()
+            self.close()
+
+    def _fail(self, error: APIError) -> None:
+        if self.started.done():
+            self._out.put_nowait((self.job, error))
+        else:
+            self.started.set_exception(error)
+
+    async def _admit(self) -> None:
         _own_serve_request_id()
         result = await self.ingress.router.admit.remote(self.job.admit)
         if result.error is not None:
@@ -90,11 +128,6 @@ class JobStream:
         self._replica_id = result.replica_id
         request = dataclasses.replace(self.job.engine_request, waited_s=result.queue_wait_s)
         self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)
-        self.first = await self._next()
-        if self.first is None:
-            raise APIError(503, "replica stream ended before any output", "service_unavailable")
-        if self.first.error is not None:
-            raise APIError.from_info(self.first.error)
 
     async def _next(self) -> StreamChunk | None:
         try:
@@ -108,90 +141,71 @@ class JobStream:
             self.ingress.call_router_later("remove_replica", self._replica_id)
             raise APIError(503, f"engine replica failed: {type(e).__name__}", "service_unavailable") from None
 
-    async def chunks(self) -> AsyncIterator[StreamChunk]:
-        chunk = self.first
-        while chunk is not None:
-            if chunk.error is not None:
-                raise APIError.from_info(chunk.error)
-            yield chunk
-            if chunk.finished:
-                await self._next()  # let the replica's generator end normally
-                return
-            chunk = await self._next()
-        raise APIError(503, "replica stream ended without finishing", "service_unavailable")
-
     def close(self) -> None:
         if self._gen is not None:
             cancel = getattr(self._gen, "cancel", None)
             if cancel is not None:
                 cancel()
+            self._gen = None
         if self._admitted:
             self._admitted = False
             self.ingress.call_router_later("release", self.job.admit.request_id)
 
 
 async def respond(ingress: Any, jobs: list[Job], fmt: Formatter, stream: bool):
-    """Admits every job (all or none: any refusal is the response), then answers with one JSON
-    body, or an SSE stream multiplexing the jobs' chunks."""
-    streams = [JobStream(ingress, job) for job in jobs]
+    """Starts every job; once all have their first chunk (any refusal before that is the
+    response) answers with one JSON body, or an SSE stream multiplexing the jobs' chunks."""
+    out: asyncio.Queue = asyncio.Queue()
+    streams = [JobStream(ingress, job, out) for job in jobs]
+    tasks = [asyncio.ensure_future(s.run()) for s in streams]
     try:
-        starts = [asyncio.ensure_future(s.start()) for s in streams]
-        try:
-            await asyncio.gather(*starts)
-        except BaseException:
-            for t in starts:
-                t.cancel()
-            await asyncio.gather(*starts, return_exceptions=True)
-            raise
+        await asyncio.gather(*(s.started for s in streams))
     except BaseException:
-        for s in streams:
-            s.close()
+        await _cancel(tasks)
+        for s in streams:  # retrieve the other refusals: one is the answer
+            if s.started.done() and not s.started.cancelled():
+                s.started.exception()
         raise
     if not stream:
         try:
-            for s, job in zip(streams, jobs):
-                async for chunk in s.chunks():
-                    fmt.add(chunk, job.choice_offset)
+            async for job, chunk in _merged(out, len(jobs)):
+                fmt.add(chunk, job.choice_offset)
         finally:
-            for s in streams:
-                s.close()
+            await _cancel(tasks)
         return JSONResponse(fmt.response())
-    return StreamingResponse(_sse(streams, jobs, fmt), media_type="text/event-stream",
+    return StreamingResponse(_sse(out, tasks, fmt), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _sse(streams: list[JobStream], jobs: list[Job], fmt: Formatter) -> AsyncIterator[str]:
-    queue: asyncio.Queue = asyncio.Queue()
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def pump(s: JobStream, job: Job) -> None:
-        try:
-            async for chunk in s.chunks():
-                await queue.put((job, chunk, None))
-        except APIError as e:
-            await queue.put((job, None, e))
-        finally:
-            await queue.put((job, None, None))
 
-    tasks = [asyncio.ensure_future(pump(s, j)) for s, j in zip(streams, jobs)]
+async def _merged(out: asyncio.Queue, num_jobs: int) -> AsyncIterator[tuple[Job, StreamChunk]]:
+    """The jobs' chunks in arrival order until every job has ended; a job's error raises."""
+    remaining = num_jobs
+    while remaining:
+        job, item = await out.get()
+        if item is None:
+            remaining -= 1
+        elif isinstance(item, APIError):
+            raise item
+        else:
+            yield job, item
+
+
+async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> AsyncIterator[str]:
     try:
-        remaining = len(tasks)
-        while remaining:
-            job, chunk, error = await queue.get()
-            if error is not None:
-                yield sse_event(error.body())
-                yield SSE_DONE
-                return
-            if chunk is None:
-                remaining -= 1
-                continue
+        async for job, chunk in _merged(out, len(tasks)):
             for event in fmt.stream_events(chunk, job.choice_offset):
                 yield sse_event(event)
         usage_event = fmt.usage_event()
         if usage_event is not None:
             yield sse_event(usage_event)
-        yield SSE_DONE
+    except APIError as e:
+        yield sse_event(e.body())
     finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.close()
+        await _cancel(tasks)
+    yield SSE_DONE

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from engine.client import EngineClient
 from serve_app.config import AppConfig
@@ -23,7 +24,7 @@ class _LocalStream:
     def __init__(self, agen: AsyncIterator):
         self._agen = agen
 
-    def __aiter__(self) -> "_LocalStream":
+    def __aiter__(self) -> _LocalStream:
         return self
 
     async def __anext__(self) -> Any:
@@ -58,7 +59,7 @@ class LocalHandle:
     def __init__(self, target: Any, stream: bool = False):
         self._target, self._stream = target, stream
 
-    def options(self, stream: bool = False, **_: Any) -> "LocalHandle":
+    def options(self, stream: bool = False, **_: Any) -> LocalHandle:
         return type(self)(self._target, stream)
 
     def __getattr__(self, name: str) -> _LocalMethod:

@@ -10,7 +10,6 @@ request still runs, and the next load report corrects the router's picture.
 from __future__ import annotations
 
 import random
-from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -18,9 +17,9 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 class PinnedReplicaRequestRouter(RequestRouter):
     async def choose_replicas(
         self,
-        candidate_replicas: List[RunningReplica],
-        pending_request: Optional[PendingRequest] = None,
-    ) -> List[List[RunningReplica]]:
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
         hint = None
         if pending_request is not None:
             hint = pending_request.kwargs.get("replica_hint")

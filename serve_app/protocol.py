@@ -36,13 +36,13 @@ class APIError(Exception):
         self.param, self.code, self.headers = param, code, headers or {}
 
     @classmethod
-    def from_info(cls, info: Any) -> "APIError":
+    def from_info(cls, info: Any) -> APIError:
         """From a serve_app.messages.ErrorInfo (an error that crossed a deployment boundary)."""
         headers = {"Retry-After": str(info.retry_after_s)} if info.retry_after_s else None
         return cls(info.status, info.message, info.type, info.param, info.code, headers)
 
     @classmethod
-    def from_invalid(cls, error: InvalidRequestError) -> "APIError":
+    def from_invalid(cls, error: InvalidRequestError) -> APIError:
         """A 400 for input the engine's rules refuse."""
         return cls(400, str(error), param=error.param, code=error.code)
 
@@ -134,7 +134,7 @@ class CompletionRequest(_SamplingFields):
                          "ids (ints), or a list of such lists")
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
+    def _unsupported(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
         if self.suffix:
@@ -189,7 +189,7 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,

@@ -15,7 +15,8 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -154,7 +155,8 @@ class EngineReplica:
                 stats = self.stats()
                 key = (stats.ready, stats.num_waiting, stats.num_running, stats.num_free_blocks,
                        stats.num_queued_tokens)
-                if key != last_key or stats.received_ids or time.monotonic() - last_sent >= self.config.stats_heartbeat_s:
+                due = time.monotonic() - last_sent >= self.config.stats_heartbeat_s
+                if key != last_key or stats.received_ids or due:
                     del self._received_ids[: len(stats.received_ids)]
                     self.metrics.record_load(stats, self.engine.stats())
                     await self._router.report.remote(stats)
@@ -166,6 +168,6 @@ class EngineReplica:
             await asyncio.sleep(_MIN_REPORT_GAP_S)
             try:
                 await asyncio.wait_for(self._report_now.wait(), timeout=self.config.stats_report_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._report_now.clear()

@@ -23,7 +23,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from serve_app.admission import AdmissionQueue
 from serve_app.config import RouterConfig

@@ -1,37 +1,90 @@
-"""Builds (once per machine, cached by torch) the C++ paged decode attention kernel in csrc/.
+"""The C++ paged decode attention kernel in csrc/: built once per machine, loaded at start-up.
 
 The kernel reads K/V blocks in place through the block table, where the pure-torch path first
-gathers them into a padded copy. It is compiled for the CPU's vector width at first use (tens of
-seconds, needs a C++ compiler and ninja); when that is not possible the engine runs the
-pure-torch path, which computes the same attention.
+gathers them into a padded copy. It is compiled for the CPU's vector width (torch's cpp_extension
+and ninja, tens of seconds). `make install` builds it (`python -m engine.attention.cpu_kernel`)
+into a cache keyed by the source, the flags, torch's version and the CPU capability, so an
+engine's start-up only loads the library; if it is missing there, the first engine builds it
+(its start-up, and so a replica's readiness, waits for that). If it cannot be built the engine
+runs the pure-torch path, which computes the same attention.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import sys
+import time
+from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+CACHE_ENV = "CBSERVE_KERNEL_CACHE"
 
 
-@functools.cache
-def load_paged_decode():
-    """The compiled module, or None (with the reason logged) if it cannot be built here."""
+def _flags() -> tuple[str, list[str]]:
     capability = torch.backends.cpu.get_cpu_capability()  # e.g. "AVX512", "AVX2", "DEFAULT"
     flags = ["-O3", "-ffast-math", "-fopenmp"]
     if capability in ("AVX2", "AVX512"):
         flags += ["-march=native", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    try:
-        import ninja  # torch's builder looks for the ninja binary on PATH; the wheel ships one
-        from torch.utils.cpp_extension import load
+    return capability, flags
 
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        return load(name=f"cbserve_paged_decode_{capability.lower()}", sources=[_SOURCE], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+
+def _name_and_dir() -> tuple[str, Path]:
+    capability, flags = _flags()
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cbserve" / "kernels")
+    name = f"cbserve_paged_decode_{capability.lower()}_{key}"
+    return name, root / name
+
+
+def _import(name: str, path: Path):
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(name: str, directory: Path):
+    """Compiles the kernel into `directory` and returns the loaded module."""
+    import ninja  # torch's builder looks for the ninja binary on PATH; the wheel ships one
+    from torch.utils.cpp_extension import load
+
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    directory.mkdir(parents=True, exist_ok=True)
+    _, flags = _flags()
+    t0 = time.monotonic()
+    module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                  build_directory=str(directory), verbose=False)
+    logger.warning("built the C++ paged decode kernel in %.0f s into %s", time.monotonic() - t0, directory)
+    return module
+
+
+@functools.cache
+def load_paged_decode():
+    """The compiled module (built first if the cache lacks it), or None, with the reason
+    logged, if it cannot be built here."""
+    try:
+        name, directory = _name_and_dir()
+        library = directory / f"{name}.so"
+        if library.exists():
+            return _import(name, library)
+        logger.warning("C++ paged decode kernel not built yet (`make install` builds it); building it now")
+        return _build(name, directory)
     except Exception as e:  # no compiler, no ninja, unsupported platform: fall back, say why
         logger.warning("C++ paged decode attention unavailable (%s); using the pure-torch path", e)
         return None
+
+
+if __name__ == "__main__":  # `make install`: build (or find) the kernel, say where
+    logging.basicConfig(level=logging.INFO)
+    name, directory = _name_and_dir()
+    print(f"paged decode kernel: {directory / (name + '.so')}")
+    sys.exit(0 if load_paged_decode() is not None else 1)

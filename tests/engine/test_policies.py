@@ -322,8 +322,8 @@ def test_full_swap_pool_falls_back_to_recompute(clock):
 def test_auto_preemption_weighs_swap_against_recompute(clock, block_bytes, expect_swap):
     """No prefix cache: recomputing 8 tokens at 400 tok/s costs 20 ms; moving 2 blocks out and
     back costs 2 * 2 * block_bytes / 5e9 s: 0.8 us for 1 kB blocks, 0.8 s for 1 GB blocks."""
-    sched = make_scheduler(clock=clock, num_blocks=4, num_host_blocks=4, enable_prefix_caching=False, preemption_mode="auto",
-                       costs=PreemptionCosts(block_bytes=block_bytes))
+    sched = make_scheduler(clock=clock, num_blocks=4, num_host_blocks=4, enable_prefix_caching=False,
+                           preemption_mode="auto", costs=PreemptionCosts(block_bytes=block_bytes))
     _, late, _ = _two_requests_contending(sched)
     c = sched.counters
     assert (c.num_preemptions_swap, c.num_preemptions_recompute) == ((1, 0) if expect_swap else (0, 1))
@@ -334,7 +334,8 @@ def test_auto_preemption_recomputes_a_victim_whose_prefix_is_shared_and_cached(c
     """The late request's 8 tokens are the early request's prompt prefix, which stays owned (and
     cached) by the early request: recomputing costs nothing, so auto recomputes even though swap
     is cheap, and re-admission serves those 8 tokens from the cache."""
-    sched = make_scheduler(clock=clock, num_blocks=6, num_host_blocks=8, preemption_mode="auto", costs=PreemptionCosts(block_bytes=50_000_000))  # swap dearer than a few tokens
+    sched = make_scheduler(clock=clock, num_blocks=6, num_host_blocks=8, preemption_mode="auto",
+                           costs=PreemptionCosts(block_bytes=50_000_000))  # swap dearer than a few tokens
     shared = list(range(1, 9))
     early = make_request(prompt=shared + [40, 41, 42, 43, 44], max_tokens=8, arrival_time=1.0)
     sched.add_request(early)

@@ -13,8 +13,9 @@ import json
 import os
 import socket
 import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import pytest

@@ -12,8 +12,8 @@ import asyncio
 import random
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -74,11 +74,11 @@ class FakeAsyncEngine(EngineClient):
         self.shut_down = False
 
     @classmethod
-    def with_options(cls, **options: object) -> type["FakeAsyncEngine"]:
+    def with_options(cls, **options: object) -> type[FakeAsyncEngine]:
         return type("FakeAsyncEngineVariant", (cls,), dict(options))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> "FakeAsyncEngine":
+    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> FakeAsyncEngine:
         """Sizes from the class (with_options), unless the config sets them."""
         engine = cls()
         engine.num_blocks = config.cache.num_blocks or cls.num_blocks

@@ -1,0 +1,59 @@
+"""Connection hygiene in Serve's HTTP proxy: a deadline on request headers.
+
+Serve's proxy runs uvicorn, which closes idle keep-alive connections after a response
+(`http_options.keep_alive_timeout_s` in the serve YAML) but never a connection whose request
+headers do not complete: a client sending them slowly holds the connection forever. Ray calls
+the function named by RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH in the proxy process before its
+server starts; `install` (this module's) registers, as uvicorn's "auto" HTTP protocol (the one
+Serve uses), the same protocol with a deadline: a connection whose next request's headers are
+not complete within CBSERVE_HEADER_TIMEOUT_S seconds (default 10) of opening or of the previous
+response is closed. Slow bodies are the ingress's (408 after ingress.body_timeout_s).
+
+`make serve`, the KubeRay manifests and the cluster launcher set the variable; a Ray cluster
+started without it serves without the header deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from uvicorn import config as uvicorn_config
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+logger = logging.getLogger("cbserve.proxy")
+HEADER_TIMEOUT_ENV = "CBSERVE_HEADER_TIMEOUT_S"
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+
+def header_timeout_s() -> float:
+    return float(os.environ.get(HEADER_TIMEOUT_ENV, DEFAULT_HEADER_TIMEOUT_S))
+
+
+class HeaderDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[valid-type, misc]
+    """uvicorn's HTTP protocol; a request that has not started (headers complete) by its
+    deadline closes the connection. uvicorn starts a new request cycle object when headers
+    complete, so "no new cycle since the deadline was armed" means the headers never came."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def _arm_header_deadline(self) -> None:
+        self.loop.call_later(header_timeout_s(), self._header_deadline, self.cycle)
+
+    def _header_deadline(self, cycle_when_armed: object) -> None:
+        if self.cycle is cycle_when_armed and not self.transport.is_closing():
+            self.transport.close()
+
+
+def install() -> list:
+    """The proxy callback: registers the protocol; returns no middlewares."""
+    uvicorn_config.HTTP_PROTOCOLS["auto"] = f"{__name__}:HeaderDeadlineProtocol"
+    logger.info("HTTP header deadline %.1f s", header_timeout_s())
+    return []
