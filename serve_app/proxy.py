@@ -9,8 +9,8 @@ Serve uses), the same protocol with a deadline: a connection whose next request'
 not complete within CBSERVE_HEADER_TIMEOUT_S seconds (default 10) of opening or of the previous
 response is closed. Slow bodies are the ingress's (408 after ingress.body_timeout_s).
 
-`make serve`, the KubeRay manifests and the cluster launcher set the variable; a Ray cluster
-started without it serves without the header deadline.
+`make serve` sets the variable; a Ray cluster started without it serves without the header
+deadline.
 """
 
 from __future__ import annotations

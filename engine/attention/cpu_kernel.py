@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from engine.cache_dir import cache_dir
+
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-CACHE_ENV = "CBSERVE_KERNEL_CACHE"
 
 
 def _flags() -> tuple[str, list[str]]:
@@ -38,9 +39,8 @@ def _flags() -> tuple[str, list[str]]:
 def _name_and_dir() -> tuple[str, Path]:
     capability, flags = _flags()
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cbserve" / "kernels")
     name = f"cbserve_paged_decode_{capability.lower()}_{key}"
-    return name, root / name
+    return name, cache_dir("kernels") / name
 
 
 def _import(name: str, path: Path):

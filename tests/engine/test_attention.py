@@ -63,3 +63,22 @@ def test_backend_matches_dense_reference(backend_name):
         keys, values = history[item.request.request_id]
         expected = _reference(q[t0:t1], keys, values, item.start_pos, t1 - t0)
         torch.testing.assert_close(out[t0:t1], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_start_up_loads_the_kernel_from_its_cache_and_never_compiles(monkeypatch):
+    """`make install` built the kernel (or the first load does); later loads, as every engine
+    start-up does, import the cached library: compiling there fails this test."""
+    from engine.attention import cpu_kernel
+
+    cpu_kernel.load_paged_decode.cache_clear()
+    assert cpu_kernel.load_paged_decode() is not None
+
+    def no_build(*args):
+        raise AssertionError("start-up compiled the kernel")
+
+    monkeypatch.setattr(cpu_kernel, "_build", no_build)
+    cpu_kernel.load_paged_decode.cache_clear()
+    try:
+        assert cpu_kernel.load_paged_decode() is not None
+    finally:
+        cpu_kernel.load_paged_decode.cache_clear()

@@ -28,3 +28,29 @@ def test_embedded_model_matches_transformers_on_chat_prompts():
         ref = ref[:ref.index(eos) + 1] if eos in ref else ref
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].text == tokenizer.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_the_converted_gguf_in_the_cache_is_the_gguf():
+    """The engine loads the embedded GGUF from its converted copy; transformers reading the GGUF
+    itself gives the same weights (bit for bit), config, tokenizer and chat template."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model_loader import converted_gguf, default_model_path
+
+    converted, tokenizer = load_hf(None)
+    assert str(converted_gguf(default_model_path())) == converted.name_or_path
+    directory, gguf_file = os.path.split(default_model_path())
+    direct = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    direct_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    want, got = direct.state_dict(), converted.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert direct.config.tie_word_embeddings == converted.config.tie_word_embeddings
+    assert direct.generation_config.eos_token_id == converted.generation_config.eos_token_id
+    assert direct_tokenizer.chat_template == tokenizer.chat_template
+    text = "Hello, wörld! 12345 <|im_start|>user\nok"
+    assert direct_tokenizer.encode(text) == tokenizer.encode(text)
+    assert direct_tokenizer.apply_chat_template(CHATS[1]) == tokenizer.apply_chat_template(CHATS[1])

@@ -65,6 +65,10 @@ async def local_stack(
             router._tick_task.cancel()
 
 
+HEADER_TIMEOUT_S = 2.0  # serve_app.proxy's header deadline in the test cluster's proxy
+KEEP_ALIVE_TIMEOUT_S = 3  # http_options.keep_alive_timeout_s of the test cluster
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,6 +84,8 @@ def serve_cluster(tmp_path_factory):
     env = {
         "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
         "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
+        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install",
+        "CBSERVE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
         "PYTHONPATH": os.pathsep.join(
             [str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
@@ -95,7 +101,8 @@ def serve_cluster(tmp_path_factory):
         num_cpus=4, include_dashboard=False, temp_dir=str(tmp), metrics_export_port=metrics_port))
     ray.init(address=cluster.address, log_to_driver=False)
     http_port = _free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port})
+    serve.start(proxy_location="HeadOnly", http_options={
+        "host": "127.0.0.1", "port": http_port, "keep_alive_timeout_s": KEEP_ALIVE_TIMEOUT_S})
     try:
         yield {"http": f"http://127.0.0.1:{http_port}", "metrics_port": metrics_port,
                "cluster": cluster}
