@@ -13,12 +13,15 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -30,10 +33,10 @@ from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local import build_local_app  # noqa: E402
 
 
-def _merge(base: dict, override: dict) -> dict:
+def merge(base: dict, override: dict) -> dict:
     out = dict(base)
     for k, v in override.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -45,7 +48,7 @@ async def local_stack(
     base = {"engine": {"served_model_name": "fake", "stream_flush_interval_s": 0.0,
                        "stats_report_interval_s": 0.05},
             "router": {"no_replica_timeout_s": 0.5}}
-    cfg = AppConfig.model_validate(_merge(base, config))
+    cfg = AppConfig.model_validate(merge(base, config))
     app, router, replicas = build_local_app(cfg, num_replicas, engine_cls)
     for r in replicas:
         await r.check_health()
@@ -63,6 +66,41 @@ async def local_stack(
             r.shutdown()
         if router._tick_task is not None:
             router._tick_task.cancel()
+
+
+@contextlib.contextmanager
+def served_local_stack(config: dict, num_replicas: int | None = None,
+                       engine_cls: type | None = FakeAsyncEngine) -> Iterator[tuple[str, Any, list]]:
+    """The in-process stack behind a real HTTP server (uvicorn on its own thread and loop), for
+    clients that need real connections (streams held open, schemathesis). Yields (url, router,
+    replicas), every replica already reporting to the router. engine_cls None: the real engine."""
+    cfg = AppConfig.model_validate(config)
+    app, router, replicas = build_local_app(cfg, num_replicas, engine_cls)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    for r in replicas:  # what Serve's health check does first: the replica starts reporting load
+        asyncio.run_coroutine_threadsafe(r.check_health(), loop).result(120)
+    url = f"http://127.0.0.1:{server.config.port}"
+    deadline = time.monotonic() + 120
+    while not _healthy(url):
+        assert time.monotonic() < deadline, "the local server did not become ready"
+        time.sleep(0.05)
+    try:
+        yield url, router, replicas
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        for r in replicas:
+            r.shutdown()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 HEADER_TIMEOUT_S = 2.0  # serve_app.proxy's header deadline in the test cluster's proxy
@@ -151,7 +189,7 @@ def fake_serve_app(serve_cluster: dict, name: str, config: dict,
     from ray import serve
 
     base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}}
-    cfg = AppConfig.model_validate(_merge(base, config))
+    cfg = AppConfig.model_validate(merge(base, config))
     engine_cls = FakeAsyncEngine.with_options(**engine_options)
     serve.run(build_app(cfg, engine_cls), name=name, route_prefix=f"/{name}")
     url = f"{serve_cluster['http']}/{name}"

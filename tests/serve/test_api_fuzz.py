@@ -7,21 +7,14 @@ OpenAI's shape; the server still answers a normal request at the end. Counts are
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 import schemathesis
-import uvicorn
+from conftest import served_local_stack
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
-
-from serve_app.config import AppConfig
-from serve_app.local import build_local_app
 
 KEY = {"Authorization": "Bearer fuzz"}
 EXAMPLES_PER_MODE = 100
@@ -29,36 +22,13 @@ EXAMPLES_PER_MODE = 100
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_words):
-    cfg = AppConfig.model_validate({
+    config = {
         "engine": {"model": tiny_llama_words, "served_model_name": "tiny", "stream_flush_interval_s": 0.0,
                    "engine_args": {"max_model_len": 96, "max_num_seqs": 8, "seed": 0}},
         "ingress": {"api_keys": ["fuzz"], "body_timeout_s": 5.0},
-    })
-    app, _, replicas = build_local_app(cfg, 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(uv.serve(),), daemon=True)
-    thread.start()
-    for r in replicas:  # what Serve's health check does first: the replica starts reporting load
-        asyncio.run_coroutine_threadsafe(r.check_health(), loop).result(60)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the fuzz server did not become ready"
-        time.sleep(0.1)
-    yield url
-    uv.should_exit = True
-    thread.join(30)
-    for r in replicas:
-        r.shutdown()
+    }
+    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+        yield url
 
 
 def test_no_generated_request_gets_a_5xx_and_every_error_is_openai_shaped(server):

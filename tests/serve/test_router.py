@@ -1,12 +1,13 @@
-"""Admission: ordering, aging, bounds, headroom, replica choice; then overload through HTTP."""
+"""Admission: ordering, aging, bounds, headroom, replica choice; then the admission scenarios
+(admission_scenarios.py) through HTTP on the in-process stack."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-from conftest import local_stack, run
+from admission_scenarios import ENGINE, SCENARIOS, Stack
+from conftest import merge, run, served_local_stack
 from fake_engine import FakeAsyncEngine
 
 from serve_app.admission import AdmissionQueue
@@ -159,116 +160,23 @@ def test_router_no_replica_503():
 SLOW = FakeAsyncEngine.with_options(step_delay_s=0.01, max_num_seqs=1)
 
 
-async def _post(client, prompt: str, max_tokens: int, priority: int = 0):
-    return await client.post("/v1/completions", json={
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "priority": priority})
+def _local_stack(config: dict, num_replicas: int):
+    base = {"engine": {"served_model_name": "fake", "stream_flush_interval_s": 0.0, "stats_report_interval_s": 0.05}}
+    return served_local_stack(merge(base, config), num_replicas, FakeAsyncEngine.with_options(**ENGINE))
 
 
-def _started(replicas) -> list[str]:
-    return [rid for r in replicas for rid in r.engine.started]
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_admission_scenario_in_process(name):
+    """admission_scenarios.py against the in-process stack behind uvicorn."""
+    scenario = SCENARIOS[name]
+    with _local_stack(scenario.config, scenario.config["engine"]["num_replicas"]) as (url, router, replicas):
+        async def replica_stats():
+            return [r.engine.stats() for r in replicas]
 
+        async def routing_counters():
+            return [r.routing_counters() for r in replicas]
 
-def test_queue_full_429_retry_after_and_admitted_complete():
-    async def go():
-        async with local_stack(engine_cls=SLOW, router={"max_queued_requests": 3,
-                                                        "max_waiting_per_replica": 1}) as (
-                client, router, replicas):
-            tasks = [asyncio.ensure_future(_post(client, f"p{i}", 10)) for i in range(10)]
-            results = await asyncio.gather(*tasks)
-            ok = [r for r in results if r.status_code == 200]
-            refused = [r for r in results if r.status_code == 429]
-            assert len(ok) + len(refused) == 10 and refused and len(ok) >= 4
-            for r in refused:
-                assert int(r.headers["Retry-After"]) >= 1
-                assert "queue full" in r.json()["error"]["message"]
-            for r in ok:
-                assert r.json()["usage"]["completion_tokens"] == 10
-            assert len(replicas[0].engine.finished) == len(ok)
+        async def num_queued():
+            return len(router.queue)
 
-    run(go())
-
-
-def test_priority_classes_at_overload_high_first_across_two_replicas():
-    """1. two replicas, one slot each, max_waiting 1: four long requests saturate them.
-    2. queue 6 low-priority (5) requests, then 6 high-priority (0) ones.
-    3. every high request starts before any low one that was queued."""
-    async def go():
-        async with local_stack(num_replicas=2, engine_cls=SLOW,
-                               router={"policy": "priority", "aging_rate": 0.0,
-                                       "max_waiting_per_replica": 1}) as (client, router,
-                                                                          replicas):
-            fill = [asyncio.ensure_future(_post(client, f"fill{i}", 15)) for i in range(4)]
-            await asyncio.sleep(0.05)
-            low = [asyncio.ensure_future(_post(client, f"low{i}", 3, priority=5))
-                   for i in range(6)]
-            await asyncio.sleep(0.02)
-            high = [asyncio.ensure_future(_post(client, f"high{i}", 3, priority=0))
-                    for i in range(6)]
-            results = await asyncio.gather(*fill, *low, *high)
-            assert all(r.status_code == 200 for r in results)
-            t = {rid: ts for r in replicas for rid, ts in r.engine.start_times.items()}
-            low_t = [t[r.json()["id"] + "-0"] for r in results[4:10]]
-            high_t = [t[r.json()["id"] + "-0"] for r in results[10:16]]
-            assert max(high_t) < min(low_t)
-            assert all(len(r.engine.started) >= 4 for r in replicas)  # both replicas served
-
-    run(go())
-
-
-def test_sjf_short_request_overtakes_long_ones():
-    async def go():
-        async with local_stack(engine_cls=SLOW, router={"policy": "sjf", "aging_rate": 0.0,
-                                                        "max_waiting_per_replica": 1}) as (
-                client, router, replicas):
-            running = asyncio.ensure_future(_post(client, "first", 10))
-            await asyncio.sleep(0.03)
-            longs = [asyncio.ensure_future(_post(client, f"long{i}", 40)) for i in range(3)]
-            await asyncio.sleep(0.03)
-            short = asyncio.ensure_future(_post(client, "short", 2))
-            results = await asyncio.gather(running, *longs, short)
-            started = replicas[0].engine.started
-            short_id = results[-1].json()["id"] + "-0"
-            long_ids = [r.json()["id"] + "-0" for r in results[1:4]]
-            # one long may already sit in the engine's waiting slot; the rest come after short
-            assert sum(started.index(short_id) < started.index(lid) for lid in long_ids) >= 2
-
-    run(go())
-
-
-def test_aging_serves_starved_request_within_bound():
-    """Priority policy, aging 20 classes/s, a steady flood of priority-0 requests slightly above
-    capacity (the queue is never empty, so without aging a priority-10 request would wait for
-    the whole flood). With aging it ranks like a priority-0 request that arrived 10/20 = 0.5 s
-    later: it starts before every flood request sent after t0 + 0.5 s, while the flood goes on."""
-    async def go():
-        async with local_stack(engine_cls=SLOW, router={"policy": "priority", "aging_rate": 20.0,
-                                                        "max_waiting_per_replica": 1}) as (
-                client, router, replicas):
-            loop = asyncio.get_running_loop()
-            stop_at = loop.time() + 2.0
-            sent: list[tuple[float, asyncio.Future]] = []
-
-            async def flood():
-                i = 0
-                while loop.time() < stop_at:
-                    sent.append((time.monotonic(), asyncio.ensure_future(
-                        _post(client, f"hi{i}", 3))))
-                    i += 1
-                    await asyncio.sleep(0.025)
-
-            flooder = asyncio.ensure_future(flood())
-            await asyncio.sleep(0.2)
-            t0 = time.monotonic()
-            starved = await _post(client, "starved", 2, priority=10)
-            await flooder
-            results = await asyncio.gather(*(f for _, f in sent))
-            assert starved.status_code == 200
-            starts = replicas[0].engine.start_times
-            starved_start = starts[starved.json()["id"] + "-0"]
-            assert starved_start < t0 + 0.5 + 1.0  # bound + service of what was ahead
-            late = [starts[r.json()["id"] + "-0"] for (ts, _), r in zip(sent, results)
-                    if ts > t0 + 0.5 + 0.05]
-            assert late and all(s > starved_start for s in late)
-            assert len(router.queue) == 0
-
-    run(go())
+        asyncio.run(scenario.run(Stack(url, replica_stats, routing_counters, num_queued)))

@@ -15,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import _merge, fake_serve_app, greedy_text
+from conftest import fake_serve_app, greedy_text, merge
 from fake_engine import FakeTokenizer
 
 from serve_app.config import load_config
@@ -155,7 +155,7 @@ def test_gpu_config_gives_each_replica_its_own_gpu(serve_cluster):
     cluster = serve_cluster["cluster"]
     file_cfg = load_config(CONFIGS / "serve-gpu.yaml")
     assert file_cfg.engine.num_gpus == 1 and file_cfg.engine.autoscaling is not None
-    cfg = _merge(file_cfg.model_dump(), {"engine": {
+    cfg = merge(file_cfg.model_dump(), {"engine": {
         "served_model_name": "fake", "engine_args": {"device": "cpu"},
         "autoscaling": {"min_replicas": 2}}})
     gpu_node = cluster.add_node(num_cpus=2 * file_cfg.engine.num_cpus + 1, num_gpus=2)
