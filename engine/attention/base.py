@@ -53,8 +53,8 @@ def select_backend(name: str, device: torch.device, scale: float) -> AttentionBa
     from engine.attention.torch_backend import TorchAttentionBackend
     kernel = None
     if name in ("auto", "cpu") and device.type == "cpu":
-        from engine.attention.cpu_kernel import load_paged_decode
-        kernel = load_paged_decode()
+        from engine.cpu_kernels import load_cpu_kernels
+        kernel = load_cpu_kernels()
     if name == "cpu" and kernel is None:
         raise ValueError("attention_backend 'cpu' needs the C++ decode kernel, which could not be built here")
     return TorchAttentionBackend(scale, kernel)

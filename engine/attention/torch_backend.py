@@ -5,7 +5,7 @@ blocks along dim 2 then yields (2, num_kv_heads, B, L, head_dim) with no transpo
 attention is two batched matmuls over (kv_head, request). Decodes are grouped by context length
 (buckets) to bound the padding each gather reads; prefill chunks attend one request at a time
 with SDPA (a chunk with no cached context attends to its own keys and skips the gather).
-With the C++ kernel (cpu_kernel.py) decodes skip the gather: it reads blocks in place.
+With the C++ kernel (engine/cpu_kernels.py) decodes skip the gather: it reads blocks in place.
 Gathers write into one reusable workspace: a fresh multi-MB tensor per layer costs more in page
 faults than the copy itself (measured: 27 ms vs 7 ms for a 47 MB gather on this CPU).
 """
@@ -103,7 +103,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, scale: float, decode_kernel=None):
         self.scale = scale
-        self.decode_kernel = decode_kernel  # engine.attention.cpu_kernel module, or None
+        self.decode_kernel = decode_kernel  # engine.cpu_kernels module, or None
         self._workspace = torch.empty(0)
 
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):

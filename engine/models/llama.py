@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) written for paged attention.
 
 One flat ragged batch of T tokens goes through every layer; attention is the backend's. Weights
-are copied from a loaded transformers model, with q/k/v and gate/up fused into one matmul each.
-RoPE tables come from the transformers model's own rotary embedding, so its rope scaling
-(llama3, linear, yarn, ...) is reproduced exactly. Logits are computed only at sampled positions.
+are copied from a loaded transformers model, with q/k/v and gate/up fused into one matmul each;
+matmuls are engine.models.linear modules (fp32, or quantized at load time). RoPE tables come from
+the transformers model's own rotary embedding, so its rope scaling (llama3, linear, yarn, ...) is
+reproduced exactly. Logits are computed only at sampled positions.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.models.linear import Linear
 
 
 class LlamaLayer(nn.Module):
@@ -20,29 +22,26 @@ class LlamaLayer(nn.Module):
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv_weight = nn.Parameter(torch.cat([p.weight.detach() for p in projections]), requires_grad=False)
         biases = [p.bias for p in projections]
-        self.qkv_bias = (nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
-                         if biases[0] is not None else None)
-        self.o_weight = nn.Parameter(attn.o_proj.weight.detach(), requires_grad=False)
-        self.o_bias = attn.o_proj.bias
-        self.gate_up_weight = nn.Parameter(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-                                           requires_grad=False)
-        self.down_weight = nn.Parameter(mlp.down_proj.weight.detach(), requires_grad=False)
+        self.qkv = Linear(torch.cat([p.weight.detach() for p in projections]),
+                          torch.cat([b.detach() for b in biases]) if biases[0] is not None else None)
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]))
+        self.down = Linear(mlp.down_proj.weight)
         self.input_norm = nn.Parameter(hf_layer.input_layernorm.weight.detach(), requires_grad=False)
         self.post_norm = nn.Parameter(hf_layer.post_attention_layernorm.weight.detach(), requires_grad=False)
 
     def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
         num_tokens, num_qk = hidden.shape[0], self.num_heads + self.num_kv_heads
         x = F.rms_norm(hidden, hidden.shape[-1:], self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (heads + 2 kv_heads) * d)
+        qkv = self.qkv(x)  # (T, (heads + 2 kv_heads) * d)
         qk = _rope(qkv[:, :num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos, sin)
         v = qkv[:, num_qk * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata)
-        hidden = hidden + F.linear(attn, self.o_weight, self.o_bias)
+        hidden = hidden + self.o(attn)
         x = F.rms_norm(hidden, hidden.shape[-1:], self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate).mul_(up), self.down_weight)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate).mul_(up))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,7 +64,7 @@ class LlamaForPagedAttention(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(layer, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
                                     for layer in body.layers)
         self.norm = nn.Parameter(body.norm.weight.detach(), requires_grad=False)
-        self.lm_head = nn.Parameter(hf_model.lm_head.weight.detach(), requires_grad=False)
+        self.lm_head = Linear(hf_model.lm_head.weight)
         cos, sin = _rope_tables(body.rotary_emb, max_model_len, self.head_dim)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -78,7 +77,7 @@ class LlamaForPagedAttention(nn.Module):
         for layer, layer_cache in zip(self.layers, kv_cache):
             hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
         hidden = F.rms_norm(hidden[sample_indices], hidden.shape[-1:], self.norm, self.eps)
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
 
 
 @torch.no_grad()

@@ -68,17 +68,17 @@ def test_backend_matches_dense_reference(backend_name):
 def test_start_up_loads_the_kernel_from_its_cache_and_never_compiles(monkeypatch):
     """`make install` built the kernel (or the first load does); later loads, as every engine
     start-up does, import the cached library: compiling there fails this test."""
-    from engine.attention import cpu_kernel
+    from engine import cpu_kernels
 
-    cpu_kernel.load_paged_decode.cache_clear()
-    assert cpu_kernel.load_paged_decode() is not None
+    cpu_kernels.load_cpu_kernels.cache_clear()
+    assert cpu_kernels.load_cpu_kernels() is not None
 
     def no_build(*args):
         raise AssertionError("start-up compiled the kernel")
 
-    monkeypatch.setattr(cpu_kernel, "_build", no_build)
-    cpu_kernel.load_paged_decode.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_build", no_build)
+    cpu_kernels.load_cpu_kernels.cache_clear()
     try:
-        assert cpu_kernel.load_paged_decode() is not None
+        assert cpu_kernels.load_cpu_kernels() is not None
     finally:
-        cpu_kernel.load_paged_decode.cache_clear()
+        cpu_kernels.load_cpu_kernels.cache_clear()

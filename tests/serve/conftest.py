@@ -142,7 +142,7 @@ def serve_cluster(tmp_path_factory):
     serve.start(proxy_location="HeadOnly", http_options={
         "host": "127.0.0.1", "port": http_port, "keep_alive_timeout_s": KEEP_ALIVE_TIMEOUT_S})
     try:
-        yield {"http": f"http://127.0.0.1:{http_port}", "metrics_port": metrics_port,
+        yield {"http": f"http://127.0.0.1:{http_port}",
                "cluster": cluster}
     finally:
         serve.shutdown()

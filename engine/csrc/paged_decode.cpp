@@ -1,13 +1,12 @@
 // Paged decode attention for CPU: one query token per request attends over its KV blocks, read
 // in place through the block table (no gather copy). fp32. Parallel over (request, kv head).
+#include "kernels.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <cmath>
 #include <vector>
-
-namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
@@ -82,12 +81,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
     }
   });
   return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Release the GIL: the kernel touches no Python objects, and a server thread may need it.
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)",
-        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,12 +1,13 @@
-"""The C++ paged decode attention kernel in csrc/: built once per machine, loaded at start-up.
+"""The engine's C++ CPU kernels in csrc/ (one extension): built once per machine, loaded at start-up.
 
-The kernel reads K/V blocks in place through the block table, where the pure-torch path first
-gathers them into a padded copy. It is compiled for the CPU's vector width (torch's cpp_extension
-and ninja, tens of seconds). `make install` builds it (`python -m engine.attention.cpu_kernel`)
-into a cache keyed by the source, the flags, torch's version and the CPU capability, so an
-engine's start-up only loads the library; if it is missing there, the first engine builds it
-(its start-up, and so a replica's readiness, waits for that). If it cannot be built the engine
-runs the pure-torch path, which computes the same attention.
+`paged_decode_attention` reads K/V blocks in place through the block table, where the pure-torch
+path first gathers them into a padded copy; `int8_linear` multiplies fp32 activations by int8
+weights for decode-sized batches (engine/models/linear.py). They are compiled for the CPU's
+vector width (torch's cpp_extension and ninja, tens of seconds). `make install` builds them
+(`python -m engine.cpu_kernels`) into a cache keyed by the sources, the flags, torch's version
+and the CPU capability, so an engine's start-up only loads the library; if it is missing there,
+the first engine builds it (its start-up, and so a replica's readiness, waits for that). If it
+cannot be built the engine runs pure-torch paths that compute the same results.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import torch
 from engine.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "int8_linear.cpp"]
 
 
 def _flags() -> tuple[str, list[str]]:
@@ -38,8 +40,9 @@ def _flags() -> tuple[str, list[str]]:
 
 def _name_and_dir() -> tuple[str, Path]:
     capability, flags = _flags()
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
-    name = f"cbserve_paged_decode_{capability.lower()}_{key}"
+    sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))
+    key = hashlib.sha256(sources + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    name = f"cbserve_cpu_kernels_{capability.lower()}_{key}"
     return name, cache_dir("kernels") / name
 
 
@@ -52,7 +55,7 @@ def _import(name: str, path: Path):
 
 
 def _build(name: str, directory: Path):
-    """Compiles the kernel into `directory` and returns the loaded module."""
+    """Compiles the kernels into `directory` and returns the loaded module."""
     import ninja  # torch's builder looks for the ninja binary on PATH; the wheel ships one
     from torch.utils.cpp_extension import load
 
@@ -61,14 +64,14 @@ def _build(name: str, directory: Path):
     directory.mkdir(parents=True, exist_ok=True)
     _, flags = _flags()
     t0 = time.monotonic()
-    module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                   build_directory=str(directory), verbose=False)
-    logger.warning("built the C++ paged decode kernel in %.0f s into %s", time.monotonic() - t0, directory)
+    logger.warning("built the C++ CPU kernels in %.0f s into %s", time.monotonic() - t0, directory)
     return module
 
 
 @functools.cache
-def load_paged_decode():
+def load_cpu_kernels():
     """The compiled module (built first if the cache lacks it), or None, with the reason
     logged, if it cannot be built here."""
     try:
@@ -76,15 +79,15 @@ def load_paged_decode():
         library = directory / f"{name}.so"
         if library.exists():
             return _import(name, library)
-        logger.warning("C++ paged decode kernel not built yet (`make install` builds it); building it now")
+        logger.warning("C++ CPU kernels not built yet (`make install` builds them); building them now")
         return _build(name, directory)
     except Exception as e:  # no compiler, no ninja, unsupported platform: fall back, say why
-        logger.warning("C++ paged decode attention unavailable (%s); using the pure-torch path", e)
+        logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch paths", e)
         return None
 
 
-if __name__ == "__main__":  # `make install`: build (or find) the kernel, say where
+if __name__ == "__main__":  # `make install`: build (or find) the kernels, say where
     logging.basicConfig(level=logging.INFO)
     name, directory = _name_and_dir()
-    print(f"paged decode kernel: {directory / (name + '.so')}")
-    sys.exit(0 if load_paged_decode() is not None else 1)
+    print(f"CPU kernels: {directory / (name + '.so')}")
+    sys.exit(0 if load_cpu_kernels() is not None else 1)
