@@ -9,6 +9,7 @@ On a node's metrics endpoint the names appear prefixed `ray_` (counters suffixed
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
@@ -55,9 +56,17 @@ class RouterMetrics:
             "cbserve_router_dispatched", "Requests sent to a replica.", ("replica", "priority")
         )
         self.live_replicas = gauge("cbserve_router_live_replicas", "Replicas reporting load.", ())
+        self._priorities: set[int] = set()  # classes whose depth has been reported
 
     def record_depth(self, priority: int, depth: int) -> None:
+        self._priorities.add(priority)
         self.queue_depth.set(depth, tags={"priority": str(priority)})
+
+    def refresh_depths(self, depth_by_priority: Mapping[int, int]) -> None:
+        """Sets every known class's depth again: Ray's metrics agent drops a gauge series that is
+        not set for two report intervals, so an idle queue would vanish from /metrics."""
+        for priority in self._priorities:
+            self.queue_depth.set(depth_by_priority.get(priority, 0), tags={"priority": str(priority)})
 
     def record_dispatch(self, replica_id: str, priority: int, wait_s: float) -> None:
         self.admission_wait.observe(wait_s, tags={"priority": str(priority)})

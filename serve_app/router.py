@@ -129,6 +129,7 @@ class Router:
         now = self._clock()
         self.pool.expire(now)
         self.metrics.live_replicas.set(len(self.pool.views))
+        self.metrics.refresh_depths(self.queue.depth_by_priority)
         if self.pool.views:
             self._no_replica_since = None
         elif self._no_replica_since is None:

@@ -118,7 +118,7 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
             break
         time.sleep(2)
     missing = [w for w in want if w not in text]
-    assert not missing, missing
+    assert not missing, (missing, [line for line in text.splitlines() if 'cbserve_router' in line][:20])
     assert 'priority="2"' in text
 
 
