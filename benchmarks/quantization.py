@@ -6,7 +6,8 @@ token after the first), prefill tok/s (one 512-token prompt), the 64-request mix
 (prompts 16-512, outputs 8-256: useful output tok/s), matmul weight bytes per decode step, and
 teacher-forced quality against fp32 on the shipped text (engine/quality.py). Each measurement is
 taken --repeats times with the modes alternating, and the medians are printed with each run's
-process cpu/wall (2 threads: ~2.0 means nothing else took the cores). Optional bar chart.
+process cpu/wall (2 threads: ~2.0 means nothing else took the cores) and the cores' worth of CPU
+other processes used meanwhile. Optional bar chart.
 
     .venv/bin/python benchmarks/quantization.py [--repeats 3] [--json OUT] [--plot OUT.png]
 """
@@ -17,14 +18,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workload import make_workload, random_prompt  # noqa: E402
+from benchmarks.workload import Stopwatch, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.quality import compare, eval_tokens, position_logits  # noqa: E402
 
@@ -42,42 +42,28 @@ def cpu_features() -> str:
         " ".join(f for f in wanted if f in flags)
 
 
-class Timed:
-    def __enter__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = time.process_time() - self.cpu
-
-    @property
-    def util(self) -> float:
-        return self.cpu / self.wall
-
-
-def single_stream(llm: LLM) -> tuple[float, float]:
-    """(decode tok/s after the first token, cpu/wall)."""
+def single_stream(llm: LLM) -> tuple[float, Stopwatch]:
+    """(decode tok/s after the first token, the run's Stopwatch)."""
     prompt = random_prompt(128, seed=5)
-    with Timed() as first:
+    with Stopwatch() as first:
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), use_tqdm=False)
-    with Timed() as full:
+    with Stopwatch() as full:
         llm.generate([prompt], SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), use_tqdm=False)
-    return 127 / (full.wall - first.wall), full.util
+    return 127 / (full.wall_s - first.wall_s), full
 
 
-def prefill(llm: LLM) -> tuple[float, float]:
-    with Timed() as t:
+def prefill(llm: LLM) -> tuple[float, Stopwatch]:
+    with Stopwatch() as sw:
         llm.generate([random_prompt(512, seed=6)], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-    return 512 / t.wall, t.util
+    return 512 / sw.wall_s, sw
 
 
-def workload(llm: LLM) -> tuple[float, float]:
+def workload(llm: LLM) -> tuple[float, Stopwatch]:
     wl = make_workload(64, seed=0)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
-    with Timed() as t:
+    with Stopwatch() as sw:
         llm.generate(wl.prompts, params, use_tqdm=False)
-    return wl.num_output_tokens / t.wall, t.util
+    return wl.num_output_tokens / sw.wall_s, sw
 
 
 def main() -> None:
@@ -99,9 +85,11 @@ def main() -> None:
     for r in range(args.repeats):
         for name, fn in measures.items():
             for mode in MODES if r % 2 == 0 else reversed(MODES):
-                value, util = fn(engines[mode])
+                value, sw = fn(engines[mode])
                 runs[mode][name].append(value)
-                print(f"run {r} {mode:5} {name:15} {value:8.1f}  cpu/wall {util:.2f}", flush=True)
+                others = "n/a" if sw.others is None else f"{sw.others:.2f}"
+                print(f"run {r} {mode:5} {name:15} {value:8.1f}  cpu/wall {sw.cpu_util:.2f}  others {others}",
+                      flush=True)
 
     results: dict = {"cpu": cpu_features(), "modes": {}}
     loaded = {mode: engines[mode].engine.loaded for mode in MODES}

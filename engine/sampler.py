@@ -97,8 +97,12 @@ class Sampler:
         return generator
 
     def _snapshot(self, requests: list[Request]) -> tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]:
-        """Generator states before a pass, and the seeded requests that have no generator yet."""
-        seeded = [r.request_id for r in requests if r.params.seed is not None]
+        """States of the generators a pass may draw from (none for an all-greedy batch), and the
+        seeded requests that have no generator yet."""
+        sampled = [r for r in requests if not r.params.greedy]
+        if not sampled:
+            return [], []
+        seeded = [r.request_id for r in sampled if r.params.seed is not None]
         generators = [self.generator] + [self._request_generators[i] for i in seeded if i in self._request_generators]
         return [(g, g.get_state()) for g in generators], [i for i in seeded if i not in self._request_generators]
 

@@ -210,10 +210,14 @@ class Ingress:
             self.auth.authorize(request.headers.get("authorization"))
             return model_list(self.model_name, self._created)
 
+        schema: dict = {}  # built on first request: the routes are all registered by then
+
         @app.get("/openapi.json", include_in_schema=False)
         async def openapi(request: Request) -> dict:
             self.auth.authorize(request.headers.get("authorization"))
-            return openapi_schema(app)
+            if not schema:
+                schema.update(openapi_schema(app))
+            return schema
 
         app.add_api_route("/health", self.health, methods=["GET"])
         for path, endpoint in (("/v1/completions", self.completions), ("/v1/chat/completions", self.chat_completions)):

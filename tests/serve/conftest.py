@@ -83,10 +83,7 @@ def served_local_stack(config: dict, num_replicas: int | None = None,
     for r in replicas:  # what Serve's health check does first: the replica starts reporting load
         asyncio.run_coroutine_threadsafe(r.check_health(), loop).result(120)
     url = f"http://127.0.0.1:{server.config.port}"
-    deadline = time.monotonic() + 120
-    while not _healthy(url):
-        assert time.monotonic() < deadline, "the local server did not become ready"
-        time.sleep(0.05)
+    wait_healthy(url, 120)
     try:
         yield url, router, replicas
     finally:
@@ -96,11 +93,17 @@ def served_local_stack(config: dict, num_replicas: int | None = None,
             r.shutdown()
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
+def wait_healthy(url: str, timeout_s: float) -> float:
+    """Seconds until the app's /health answers 200 (an engine replica is ready)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} not healthy within {timeout_s} s")
 
 
 HEADER_TIMEOUT_S = 2.0  # serve_app.proxy's header deadline in the test cluster's proxy

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 import pytest
-from conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, sse_events
+from conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, sse_events, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -42,22 +42,9 @@ def hard_app(serve_cluster, tiny_llama_words):
     })
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
     url = f"{serve_cluster['http']}/{APP}"
-    _wait_healthy(url, 120)
+    wait_healthy(url, 120)
     yield url
     serve.delete(APP)
-
-
-def _wait_healthy(url: str, timeout_s: float) -> float:
-    """Seconds until /health answers 200 (readiness: a replica's engine can serve)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"not healthy within {timeout_s} s")
 
 
 def _post(url: str, body: dict, headers: dict = OPS, path: str = "/v1/completions") -> httpx.Response:
