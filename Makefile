@@ -5,7 +5,7 @@ PYTHON ?= python3
 # Serve's HTTP proxy runs serve_app.proxy:install at start-up (a deadline on request headers).
 SERVE_ENV := RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy:install
 
-.PHONY: install serve generate test test-fast lint bench
+.PHONY: install serve generate test test-fast test-gpu lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,11 @@ test: lint
 	$(PY) -m pytest -q
 
 test-fast: lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+# On a machine with an NVIDIA GPU and a CUDA build of torch: the engine and the serve app on CUDA.
+test-gpu: lint
+	$(PY) -m pytest -q -m gpu tests/gpu
 
 bench: install
 	$(PY) benchmarks/throughput.py

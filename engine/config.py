@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
 
@@ -27,20 +28,34 @@ class ModelConfig:
     max_model_len: int | None = _opt(None, "longest prompt + output; None: the model's max_position_embeddings")
     seed: int = _opt(0, "seeds requests that carry no seed of their own")
     num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
+    dtype: str = _opt("auto", "weights, activations and KV cache: 'auto' (bfloat16 on CUDA, float32 on CPU), "
+                              "'float32', 'bfloat16' or 'float16'")
     quantization: str = _opt("none", "matmul weights: 'none' (fp32, exact) or 'int8' (int8 weights in groups of 32, "
                                      "fp32 activations: a quarter of the bytes per decode step, CPU)")
 
     def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
         if self.quantization == "int8" and self.device != "cpu":
             raise ValueError("quantization 'int8' runs on the CPU (its kernel is C++ for x86); use 'none' on CUDA")
+        if self.quantization == "int8" and self.resolved_dtype != "float32":
+            raise ValueError(f"quantization 'int8' computes in float32, got dtype {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def resolved_dtype(self) -> str:
+        """`auto` made concrete: bfloat16 where the device has fast bf16 matmuls (CUDA), float32 on
+        CPU (the exact reference; bf16 GEMM is slow on CPUs without AMX)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
 
 
 @dataclass(frozen=True, slots=True)

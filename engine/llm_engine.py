@@ -45,7 +45,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the loaded model's {loaded.max_model_len}")
         self.vocab_size = model.vocab_size
         cache = config.cache
-        block_bytes = ModelRunner.block_bytes(model, cache.block_size)
+        block_bytes = ModelRunner.block_bytes(model, cache.block_size, loaded.dtype)
         # never more blocks than max_num_seqs requests of max_model_len tokens can fill
         useful_blocks = -(-config.scheduler.max_num_seqs * self.max_model_len // cache.block_size)
         num_blocks = cache.num_blocks or min(cache.kv_cache_memory_bytes // block_bytes, useful_blocks)
@@ -56,9 +56,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
                                    PreemptionCosts(block_bytes), clock)
         device = torch.device(config.model.device)
-        backend = select_backend(config.model.attention_backend, device, model.head_dim ** -0.5)
+        backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
-                                  config.model.seed)
+                                  config.model.seed, loaded.dtype)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self._last_step = StepStats()
 

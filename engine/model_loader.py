@@ -100,14 +100,19 @@ class LoadedModel:
     max_model_len: int  # the longest context its RoPE tables cover
     quantization: str  # engine.models.linear mode of its matmuls
     weight_bytes_per_token: int  # matmul weight bytes one decode step reads
+    dtype: torch.dtype  # of its weights, activations and KV cache
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
     hf_model, tokenizer = load_hf(config.model)
     max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
-    model = quantize(build_model(hf_model, max_model_len).to(torch.device(config.device)), config.quantization)
+    dtype = getattr(torch, config.resolved_dtype)
+    # built in float32 (RoPE tables included, as transformers computes them), then cast: the
+    # reference model casts its cos/sin to the activations' dtype the same way
+    model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
+    model = quantize(model, config.quantization)
     weight_bytes = weight_bytes_per_token(model)
-    logger.info("model loaded: quantization %s, %.0f MB of matmul weights per decode step",
-                config.quantization, weight_bytes / 1e6)
+    logger.info("model loaded: %s, quantization %s, %.0f MB of matmul weights per decode step",
+                config.resolved_dtype, config.quantization, weight_bytes / 1e6)
     return LoadedModel(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, config.quantization,
-                       weight_bytes)
+                       weight_bytes, dtype)

@@ -31,7 +31,7 @@ def eval_tokens(tokenizer, num_tokens: int = 6000) -> list[int]:
 def position_logits(loaded: LoadedModel, token_ids: list[int], window: int = 256, block_size: int = 16) -> torch.Tensor:
     """(len(token_ids), vocab) logits, each position given the tokens before it in its window."""
     model = loaded.model
-    backend = select_backend("torch", torch.device("cpu"), model.head_dim ** -0.5)
+    backend = select_backend("torch", torch.device("cpu"), torch.float32, model.head_dim ** -0.5)
     num_blocks = -(-window // block_size)
     kv_cache = backend.allocate_kv_cache(model.num_layers, num_blocks, block_size, model.num_kv_heads,
                                          model.head_dim, dtype=torch.float32, device=torch.device("cpu"))

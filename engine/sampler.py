@@ -26,8 +26,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int):
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device = torch.device("cpu")):
+        """`device`: where the logits are; the noise and every per-row tensor are made there."""
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_ids: list[str]) -> None:
@@ -67,20 +69,20 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=logits.device)
             token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
         ids = token_ids.tolist()
         return SamplerOutput(ids, [_logprobs(raw_logprobs, i, ids[i], r) for i, r in enumerate(requests)])
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.params for r in requests]
-        logits = logits / torch.tensor([p.temperature for p in params])[:, None]
-        top_k = torch.tensor([p.top_k for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
+        params, device = [r.params for r in requests], logits.device
+        logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any()) or bool((top_p < 1).any()):
             logits = _top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -93,7 +95,7 @@ class Sampler:
         generator = self._request_generators.get(request.request_id)
         if generator is None:
             seed = hash((request.params.seed, request.sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
-            generator = self._request_generators[request.request_id] = torch.Generator().manual_seed(seed)
+            generator = self._request_generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
         return generator
 
     def _snapshot(self, requests: list[Request]) -> tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]:
@@ -118,7 +120,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
@@ -132,12 +134,13 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
     penalties (OpenAI) over the output only."""
     params = request.params
     if params.repetition_penalty != 1:
-        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     output = request.output_token_ids
     if output and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
+        output_ids = torch.tensor(output, dtype=torch.long, device=row.device)
+        counts = torch.bincount(output_ids, minlength=row.shape[0]).to(row.dtype)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 

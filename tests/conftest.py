@@ -1,8 +1,12 @@
 """Shared fixtures: tiny random Llama-family checkpoints saved to disk with a real tokenizer, so
-tests load them through the engine's own loader (no hub access anywhere)."""
+tests load them through the engine's own loader (no hub access anywhere); the one Ray cluster
+with Serve that every real-Ray test shares."""
 from __future__ import annotations
 
+import os
 import random
+import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 # Tiny test models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
 # threads spinning against other processes make every op slower.
 torch.set_num_threads(1)
+
+ROOT = Path(__file__).parents[1]
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -50,12 +56,13 @@ def build_tokenizer(kind: str = "bpe") -> PreTrainedTokenizerFast:
     return fast
 
 
-def save_tiny_model(path, arch: str = "llama", seed: int = 0, tokenizer: str = "bpe") -> str:
+def save_tiny_model(path, arch: str = "llama", seed: int = 0, tokenizer: str = "bpe", **sizes) -> str:
+    """`sizes`: config fields to override (hidden_size, num_hidden_layers, ...)."""
     tokenizer = build_tokenizer(tokenizer)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.3, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False) | sizes
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
@@ -82,3 +89,56 @@ def tiny_qwen2(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_words(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-words"), "llama", tokenizer="words")
+
+
+HEADER_TIMEOUT_S = 2.0  # serve_app.proxy's header deadline in the test cluster's proxy
+KEEP_ALIVE_TIMEOUT_S = 3  # http_options.keep_alive_timeout_s of the test cluster
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_cluster(tmp_path_factory):
+    """Head node + Serve, shared by every real-Ray test: a process connects to one cluster at a
+    time and each costs seconds and GBs, so tests needing more nodes add them to this one
+    (`cluster.add_node`) and remove them before they end."""
+    tmp = tmp_path_factory.mktemp("ray")
+    env = {
+        "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
+        "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
+        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install",
+        "CBSERVE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(ROOT / "tests" / "serve"), os.environ.get("PYTHONPATH", "")]),
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    metrics_port = free_port()
+    (tmp / "ray").mkdir()  # Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, temp_dir=str(tmp),
+        metrics_export_port=metrics_port))
+    ray.init(address=cluster.address, log_to_driver=False)
+    http_port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={
+        "host": "127.0.0.1", "port": http_port, "keep_alive_timeout_s": KEEP_ALIVE_TIMEOUT_S})
+    try:
+        yield {"http": f"http://127.0.0.1:{http_port}",
+               "cluster": cluster}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -5,7 +5,6 @@ A backend owns the KV cache layout and the per-step attention metadata; the mode
 """
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -37,24 +36,29 @@ class AttentionBackend(ABC):
         Writes k/v into their slots, returns attention output (T, num_heads * head_dim)."""
 
 
-def flash_available(device: torch.device) -> bool:
-    return device.type == "cuda" and any(
-        importlib.util.find_spec(m) is not None for m in ("vllm_flash_attn", "flash_attn"))
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def select_backend(name: str, device: torch.device, scale: float) -> AttentionBackend:
-    """`auto`: flash attention on CUDA when importable; on CPU torch with the C++ decode kernel
-    when it builds; else pure torch. `torch` forces the pure-torch path, `cpu` requires the kernel."""
-    if name == "flash" or (name == "auto" and flash_available(device)):
-        if not flash_available(device):
-            raise ValueError("attention_backend 'flash' needs a CUDA device and vllm_flash_attn or flash_attn")
+def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and dtype in FLASH_DTYPES and torch.backends.cuda.is_flash_attention_available()
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: float) -> AttentionBackend:
+    """`auto`: flash attention on CUDA in bf16/fp16; on CPU in float32 torch with the C++ decode
+    kernel when it builds; else pure torch. `torch` forces the pure-torch path, `cpu` requires
+    the kernel, `flash` requires CUDA and a 16-bit dtype."""
+    if name == "flash" or (name == "auto" and flash_available(device, dtype)):
+        if not flash_available(device, dtype):
+            raise ValueError(f"attention_backend 'flash' needs a CUDA device with flash attention and dtype "
+                             f"bfloat16 or float16, got {device.type} and {dtype}")
         from engine.attention.flash import FlashAttentionBackend
         return FlashAttentionBackend(scale)
     from engine.attention.torch_backend import TorchAttentionBackend
     kernel = None
-    if name in ("auto", "cpu") and device.type == "cpu":
+    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32:
         from engine.cpu_kernels import load_cpu_kernels
         kernel = load_cpu_kernels()
     if name == "cpu" and kernel is None:
-        raise ValueError("attention_backend 'cpu' needs the C++ decode kernel, which could not be built here")
+        raise ValueError("attention_backend 'cpu' needs float32 and the C++ decode kernel, which could not be "
+                         "built here" if dtype == torch.float32 else "attention_backend 'cpu' needs dtype float32")
     return TorchAttentionBackend(scale, kernel)

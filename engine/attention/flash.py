@@ -1,9 +1,11 @@
-"""CUDA paged attention through flash-attention's varlen API with block tables.
+"""CUDA attention through the FlashAttention-2 kernel that ships inside torch (varlen, GQA
+native, causal aligned to each sequence's end so a chunk attends to its cached context).
 
-Chosen only on a CUDA device with `vllm_flash_attn` (block size 16 works) or `flash_attn` (>= 2.5;
-its paged KV needs a block size that is a multiple of 256) importable. Nothing here runs in the
-CPU test suite; the CPU path is engine/attention/torch_backend.py.
-Cache layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), as these kernels take it.
+Each step gathers every scheduled request's context (its cached tokens and the step's new ones)
+from the paged cache into one packed (sum of context lengths, kv_heads, head_dim) pair, then runs
+one varlen kernel over the whole ragged batch: prefill chunks and decodes together. The gather is
+a copy of the batch's context per layer; a kernel that reads block tables in place would skip it.
+Cache layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim).
 """
 from __future__ import annotations
 
@@ -14,21 +16,15 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.runner.inputs import ModelInputs
 
-try:
-    from vllm_flash_attn import flash_attn_varlen_func
-except ImportError:
-    from flash_attn import flash_attn_varlen_func
-
 
 @dataclass(slots=True)
 class FlashAttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,)
+    slot_mapping: torch.Tensor  # (T,) where the step's new keys go
+    context_slots: torch.Tensor  # (sum seq_lens,) every request's context, in order
     cu_seqlens_q: torch.Tensor  # (B + 1,) int32
     cu_seqlens_k: torch.Tensor  # (B + 1,) int32
-    seq_lens: torch.Tensor  # (B,) int32
     max_seqlen_q: int
     max_seqlen_k: int
-    block_tables: torch.Tensor  # (B, M) int32
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -45,28 +41,29 @@ class FlashAttentionBackend(AttentionBackend):
         return 2
 
     def build_metadata(self, inputs: ModelInputs) -> FlashAttentionMetadata:
-        device = inputs.input_ids.device
-        max_blocks = max(len(t) for t in inputs.block_tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in inputs.block_tables]
-        cu_k = [0]
-        for n in inputs.seq_lens:
-            cu_k.append(cu_k[-1] + n)
+        device, block_size = inputs.input_ids.device, inputs.block_size
+        width = max(map(len, inputs.block_tables))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.long,
+                              device=device)
+        seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long, device=device)
+        cu_k = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0))
+        request = torch.repeat_interleave(torch.arange(len(inputs.seq_lens), device=device), seq_lens)
+        position = torch.arange(request.numel(), device=device) - cu_k[request]
+        context_slots = tables[request, position // block_size] * block_size + position % block_size
         q_lens = [b - a for a, b in zip(inputs.query_start_loc, inputs.query_start_loc[1:])]
-
-        def i32(values):
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        return FlashAttentionMetadata(inputs.slot_mapping, i32(inputs.query_start_loc), i32(cu_k),
-                                      i32(inputs.seq_lens), max(q_lens), max(inputs.seq_lens), i32(tables))
+        return FlashAttentionMetadata(
+            inputs.slot_mapping, context_slots,
+            torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=device), cu_k.to(torch.int32),
+            max(q_lens), max(inputs.seq_lens))
 
     def forward(self, q, k, v, layer_cache, metadata: FlashAttentionMetadata):
-        num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape[1:]
-        flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        num_kv_heads, head_dim = layer_cache.shape[-2:]
+        flat = layer_cache.view(2, -1, num_kv_heads, head_dim)
         flat[0].index_copy_(0, metadata.slot_mapping, k)
         flat[1].index_copy_(0, metadata.slot_mapping, v)
-        out = flash_attn_varlen_func(
-            q, layer_cache[0], layer_cache[1],
-            cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_k=metadata.cu_seqlens_k,
-            max_seqlen_q=metadata.max_seqlen_q, max_seqlen_k=metadata.max_seqlen_k,
-            softmax_scale=self.scale, causal=True, block_table=metadata.block_tables)
+        keys = flat[0].index_select(0, metadata.context_slots)
+        values = flat[1].index_select(0, metadata.context_slots)
+        out = torch.ops.aten._flash_attention_forward(
+            q, keys, values, metadata.cu_seqlens_q, metadata.cu_seqlens_k, metadata.max_seqlen_q,
+            metadata.max_seqlen_k, 0.0, True, False, scale=self.scale)[0]
         return out.reshape(q.shape[0], -1)

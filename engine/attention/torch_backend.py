@@ -153,9 +153,11 @@ class TorchAttentionBackend(AttentionBackend):
         kv = self._gather(layer_cache, bucket.block_tables.view(-1)).view(2, num_kv_heads, num_requests, -1, head_dim)
         # (Bb, heads, d) -> (kv_heads, Bb, group, d)
         qb = q[bucket.token_start:bucket.token_end].view(num_requests, num_kv_heads, -1, head_dim).transpose(0, 1)
+        if qb.dtype != torch.float32:  # scores and softmax in float32, as the fused SDPA kernels do
+            qb, kv = qb.float(), kv.float()
         scores = torch.matmul(qb, kv[0].transpose(-1, -2)).mul_(self.scale).add_(bucket.mask)
         out = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # (kv_heads, Bb, group, d)
-        return out.transpose(0, 1).reshape(num_requests, -1, head_dim)
+        return out.transpose(0, 1).reshape(num_requests, -1, head_dim).to(q.dtype)
 
     def _prefill(self, q, k, v, layer_cache, chunk: PrefillChunk) -> torch.Tensor:
         qc = q[chunk.token_start:chunk.token_end].transpose(0, 1)[None]  # (1, heads, n, d)

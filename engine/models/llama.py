@@ -33,15 +33,22 @@ class LlamaLayer(nn.Module):
 
     def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
         num_tokens, num_qk = hidden.shape[0], self.num_heads + self.num_kv_heads
-        x = F.rms_norm(hidden, hidden.shape[-1:], self.input_norm, self.eps)
+        x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)  # (T, (heads + 2 kv_heads) * d)
         qk = _rope(qkv[:, :num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos, sin)
         v = qkv[:, num_qk * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata)
         hidden = hidden + self.o(attn)
-        x = F.rms_norm(hidden, hidden.shape[-1:], self.post_norm, self.eps)
+        x = rms_norm(hidden, self.post_norm, self.eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return hidden + self.down(F.silu(gate).mul_(up))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' order in 16-bit dtypes: normalize in float32, round, then scale (fused in float32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,7 +83,7 @@ class LlamaForPagedAttention(nn.Module):
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (T, 1, d)
         for layer, layer_cache in zip(self.layers, kv_cache):
             hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
-        hidden = F.rms_norm(hidden[sample_indices], hidden.shape[-1:], self.norm, self.eps)
+        hidden = rms_norm(hidden[sample_indices], self.norm, self.eps)
         return self.lm_head(hidden)
 
 

@@ -26,7 +26,7 @@ class ModelRunner:
         self.host_cache = backend.allocate_kv_cache(*host_shape, dtype=dtype, device=torch.device("cpu"))
         if device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, device)
 
     @staticmethod
     def block_bytes(model, block_size: int, dtype: torch.dtype = torch.float32) -> int:

@@ -57,14 +57,58 @@ def step(sched: Scheduler, token: int = 5) -> SchedulerOutput:
     return out
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generate, one prompt at a time, cut after the first eos."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+              device: str = "cpu") -> list[list[int]]:
+    """transformers' own greedy generate (float32), one prompt at a time, cut after the first eos."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     eos = model.generation_config.eos_token_id
     results = []
     for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=eos)
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                             pad_token_id=eos)
         tokens = out[0, len(prompt):].tolist()
         results.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
     return results
+
+
+@torch.no_grad()
+def greedy_gaps(model_dir: str, prompts: list[list[int]], outputs: list[list[int]], device: str = "cpu") -> list[float]:
+    """For every generated token: how far its logit is below the best one under transformers'
+    float32 model, teacher-forced on the engine's own output (0 where the engine took the argmax).
+    Judges reduced-precision greedy decoding token by token: its output may leave the float32
+    path at a near tie, and every token after that is still checked on the path it took."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    gaps = []
+    for prompt, output in zip(prompts, outputs):
+        logits = model(torch.tensor([prompt + output], device=device)).logits[0, len(prompt) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(output, device=device)[:, None])[:, 0]
+        gaps += (logits.max(dim=-1).values - chosen).tolist()
+    return gaps
+
+
+def hf_greedy_16bit(model_dir: str, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype,
+                    device: str = "cpu") -> list[list[int]]:
+    """transformers' greedy generate in `dtype`, every token generated (no eos stop)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    results = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                             pad_token_id=model.generation_config.eos_token_id)
+        results.append(out[0, len(prompt):].tolist())
+    return results
+
+
+def assert_as_faithful_as_transformers(model_dir: str, prompts: list[list[int]], outputs: list[list[int]],
+                                       reference: list[list[int]], device: str = "cpu") -> None:
+    """16-bit greedy output cannot equal float32's token for token (near ties flip), so it is
+    judged by its distance from float32 (greedy_gaps), against transformers' own greedy output
+    in the same dtype (`reference`): the engine may not stray measurably further."""
+    gaps = greedy_gaps(model_dir, prompts, outputs, device)
+    reference_gaps = greedy_gaps(model_dir, prompts, reference, device)
+    mean, reference_mean = sum(gaps) / len(gaps), sum(reference_gaps) / len(reference_gaps)
+    argmax, reference_argmax = (sum(g == 0 for g in x) / len(x) for x in (gaps, reference_gaps))
+    assert mean <= 2 * reference_mean + 0.02, (mean, reference_mean)
+    assert argmax >= reference_argmax - 0.1, (argmax, reference_argmax)

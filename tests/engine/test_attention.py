@@ -40,7 +40,7 @@ def _reference(q, keys, values, start, n):
 def test_backend_matches_dense_reference(backend_name):
     torch.manual_seed(0)
     scheduled = _batch(1)
-    backend = select_backend(backend_name, torch.device("cpu"), HEAD_DIM ** -0.5)
+    backend = select_backend(backend_name, torch.device("cpu"), torch.float32, HEAD_DIM ** -0.5)
     cache = backend.allocate_kv_cache(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
     history = {}
     for item in scheduled:  # fill each request's cached context through the backend's own layout

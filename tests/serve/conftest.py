@@ -1,5 +1,6 @@
 """Serve test helpers: an in-process stack (ingress + router + replicas on fake engines), and
-the one Ray cluster with Serve that every real-Ray test shares (`serve_cluster`).
+helpers for apps on the Ray cluster with Serve that every real-Ray test shares (`serve_cluster`,
+in tests/conftest.py, where tests/gpu finds it too).
 
 Tests that start a real Ray Serve cluster are marked `slow` (marker registered in pyproject.toml);
 deselect them with `-m "not slow"`.
@@ -10,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import socket
 import sys
 import threading
 import time
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import uvicorn
 
 HERE = Path(__file__).parent
@@ -31,6 +29,7 @@ from fake_engine import FakeAsyncEngine  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local import build_local_app  # noqa: E402
+from tests.conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, free_port  # noqa: E402, F401
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -76,7 +75,7 @@ def served_local_stack(config: dict, num_replicas: int | None = None,
     replicas), every replica already reporting to the router. engine_cls None: the real engine."""
     cfg = AppConfig.model_validate(config)
     app, router, replicas = build_local_app(cfg, num_replicas, engine_cls)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
     thread.start()
@@ -104,58 +103,6 @@ def wait_healthy(url: str, timeout_s: float) -> float:
             pass
         time.sleep(0.05)
     raise AssertionError(f"{url} not healthy within {timeout_s} s")
-
-
-HEADER_TIMEOUT_S = 2.0  # serve_app.proxy's header deadline in the test cluster's proxy
-KEEP_ALIVE_TIMEOUT_S = 3  # http_options.keep_alive_timeout_s of the test cluster
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def serve_cluster(tmp_path_factory):
-    """Head node + Serve, shared by every real-Ray test: a process connects to one cluster at a
-    time and each costs seconds and GBs, so tests needing more nodes add them to this one
-    (`cluster.add_node`) and remove them before they end."""
-    tmp = tmp_path_factory.mktemp("ray")
-    env = {
-        "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
-        "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
-        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install",
-        "CBSERVE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
-        "PYTHONPATH": os.pathsep.join(
-            [str(HERE.parents[1]), str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    metrics_port = _free_port()
-    (tmp / "ray").mkdir()  # Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=4, include_dashboard=False, temp_dir=str(tmp), metrics_export_port=metrics_port))
-    ray.init(address=cluster.address, log_to_driver=False)
-    http_port = _free_port()
-    serve.start(proxy_location="HeadOnly", http_options={
-        "host": "127.0.0.1", "port": http_port, "keep_alive_timeout_s": KEEP_ALIVE_TIMEOUT_S})
-    try:
-        yield {"http": f"http://127.0.0.1:{http_port}",
-               "cluster": cluster}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run(coro: Any) -> Any:

@@ -1,0 +1,48 @@
+"""dtype: `auto` per device, validation, and 16-bit greedy decoding on the CPU path."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention.base import select_backend
+from engine.config import ModelConfig
+from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy_16bit
+
+MAX_NEW = 24
+
+
+def test_auto_dtype_is_bfloat16_on_cuda_and_float32_on_cpu():
+    assert ModelConfig(device="cpu").resolved_dtype == "float32"
+    assert ModelConfig(device="cuda").resolved_dtype == "bfloat16"
+    assert ModelConfig(device="cpu", dtype="bfloat16").resolved_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ModelConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="computes in float32"):
+        ModelConfig(quantization="int8", dtype="bfloat16")
+
+
+def test_flash_backend_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("flash", torch.device("cpu"), torch.bfloat16, 0.125)
+    with pytest.raises(ValueError, match="needs dtype float32"):
+        select_backend("cpu", torch.device("cpu"), torch.bfloat16, 0.125)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_batched_tokens=16),  # prefill chunks attend to cached context
+    dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="swap"),
+], ids=["chunked16", "preempt-swap"])
+def test_bfloat16_greedy_is_as_faithful_as_transformers_bfloat16(tiny_llama, engine_args):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 60))] for _ in range(12)]
+    llm = LLM(tiny_llama, dtype="bfloat16", **engine_args)
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert llm.engine.runner.backend.decode_kernel is None  # the C++ kernel is float32 only
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    assert_as_faithful_as_transformers(tiny_llama, prompts, [o.outputs[0].token_ids for o in outputs],
+                                       hf_greedy_16bit(tiny_llama, prompts, MAX_NEW, torch.bfloat16))
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
