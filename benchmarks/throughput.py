@@ -23,7 +23,6 @@ other processes used meanwhile. With torch's 2 threads and any competing process
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
 import json
 import os
@@ -43,6 +42,7 @@ from benchmarks.workload import (  # noqa: E402
     Workload,
     default_model_path,
     make_workload,
+    parse_engine_args,
     random_prompt,
     rate_summary,
     warmup_prompts,
@@ -63,19 +63,6 @@ REPEATS = 3
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def parse_engine_args(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"--engine-arg expects key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k.strip()] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            out[k.strip()] = v  # plain string, e.g. policy=sjf
-    return out
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -5,6 +5,7 @@ Everything here is pure Python (no torch / transformers import) so it is cheap t
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata as md
 import math
 import os
@@ -239,3 +240,17 @@ def rate_summary(tokens: int, stopwatches: list[Stopwatch]) -> dict:
         "cpu_util": [sw.cpu_util for sw in stopwatches],
         "others_cpu": [sw.others for sw in stopwatches],
     }
+
+
+def parse_engine_args(items: list[str]) -> dict:
+    """`--engine-arg key=value` flags into engine keyword arguments (values as Python literals)."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--engine-arg expects key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            out[k.strip()] = v  # plain string, e.g. policy=sjf
+    return out

@@ -86,6 +86,10 @@ class SchedulerConfig:
     aging_rate: float = _opt(1.0, "rank gained per second of waiting (sjf: tokens/s, priority: classes/s)")
     preemption_mode: str = _opt("recompute", "'recompute', 'swap', or 'auto' (cheaper of moving KV vs recomputing)")
     victim_order: str = _opt("lowest_priority_latest_arrival", "who is preempted first (not under 'priority')")
+    target_step_latency_s: float | None = _opt(None, "size each step to this wall time (a step-time model "
+                                                     "measured online): decodes keep their time per token "
+                                                     "under it, prefill chunks take the rest; None: "
+                                                     "max_num_batched_tokens every step")
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -100,6 +104,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
+        if self.target_step_latency_s is not None and not self.target_step_latency_s > 0:
+            raise ValueError(f"target_step_latency_s must be > 0, got {self.target_step_latency_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,9 @@ from engine.outputs import ModelRunnerOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from engine.scheduler.queue import WaitingQueue
+from engine.scheduler.step_time import StepTimeModel
+
+MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ class Scheduler:
         self._groups: dict[str, list[str]] = {}  # group id -> request ids of its samples
         self._finished_ids: list[str] = []  # since the last schedule(): the runner drops their state
         self._static_batch_open = True
+        self.step_time = StepTimeModel()  # fed by the engine; used under target_step_latency_s
 
     # ---- requests in and out -------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -133,7 +137,7 @@ class Scheduler:
         self._finished_ids = []
         if self.config.policy == "priority":
             self._preempt_for_priority(out)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.token_budget())
         budget = self._schedule_swapped(out, budget)
         if self.config.policy != "static" or self._static_batch_open:
             self._schedule_waiting(out, budget, self.clock())
@@ -142,14 +146,42 @@ class Scheduler:
             self._static_batch_open = False
         return out
 
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine reports each step's size and wall time (the step-time model's data)."""
+        if num_tokens > 0:
+            self.step_time.observe(num_tokens, seconds)
+
+    def token_budget(self) -> int:
+        """This step's tokens: `max_num_batched_tokens`, or under `target_step_latency_s` what the
+        measured step-time model fits in the target, never less than every running decode plus
+        MIN_PREFILL_CHUNK (a target the decodes alone exceed cannot be met by taking less)."""
+        limit, target = self.config.max_num_batched_tokens, self.config.target_step_latency_s
+        fits = None if target is None else self.step_time.tokens_within(target)
+        if fits is None:
+            return limit
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return min(limit, max(fits, num_decodes + MIN_PREFILL_CHUNK))
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Best first; a prefill chunk leaves room for the decodes ranked behind it, so a long
+        prompt never makes a running stream skip a step."""
         queue = sorted(self.running, key=self._victim_rank)  # best first; victims come from the tail
+        decodes_behind = sum(1 for r in queue if r.num_tokens - r.num_computed_tokens == 1)
         while queue and budget > 0:
             request = queue.pop(0)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining == 1:
+                decodes_behind -= 1
+                num_new = 1
+            else:
+                num_new = min(remaining, budget - decodes_behind)
+                if num_new <= 0:
+                    continue
             copies = self.kv.allocate_slots(request, num_new)
             while copies is None and queue:
-                self._preempt(queue.pop(), out)
+                victim = queue.pop()
+                decodes_behind -= victim.num_tokens - victim.num_computed_tokens == 1
+                self._preempt(victim, out)
                 copies = self.kv.allocate_slots(request, num_new)
             if copies is None:
                 self._preempt(request, out)

@@ -38,8 +38,9 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="auto", policy="priority"),
     dict(max_num_seqs=64, max_num_batched_tokens=16, attention_backend="torch"),  # pure torch: gather + buckets
     dict(max_num_seqs=64, max_num_batched_tokens=16, attention_backend="cpu"),  # C++ decode kernel
+    dict(max_num_seqs=64, target_step_latency_s=1e-4),  # adaptive budget: minimal chunks around decodes
 ], ids=["batch64", "batch1", "chunked16", "chunked7-bs4", "no-prefix-cache", "static", "preempt-swap",
-        "preempt-recompute", "preempt-auto", "torch-attention", "cpu-kernel-attention"])
+        "preempt-recompute", "preempt-auto", "torch-attention", "cpu-kernel-attention", "adaptive-step"])
 def test_greedy_matches_transformers(model_and_reference, engine_args):
     model_dir, prompts, expected = model_and_reference
     llm = LLM(model_dir, **engine_args)

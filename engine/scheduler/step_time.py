@@ -1,0 +1,55 @@
+"""What a step costs, learnt while serving: step seconds ~= fixed + per_token * tokens.
+
+The scheduler asks it how many tokens fit a step-latency target (`target_step_latency_s`), so
+that running decodes keep their time per output token under the target whatever the hardware,
+model or load, and prefill chunks take what is left. Fitted by exponentially weighted least
+squares: recent steps count most, so a change of load or of machine speed shows in ~20 steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_MIN_STEPS = 4  # observations before the fit is trusted
+_MIN_TOKEN_SPREAD = 1.0  # tokens of standard deviation needed to tell fixed from per-token cost
+
+
+@dataclass(slots=True)
+class StepTimeModel:
+    decay: float = 0.95  # weight of the past per new step
+    _weight: float = 0.0  # weighted sums of 1, tokens, seconds, tokens^2, tokens * seconds
+    _tokens: float = 0.0
+    _seconds: float = 0.0
+    _tokens_sq: float = 0.0
+    _tokens_seconds: float = 0.0
+    _steps: int = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._weight = d * self._weight + 1.0
+        self._tokens = d * self._tokens + tokens
+        self._seconds = d * self._seconds + seconds
+        self._tokens_sq = d * self._tokens_sq + tokens * tokens
+        self._tokens_seconds = d * self._tokens_seconds + tokens * seconds
+        self._steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before enough steps. With too little
+        spread in step sizes to separate the two, all the time is charged per token (the
+        cautious reading: it allows the fewest tokens)."""
+        if self._steps < _MIN_STEPS or self._tokens <= 0:
+            return None
+        mean_tokens, mean_seconds = self._tokens / self._weight, self._seconds / self._weight
+        variance = self._tokens_sq / self._weight - mean_tokens ** 2
+        if variance >= _MIN_TOKEN_SPREAD ** 2:
+            per_token = (self._tokens_seconds / self._weight - mean_tokens * mean_seconds) / variance
+            if per_token > 0:
+                return max(mean_seconds - per_token * mean_tokens, 0.0), per_token
+        return 0.0, mean_seconds / mean_tokens
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """Most tokens a step can take and still finish within `seconds`; None while unfitted."""
+        fitted = self.fit()
+        if fitted is None:
+            return None
+        fixed, per_token = fitted
+        return max(int((seconds - fixed) / per_token + 1e-6), 0)  # 39.99999 tokens is 40
