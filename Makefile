@@ -33,7 +33,7 @@ generate: install
 	$(PY) -m engine.cli generate --chat --prompt "What is continuous batching?" --max-tokens 64
 
 lint: install
-	$(VENV)/bin/ruff check engine serve_app tests benchmarks
+	$(VENV)/bin/ruff check engine serve_app cluster tests benchmarks
 
 test: lint
 	$(PY) -m pytest -q

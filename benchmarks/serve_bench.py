@@ -52,7 +52,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.workload import Workload, make_workload, warmup_prompts  # noqa: E402
+from benchmarks.workload import Workload, make_workload, parse_engine_args, warmup_prompts  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(_ROOT, "configs", "serve.yaml")
 OFFLINE_RATIO_TARGET = 0.85
@@ -126,6 +126,7 @@ class RequestResult:
     usage_present: bool = False
     num_events: int = 0  # SSE events with a choice
     finish_reason: str | None = None
+    priority: int | None = None  # sent as the request's `priority` (--priorities)
 
 
 def _usage_tokens(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
@@ -234,8 +235,9 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
 
         offsets = arrival_offsets(len(wl), args.rate, args.seed)
-        results = [RequestResult(r.index, r.prompt_len, r.output_len, off)
-                   for r, off in zip(wl.requests, offsets)]
+        results = [RequestResult(r.index, r.prompt_len, r.output_len, off,
+                                 priority=args.priorities[i % len(args.priorities)] if args.priorities else None)
+                   for i, (r, off) in enumerate(zip(wl.requests, offsets))]
         sem = asyncio.Semaphore(cap)
         t_start = time.perf_counter()
 
@@ -243,9 +245,10 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
             delay = res.scheduled_s - (time.perf_counter() - t_start)
             if delay > 0:
                 await asyncio.sleep(delay)
+            body = extra if res.priority is None else extra | {"priority": res.priority}
             async with sem:
                 await _one_request(client, url, model, prompt_of(req.prompt_token_ids),
-                                   req.output_len, res, t_start, extra)
+                                   req.output_len, res, t_start, body)
 
         await asyncio.gather(*(launch(r, res) for r, res in zip(wl.requests, results)))
         wall = time.perf_counter() - t_start
@@ -297,6 +300,26 @@ def summarize(results: list[RequestResult], wall: float) -> dict[str, Any]:
         "e2e_s": _pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
         "mean_events_per_request": (sum(r.num_events for r in ok) / len(ok)) if ok else None,
     }
+
+
+def slo_summary(results: list[RequestResult], targets: dict[int, Any], wall: float) -> dict[int, dict[str, Any]]:
+    """Per priority class, client-side: requests finished, met (every objective of the class,
+    serve_app.slo's rule), met per objective, attainment and goodput (met per second of the run)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in results:
+        target = targets.get(r.priority or 0)
+        if target is None:
+            continue
+        verdicts = target.verdicts(r.ttft_s, r.tpot_s, r.ok)
+        row = out.setdefault(r.priority or 0, {"finished": 0, "met": 0, "met_ttft": 0, "met_tpot": 0})
+        row["finished"] += 1
+        row["met"] += all(verdicts.values())
+        for objective in ("ttft", "tpot"):
+            row[f"met_{objective}"] += verdicts.get(objective, False)
+    for row in out.values():
+        row["attainment"] = row["met"] / row["finished"]
+        row["goodput_rps"] = row["met"] / wall if wall > 0 else None
+    return out
 
 
 def _ms(x: float | None) -> str:
@@ -467,17 +490,28 @@ def cpu_snapshot() -> dict[str, float]:
     return out
 
 
+def load_app_config(config_path: str, engine_overrides: dict[str, Any]) -> Any:
+    """The serve config, with `--engine-arg` values over its `engine.engine_args`."""
+    from serve_app.config import AppConfig, load_config
+
+    cfg = load_config(config_path)
+    if not engine_overrides:
+        return cfg
+    data = cfg.model_dump(exclude_unset=True)
+    engine = data.setdefault("engine", {})
+    engine["engine_args"] = engine.get("engine_args", {}) | engine_overrides
+    return AppConfig.model_validate(data)
+
+
 @contextlib.contextmanager
 def launched_app(config_path: str, host: str | None, port: int | None, startup_timeout: float,
-                 omp_threads: int | None = None,
-                 info: dict[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
+                 omp_threads: int | None = None, info: dict[str, Any] | None = None,
+                 engine_overrides: dict[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
     """Starts a private Ray + Serve with serve_app.app.build_app(config); yields (base_url, cfg).
 
     `omp_threads`: OMP_NUM_THREADS exported to the Ray processes (not to this one), overriding
     Ray's floor(num_cpus) default for the engine replica's torch threads."""
-    from serve_app.config import load_config
-
-    cfg = load_config(config_path)
+    cfg = load_app_config(config_path, engine_overrides or {})
     http = _http_options(config_path)
     host = host or http.get("host", "127.0.0.1")
     if port is None:
@@ -610,11 +644,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --text-prompts: decode the ids with this HF tokenizer "
                         "(path, .gguf, or 'embedded'); default: pseudo-words")
     p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    p.add_argument("--priorities", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   metavar="P,Q,...", help="request i is sent with priority P[i mod len]")
+    p.add_argument("--slo", default=None, metavar="JSON",
+                   help='objectives per class, as the app config\'s `slo`: {"0": {"ttft_s": 1, "tpot_s": 0.2}}; '
+                        "reports attainment and goodput per class"),
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up requests")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--launch", action="store_true",
                    help="start serve_app in-process from --config, bench it, shut it down")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="serve YAML (or bare AppConfig YAML)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="--launch / --compare-offline: override one of the config's engine_args")
     p.add_argument("--host", default=None, help="--launch: HTTP host (default: the config's)")
     p.add_argument("--port", type=int, default=None,
                    help="--launch: HTTP port (default: the config's, or a free one if busy)")
@@ -652,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "workload": wl.describe(), "text_prompts": args.text_prompts,
         "launch": args.launch, "replica_omp_threads": args.replica_omp_threads,
         "config": args.config if args.launch or args.compare_offline else None,
+        "engine_overrides": parse_engine_args(args.engine_arg),
         "host": platform.node(), "cpu_count": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -659,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {}
     if args.launch:
         with launched_app(args.config, args.host, args.port, args.startup_timeout,
-                          args.replica_omp_threads, extra) as (base, cfg):
+                          args.replica_omp_threads, extra, parse_engine_args(args.engine_arg)) as (base, cfg):
             model = args.model or cfg.engine.model_name
             cpu0 = cpu_snapshot()
             results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter))
@@ -672,9 +714,17 @@ def main(argv: list[str] | None = None) -> int:
     meta["model"] = model
     meta["loadavg_end_http"] = list(os.getloadavg())
     summary = summarize(results, wall)
+    if args.slo:
+        from serve_app.config import AppConfig
+
+        targets = AppConfig.model_validate({"slo": json.loads(args.slo)}).slo
+        summary["slo"] = slo_summary(results, targets, wall)
 
     def report(offline: dict[str, Any] | None) -> None:
         print(markdown(summary, meta, offline), flush=True)
+        for priority, row in sorted(summary.get("slo", {}).items()):
+            print(f"SLO class {priority}: {row['met']}/{row['finished']} met (ttft {row['met_ttft']}, tpot "
+                  f"{row['met_tpot']}), attainment {row['attainment']:.3f}, goodput {row['goodput_rps']:.2f} req/s")
         if extra.get("cpu_s_during_run"):
             print("\nCPU seconds during the HTTP run: " + ", ".join(
                 f"{k} {v}" for k, v in sorted(extra["cpu_s_during_run"].items(),
@@ -698,9 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         # the HTTP figures first (and on disk), in case the offline run is cut short
         report({"error": "offline run not finished"})
         if cfg is None:
-            from serve_app.config import load_config
-
-            cfg = load_config(args.config)
+            cfg = load_app_config(args.config, parse_engine_args(args.engine_arg))
         log("offline LLM on the same workload ...")
         try:
             threads = None

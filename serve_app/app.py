@@ -25,7 +25,8 @@ def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
     engine = config.engine
     options: dict[str, Any] = dict(
         name="EngineReplica",
-        ray_actor_options={"num_cpus": engine.num_cpus, "num_gpus": engine.num_gpus},
+        ray_actor_options={"num_cpus": engine.num_cpus, "num_gpus": engine.num_gpus,
+                           **({"resources": engine.resources} if engine.resources else {})},
         max_ongoing_requests=engine.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class="serve_app.pinning:PinnedReplicaRequestRouter"
@@ -73,7 +74,7 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
     ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
     router = router_dep.bind(config.router, metrics_enabled=True)
-    replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True)
+    replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo)
     return ingress_dep.bind(config, router, replicas)
 
 

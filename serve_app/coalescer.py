@@ -25,6 +25,7 @@ class StreamCoalescer:
         self.num_messages = 0
         self.num_output_tokens = 0
         self.metrics: RequestMetrics | None = None  # the engine's timings, from the latest output
+        self.finished = False  # the engine's final output arrived
 
     async def coalesce(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[StreamChunk]:
         """Yields merged deltas: on the first token, then when `interval_s` has passed since the
@@ -49,7 +50,7 @@ class StreamCoalescer:
                         break
                     self.metrics, num_prompt = output.metrics, len(output.prompt_token_ids)
                     merge_deltas(buffer, output.outputs)
-                    finished = output.finished
+                    finished = self.finished = output.finished
                     if not finished and self.clock() - last_flush < self.interval_s:
                         continue
                 if buffer or finished:

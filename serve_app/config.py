@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, create_model, field_validator, model_validator
 
 from engine.config import ENGINE_PARTS, EngineConfig
+from serve_app.slo import SLOTarget
 
 Policy = Literal["fcfs", "sjf", "priority"]
 
@@ -86,6 +87,9 @@ class EngineReplicaConfig(_Strict):
         None, ge=1, description="Spread replicas over nodes: at most this many on one node.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (1 on GPU hosts).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {engine_node: 1} to keep "
+                                          "replicas on the nodes that declare it.")
     max_ongoing_requests: int = Field(
         1024, ge=1, description="Serve-level cap; admission is the router's job, keep it high.")
     engine_process: bool = Field(
@@ -161,6 +165,9 @@ class IngressConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1, description="Larger bodies get 413.")
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body not received in full within this gets 408.")
+    replica_accept_timeout_s: float = Field(
+        10.0, gt=0, description="A replica that has not acknowledged a dispatched request within this is "
+                                "taken as lost (its node died before the call reached it): 503, not a hang.")
     max_prompts_per_request: int = Field(
         64, ge=1, description="Prompts in one /v1/completions request; more get 400. Capped at "
                               "router.max_queued_requests: more could never be admitted together.")
@@ -176,6 +183,17 @@ class AppConfig(_Strict):
     engine: EngineReplicaConfig = Field(default_factory=EngineReplicaConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    slo: dict[int, SLOTarget] = Field(
+        default_factory=dict, description="Latency objectives per priority class, e.g. {0: {ttft_s: 1, tpot_s: 0.2}}: "
+                                          "replicas count requests that met them (cbserve_slo_*, goodput).")
+
+    @field_validator("slo", mode="before")
+    @classmethod
+    def _class_keys(cls, value: Any) -> Any:
+        """Priority classes as JSON writes them ("0") are classes too."""
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in value.items()}
+        return value
 
     @model_validator(mode="after")
     def _bounds_agree(self) -> AppConfig:

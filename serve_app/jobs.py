@@ -128,6 +128,24 @@ class JobStream:
         self._replica_id = result.replica_id
         request = dataclasses.replace(self.job.engine_request, waited_s=result.queue_wait_s)
         self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)
+        await self._accepted()
+
+    async def _accepted(self) -> None:
+        """Waits for the replica's acknowledgement. A call to a replica that died after the router
+        chose it waits in Serve's handle for a replica to exist, which may be never (its node is
+        gone and no other can host it): past the deadline the replica is reported lost and the
+        client gets a 503."""
+        timeout = self.ingress.config.ingress.replica_accept_timeout_s
+        try:
+            chunk = await asyncio.wait_for(self._next(), timeout)
+        except TimeoutError:
+            logger.warning("replica %s did not accept %s within %.1f s", self._replica_id,
+                           self.job.admit.request_id, timeout)
+            self.ingress.call_router_later("remove_replica", self._replica_id)
+            raise APIError(503, "the engine replica chosen for this request is unreachable; retry",
+                           "service_unavailable") from None
+        if chunk is None or not chunk.accepted:
+            raise APIError(503, "replica stream ended before accepting the request", "service_unavailable")
 
     async def _next(self) -> StreamChunk | None:
         try:

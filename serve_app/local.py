@@ -93,7 +93,7 @@ def build_local_app(
     router = Router(config.router)
     router_handle = LocalHandle(router)
     replicas = [
-        EngineReplica(config.engine, router_handle, engine_cls, replica_id=f"r{i}")
+        EngineReplica(config.engine, router_handle, engine_cls, replica_id=f"r{i}", slo=config.slo)
         for i in range(num_replicas or config.engine.num_replicas)
     ]
     ingress = Ingress(config, router_handle, LocalReplicaSet(replicas))

@@ -98,6 +98,14 @@ class ReplicaMetrics:
         self.stream_messages = counter(
             "cbserve_stream_messages", "Coalesced stream messages sent.", ("replica",)
         )
+        self.slo_met = counter("cbserve_slo_met", "Finished requests that met an objective of their class "
+                               "(objective 'all': every one).", ("replica", "priority", "objective"))
+        self.slo_missed = counter("cbserve_slo_missed", "Finished requests that missed an objective of their "
+                                  "class.", ("replica", "priority", "objective"))
+        self.slo_attainment = gauge("cbserve_slo_attainment", "Share of the last minute's finished requests "
+                                    "that met every objective.", ("replica", "priority"))
+        self.goodput = gauge("cbserve_goodput_rps", "Requests per second that met every objective (last "
+                             "minute).", ("replica", "priority"))
 
     def record_load(self, stats: Any, engine_stats: Any) -> None:
         """`stats`: the replica's ReplicaStats; `engine_stats`: the engine's EngineStats, every
@@ -114,6 +122,18 @@ class ReplicaMetrics:
                     f"cbserve_engine_{name}", f"Engine stats field {name}.", ("replica",)
                 )
             gauge.set(value, tags=self.tags)
+
+    def record_slo(self, priority: int, verdicts: Mapping[str, bool]) -> None:
+        for objective, met in verdicts.items():
+            (self.slo_met if met else self.slo_missed).inc(
+                tags={**self.tags, "priority": str(priority), "objective": objective})
+
+    def record_slo_window(self, window: Mapping[int, tuple[float, float]]) -> None:
+        """Each tick: attainment and goodput of the classes with requests in the window."""
+        for priority, (attainment, goodput) in window.items():
+            tags = {**self.tags, "priority": str(priority)}
+            self.slo_attainment.set(attainment, tags=tags)
+            self.goodput.set(goodput, tags=tags)
 
     def record_request(self, priority: int, timings: Any, num_messages: int, num_output: int,
                        num_prompt: int) -> None:

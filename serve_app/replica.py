@@ -24,6 +24,7 @@ from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
 from serve_app.messages import EngineRequest, ErrorInfo, ModelInfo, ReplicaStats, StreamChunk
 from serve_app.metrics import ReplicaMetrics
+from serve_app.slo import SLOTarget, SLOTracker
 
 logger = logging.getLogger("cbserve.replica")
 _MIN_REPORT_GAP_S = 0.01
@@ -56,7 +57,7 @@ class EngineReplica:
 
     def __init__(self, config: EngineReplicaConfig, router: Any = None,
                  engine_cls: type[EngineClient] | None = None, replica_id: str | None = None,
-                 metrics_enabled: bool = False):
+                 metrics_enabled: bool = False, slo: dict[int, SLOTarget] | None = None):
         if engine_cls is None:
             from engine.async_engine import AsyncEngine
 
@@ -65,6 +66,7 @@ class EngineReplica:
         self.engine: EngineClient = engine_cls.from_config(config.engine_config, config.engine_process)
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]
         self.metrics = ReplicaMetrics(metrics_enabled, self.replica_id)
+        self.slo = SLOTracker(slo or {})
         self._router = router
         self._num_received = 0
         self._received_ids: list[str] = []  # since the last load report
@@ -97,6 +99,8 @@ class EngineReplica:
         if replica_hint is not None and replica_hint != self.replica_id:
             self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
         coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
+        failed = False
+        yield StreamChunk(accepted=True)
         stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
                                       request.priority, request.waited_s)
         try:
@@ -104,14 +108,25 @@ class EngineReplica:
                 async for chunk in chunks:
                     yield chunk
         except Exception as e:  # the engine refused or failed the request: tell the client, never truncate
-            if not isinstance(e, InvalidRequestError):
+            failed = not isinstance(e, InvalidRequestError)  # a refused bad request is the client's
+            if failed:
                 logger.warning("request %s failed: %r", request.request_id, e)
             yield StreamChunk(error=error_info(e), finished=True)
         finally:
             self.metrics.record_request(request.priority, coalescer.metrics, coalescer.num_messages,
                                         coalescer.num_output_tokens, len(request.prompt_token_ids))
+            if coalescer.finished or failed:  # a client that left, or bad input, is no verdict on the service
+                self._record_slo(request.priority, coalescer, ok=not failed)
             if self._report_now is not None:
                 self._report_now.set()
+
+    def _record_slo(self, priority: int, coalescer: StreamCoalescer, ok: bool) -> None:
+        timings = coalescer.metrics
+        ttft = timings.ttft if timings is not None else None
+        tpot = timings.time_per_output_token(coalescer.num_output_tokens) if timings is not None else None
+        verdicts = self.slo.record(priority, ttft, tpot, ok)
+        if verdicts is not None:
+            self.metrics.record_slo(priority, verdicts)
 
     def routing_counters(self) -> dict[str, int]:
         return {"received": self._num_received, "misrouted": self.num_misrouted}
@@ -159,6 +174,7 @@ class EngineReplica:
                 if key != last_key or stats.received_ids or due:
                     del self._received_ids[: len(stats.received_ids)]
                     self.metrics.record_load(stats, self.engine.stats())
+                    self.metrics.record_slo_window(self.slo.window())
                     await self._router.report.remote(stats)
                     last_key, last_sent = key, time.monotonic()
             except asyncio.CancelledError:

@@ -26,6 +26,14 @@ def test_gpu_config_takes_one_gpu_per_replica():
     assert replica_deployment_options(cfg)["ray_actor_options"]["num_gpus"] == 1
 
 
+def test_custom_resources_reach_the_replica_actor():
+    cfg = AppConfig.model_validate({"engine": {"resources": {"engine_node": 1}}})
+    assert replica_deployment_options(cfg)["ray_actor_options"]["resources"] == {"engine_node": 1}
+    assert "resources" not in replica_deployment_options(AppConfig())["ray_actor_options"]
+    with pytest.raises(ValueError):
+        AppConfig.model_validate({"engine": {"resources": {"engine_node": "one"}}})
+
+
 def test_scaling_settings_reach_serve_under_its_names():
     """Serve ignores unknown autoscaling keys, so a misnamed field would silently not apply."""
     from ray.serve.config import AutoscalingConfig

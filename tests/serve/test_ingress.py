@@ -242,3 +242,49 @@ def test_context_length_check_uses_chat_template_count():
 
 def test_http_transport_client_is_httpx():  # guard: tests above rely on httpx ASGI transport
     assert hasattr(httpx, "ASGITransport")
+
+
+def test_a_replica_that_never_acknowledges_is_a_503_not_a_hang():
+    """The router names a replica whose node died after it chose it: Serve's handle then holds
+    the call until some replica exists, maybe forever. Past ingress.replica_accept_timeout_s the
+    job fails with a 503 and the replica is reported lost to the router."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from engine.sampling_params import SamplingParams
+    from serve_app.config import AppConfig
+    from serve_app.jobs import Job, JobStream
+    from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest
+    from serve_app.protocol import APIError
+
+    class Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    async def admit(_):
+        return AdmitResult("lost-replica")
+
+    async def never_answers():
+        await asyncio.Event().wait()
+        yield None
+
+    reported = []
+    ingress = SimpleNamespace(
+        config=AppConfig.model_validate({"ingress": {"replica_accept_timeout_s": 0.2}}),
+        router=SimpleNamespace(admit=Remote(admit)),
+        replica_streams=SimpleNamespace(generate=Remote(lambda request, replica_hint: never_answers())),
+        call_router_later=lambda method, arg: reported.append((method, arg)))
+    job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
+
+    async def go():
+        stream = JobStream(ingress, job, asyncio.Queue())
+        t0 = time.monotonic()
+        await stream.run()
+        with pytest.raises(APIError) as refused:
+            stream.started.result()
+        return refused.value, time.monotonic() - t0
+
+    error, elapsed = run(go())
+    assert error.status == 503 and "unreachable" in error.message and elapsed < 2
+    assert ("remove_replica", "lost-replica") in reported and ("release", "j") in reported

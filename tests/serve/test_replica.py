@@ -12,12 +12,13 @@ from engine.sampling_params import SamplingParams
 from serve_app.config import EngineReplicaConfig
 from serve_app.messages import EngineRequest
 from serve_app.replica import EngineReplica
+from serve_app.slo import SLOTarget
 
 
-def make(interval: float = 0.0, router=None, **engine_opts) -> EngineReplica:
+def make(interval: float = 0.0, router=None, slo=None, **engine_opts) -> EngineReplica:
     cfg = EngineReplicaConfig(stream_flush_interval_s=interval, stats_report_interval_s=0.02,
                               stats_heartbeat_s=0.5)
-    return EngineReplica(cfg, router, FakeAsyncEngine.with_options(**engine_opts), replica_id="r")
+    return EngineReplica(cfg, router, FakeAsyncEngine.with_options(**engine_opts), replica_id="r", slo=slo)
 
 
 def request(rid="x", max_tokens=40, prompt=(11, 12)) -> EngineRequest:
@@ -25,7 +26,10 @@ def request(rid="x", max_tokens=40, prompt=(11, 12)) -> EngineRequest:
 
 
 async def collect(replica: EngineReplica, req: EngineRequest):
-    return [c async for c in replica.generate(req)]
+    """The chunks after the replica's acknowledgement (checked here)."""
+    chunks = [c async for c in replica.generate(req)]
+    assert chunks[0].accepted and not chunks[0].outputs and not any(c.accepted for c in chunks[1:])
+    return chunks[1:]
 
 
 def test_streams_the_engine_output_coalesced():
@@ -40,10 +44,29 @@ def test_engine_refusal_becomes_a_400_chunk_naming_the_field():
     assert chunk.finished and chunk.error.status == 400 and chunk.error.param == "prompt"
 
 
+def test_slo_verdicts_only_for_requests_the_service_answered():
+    """A finished request is judged; a bad request the engine refused is not (it is the
+    client's), nor one whose client left before the end."""
+    replica = make(slo={0: SLOTarget(ttft_s=30.0)}, step_delay_s=0.005)
+    run(collect(replica, request("ok", max_tokens=3)))
+    run(collect(replica, request("bad", prompt=[999], max_tokens=2)))
+
+    async def leave_early():
+        gen = replica.generate(request("left", max_tokens=100))
+        await gen.__anext__()
+        await gen.__anext__()
+        await gen.aclose()
+
+    run(leave_early())
+    assert replica.slo.snapshot()[0] | {"goodput_rps": None} == {
+        "finished": 1, "met": 1, "met_ttft": 1, "met_tpot": 0, "attainment": 1.0, "goodput_rps": None}
+
+
 def test_cancelling_the_consumer_aborts_in_engine():
     async def go():
         replica = make(step_delay_s=0.01)
         gen = replica.generate(request("z", max_tokens=100))
+        assert (await gen.__anext__()).accepted
         await gen.__anext__()
         task = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0.005)
