@@ -1,6 +1,6 @@
 """The deployment files, checked with the tools and schemas that will read them: Ray's cluster
-launcher validation, kustomize, the KubeRay CRDs (v1.7.0, ../shared/k8s-schemas), Kubernetes'
-own schemas (kubernetes-validate --strict), Ray Serve's config schema and ours. No Kubernetes API
+launcher validation, kustomize, the KubeRay RayService CRD (v1.7.0, crds/), Kubernetes' own
+schemas (kubernetes-validate --strict), Ray Serve's config schema and ours. No Kubernetes API
 server runs here: reconciliation by KubeRay on a real cluster is not tested."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from cluster import k8s
 from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-CRDS = ROOT.parent / "shared" / "k8s-schemas"
+CRDS = Path(__file__).parent / "crds"
 OVERLAYS = ["cpu-dev", "gpu-prod"]
 KUBERNETES_VERSION = kubernetes_validate.utils.latest_version()
 
@@ -64,7 +64,7 @@ def _crd_validator(kind: str) -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema)
 
 
-VALIDATORS = {kind: _crd_validator(kind) for kind in ("RayService", "RayCluster")}
+VALIDATORS = {"RayService": _crd_validator("RayService")}
 
 
 def validate_document(doc: dict) -> None:
