@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def fake_app(serve_cluster):
     with fake_serve_app(serve_cluster, "fake", {"engine": {"num_replicas": 2},
-                                               "router": {"max_waiting_per_replica": 2}},
+                                               "router": {"max_waiting_per_replica": 2},
+                                               "slo": {2: {"ttft_s": 30.0}}},
                         step_delay_s=0.01, max_model_len=8192, num_blocks=4096) as url:
         yield url
 
@@ -110,7 +111,8 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
         client.completions.create(model="fake", prompt="m", max_tokens=3, extra_body={"priority": 2})
     deadline = time.time() + 60
     want = ["ray_cbserve_ttft_s", "ray_cbserve_router_queue_depth", "ray_cbserve_replica_kv_usage",
-            "ray_cbserve_generation_tokens_total"]
+            "ray_cbserve_generation_tokens_total", 'ray_cbserve_slo_met_total{', "ray_cbserve_slo_attainment{",
+            "ray_cbserve_goodput_rps{"]
     text = ""
     while time.time() < deadline:
         text = _metrics_of_every_node()
