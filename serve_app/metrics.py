@@ -77,11 +77,16 @@ class ReplicaMetrics:
     """Engine load as seen by a replica, and per-request latencies tagged by priority class
     (from the engine's own RequestMetrics: TTFT counts from the request's arrival at the router)."""
 
-    def __init__(self, enabled: bool, replica_id: str):
+    def __init__(self, enabled: bool, replica_id: str, execution: Mapping[str, str] | None = None):
+        """`execution`: how the engine computes (quantization, dtype, device), exported as the
+        labels of `cbserve_engine_info` (value 1), so dashboards can split any figure by mode."""
         gauge, hist, counter = _make(enabled)
         self._gauge = gauge
         self._engine_gauges: dict[str, Any] = {}
         self.tags = {"replica": replica_id}
+        self._execution = {"replica": replica_id, **(execution or {})}
+        self.engine_info = gauge("cbserve_engine_info", "1, labelled with how the engine computes.",
+                                 tuple(self._execution))
         self.num_waiting = gauge("cbserve_replica_num_waiting", "Engine waiting queue.", ("replica",))
         self.num_running = gauge("cbserve_replica_num_running", "Engine running batch.", ("replica",))
         self.kv_usage = gauge("cbserve_replica_kv_usage", "KV cache usage 0..1.", ("replica",))
@@ -115,6 +120,7 @@ class ReplicaMetrics:
         self.num_running.set(stats.num_running, tags=self.tags)
         self.kv_usage.set(stats.kv_usage, tags=self.tags)
         self.ready.set(int(stats.ready), tags=self.tags)
+        self.engine_info.set(1, tags=self._execution)
         for name, value in engine_stats.as_dict().items():
             gauge = self._engine_gauges.get(name)
             if gauge is None:

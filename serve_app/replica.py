@@ -65,7 +65,9 @@ class EngineReplica:
         self.config = config
         self.engine: EngineClient = engine_cls.from_config(config.engine_config, config.engine_process)
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]
-        self.metrics = ReplicaMetrics(metrics_enabled, self.replica_id)
+        model = config.engine_config.model
+        self.metrics = ReplicaMetrics(metrics_enabled, self.replica_id, {
+            "quantization": model.quantization, "dtype": model.resolved_dtype, "device": model.device})
         self.slo = SLOTracker(slo or {})
         self._router = router
         self._num_received = 0

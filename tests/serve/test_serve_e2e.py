@@ -112,7 +112,7 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
     deadline = time.time() + 60
     want = ["ray_cbserve_ttft_s", "ray_cbserve_router_queue_depth", "ray_cbserve_replica_kv_usage",
             "ray_cbserve_generation_tokens_total", 'ray_cbserve_slo_met_total{', "ray_cbserve_slo_attainment{",
-            "ray_cbserve_goodput_rps{"]
+            "ray_cbserve_goodput_rps{", "ray_cbserve_engine_info{"]
     text = ""
     while time.time() < deadline:
         text = _metrics_of_every_node()
@@ -122,6 +122,8 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
     missing = [w for w in want if w not in text]
     assert not missing, (missing, [line for line in text.splitlines() if 'cbserve_router' in line][:20])
     assert 'priority="2"' in text
+    info = [line for line in text.splitlines() if line.startswith("ray_cbserve_engine_info{")]
+    assert info and all('quantization="none"' in line and 'dtype="float32"' in line for line in info), info
 
 
 def test_fake_app_replica_killed_midstream_gets_error_event_then_served(fake_app):
