@@ -303,23 +303,15 @@ def summarize(results: list[RequestResult], wall: float) -> dict[str, Any]:
 
 
 def slo_summary(results: list[RequestResult], targets: dict[int, Any], wall: float) -> dict[int, dict[str, Any]]:
-    """Per priority class, client-side: requests finished, met (every objective of the class,
-    serve_app.slo's rule), met per objective, attainment and goodput (met per second of the run)."""
-    out: dict[int, dict[str, Any]] = {}
+    """Per priority class, client-side, by the replicas' own rule and tally (serve_app.slo): requests
+    finished, met (every objective), met per objective, attainment, goodput (met per second of
+    the run: one window as long as the run)."""
+    from serve_app.slo import SLOTracker
+
+    tracker = SLOTracker(targets, window_s=wall, clock=lambda: 0.0)
     for r in results:
-        target = targets.get(r.priority or 0)
-        if target is None:
-            continue
-        verdicts = target.verdicts(r.ttft_s, r.tpot_s, r.ok)
-        row = out.setdefault(r.priority or 0, {"finished": 0, "met": 0, "met_ttft": 0, "met_tpot": 0})
-        row["finished"] += 1
-        row["met"] += all(verdicts.values())
-        for objective in ("ttft", "tpot"):
-            row[f"met_{objective}"] += verdicts.get(objective, False)
-    for row in out.values():
-        row["attainment"] = row["met"] / row["finished"]
-        row["goodput_rps"] = row["met"] / wall if wall > 0 else None
-    return out
+        tracker.record(r.priority or 0, r.ttft_s, r.tpot_s, r.ok)
+    return tracker.snapshot()
 
 
 def _ms(x: float | None) -> str:

@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY_VERSION = "2.60.0"
 IMAGE = "cbserve:0.1.0"  # k8s/Dockerfile
 APP_LABELS = {"app.kubernetes.io/name": "cbserve"}
+
+
 class _Dumper(yaml.SafeDumper):
     """Block scalars for multi-line strings (the embedded serve config reads as YAML), no anchors."""
 

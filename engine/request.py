@@ -67,9 +67,18 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens in hand whose KV is not computed yet (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed_tokens == 1
+
+    @property
     def num_remaining_tokens(self) -> int:
         """Tokens still to be computed: uncomputed input plus the outputs not yet generated."""
-        return self.num_tokens - self.num_computed_tokens + self.params.max_tokens - self.num_output_tokens
+        return self.num_uncomputed_tokens + self.params.max_tokens - self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:

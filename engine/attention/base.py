@@ -58,7 +58,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: f
     if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32:
         from engine.cpu_kernels import load_cpu_kernels
         kernel = load_cpu_kernels()
+    if name == "cpu" and dtype != torch.float32:
+        raise ValueError("attention_backend 'cpu' needs dtype float32")
     if name == "cpu" and kernel is None:
-        raise ValueError("attention_backend 'cpu' needs float32 and the C++ decode kernel, which could not be "
-                         "built here" if dtype == torch.float32 else "attention_backend 'cpu' needs dtype float32")
+        raise ValueError("attention_backend 'cpu' needs the C++ decode kernel, which could not be built here")
     return TorchAttentionBackend(scale, kernel)

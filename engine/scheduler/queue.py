@@ -24,7 +24,7 @@ def estimated_work(num_uncomputed_tokens: int, num_remaining_outputs: int) -> fl
 
 
 def default_remaining_work(request: Request) -> float:
-    return estimated_work(request.num_tokens - request.num_computed_tokens,
+    return estimated_work(request.num_uncomputed_tokens,
                           request.params.max_tokens - request.num_output_tokens)
 
 

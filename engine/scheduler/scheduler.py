@@ -159,28 +159,27 @@ class Scheduler:
         fits = None if target is None else self.step_time.tokens_within(target)
         if fits is None:
             return limit
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        num_decodes = sum(r.is_decoding for r in self.running)
         return min(limit, max(fits, num_decodes + MIN_PREFILL_CHUNK))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Best first; a prefill chunk leaves room for the decodes ranked behind it, so a long
         prompt never makes a running stream skip a step."""
         queue = sorted(self.running, key=self._victim_rank)  # best first; victims come from the tail
-        decodes_behind = sum(1 for r in queue if r.num_tokens - r.num_computed_tokens == 1)
+        decodes_behind = sum(r.is_decoding for r in queue)
         while queue and budget > 0:
             request = queue.pop(0)
-            remaining = request.num_tokens - request.num_computed_tokens
-            if remaining == 1:
+            if request.is_decoding:
                 decodes_behind -= 1
                 num_new = 1
             else:
-                num_new = min(remaining, budget - decodes_behind)
+                num_new = min(request.num_uncomputed_tokens, budget - decodes_behind)
                 if num_new <= 0:
                     continue
             copies = self.kv.allocate_slots(request, num_new)
             while copies is None and queue:
                 victim = queue.pop()
-                decodes_behind -= victim.num_tokens - victim.num_computed_tokens == 1
+                decodes_behind -= victim.is_decoding
                 self._preempt(victim, out)
                 copies = self.kv.allocate_slots(request, num_new)
             if copies is None:
@@ -200,7 +199,7 @@ class Scheduler:
         for request in sorted(self.swapped, key=self._victim_rank):
             if request.request_id in preempted:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_uncomputed_tokens, budget)
             if (num_new == 0 or len(self.running) >= self.config.max_num_seqs
                     or self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_free_blocks
                     or (best_waiting is not None and self._victim_rank(best_waiting) < self._victim_rank(request))):

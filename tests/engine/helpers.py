@@ -57,18 +57,20 @@ def step(sched: Scheduler, token: int = 5) -> SchedulerOutput:
     return out
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
-              device: str = "cpu") -> list[list[int]]:
-    """transformers' own greedy generate (float32), one prompt at a time, cut after the first eos."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu",
+              dtype: torch.dtype = torch.float32, ignore_eos: bool = False) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time: cut after the first eos, or with
+    `ignore_eos` every one of the max_new_tokens."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
     results = []
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens if ignore_eos else 0,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                              pad_token_id=eos)
         tokens = out[0, len(prompt):].tolist()
-        results.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+        results.append(tokens[:tokens.index(eos) + 1] if eos in tokens and not ignore_eos else tokens)
     return results
 
 
@@ -85,20 +87,6 @@ def greedy_gaps(model_dir: str, prompts: list[list[int]], outputs: list[list[int
         chosen = logits.gather(1, torch.tensor(output, device=device)[:, None])[:, 0]
         gaps += (logits.max(dim=-1).values - chosen).tolist()
     return gaps
-
-
-def hf_greedy_16bit(model_dir: str, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype,
-                    device: str = "cpu") -> list[list[int]]:
-    """transformers' greedy generate in `dtype`, every token generated (no eos stop)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    results = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                             pad_token_id=model.generation_config.eos_token_id)
-        results.append(out[0, len(prompt):].tolist())
-    return results
 
 
 def assert_as_faithful_as_transformers(model_dir: str, prompts: list[list[int]], outputs: list[list[int]],

@@ -9,7 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention.base import select_backend
 from engine.config import ModelConfig
-from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy_16bit
+from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy
 
 MAX_NEW = 24
 
@@ -44,5 +44,5 @@ def test_bfloat16_greedy_is_as_faithful_as_transformers_bfloat16(tiny_llama, eng
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     assert_as_faithful_as_transformers(tiny_llama, prompts, [o.outputs[0].token_ids for o in outputs],
-                                       hf_greedy_16bit(tiny_llama, prompts, MAX_NEW, torch.bfloat16))
+                                       hf_greedy(tiny_llama, prompts, MAX_NEW, dtype=torch.bfloat16, ignore_eos=True))
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks

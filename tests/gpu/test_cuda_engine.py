@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import save_tiny_model
-from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy, hf_greedy_16bit
+from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def test_float32_greedy_equals_transformers_on_cuda(model_dir, prompts, engine_a
 
 @pytest.fixture(scope="module")
 def bf16_reference(model_dir, prompts) -> list[list[int]]:
-    return hf_greedy_16bit(model_dir, prompts, MAX_NEW, torch.bfloat16, device="cuda")
+    return hf_greedy(model_dir, prompts, MAX_NEW, device="cuda", dtype=torch.bfloat16, ignore_eos=True)
 
 
 @pytest.mark.parametrize("backend", ["flash", "torch"])
