@@ -24,7 +24,13 @@ $(VENV)/.model: $(VENV)/.installed
 	$(PY) -c "from engine.model_loader import converted_gguf, default_model_path as p; print(converted_gguf(p()))"
 	touch $@
 
-install: $(VENV)/.installed $(VENV)/.kernel $(VENV)/.model
+# Prometheus and promtool (the Debian package; apt-get needs root) for the metrics tests.
+$(VENV)/.prometheus:
+	command -v promtool >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
+	  || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.kernel $(VENV)/.model $(VENV)/.prometheus
 
 serve: install
 	$(SERVE_ENV) $(VENV)/bin/serve run configs/serve.yaml

@@ -2,7 +2,8 @@
 
 Owns: metric names, tags and the two recorder classes the router and replicas call.
 Does not own: engine-internal metrics (the engine exports its own). Recorders are created with
-`enabled=False` outside Ray (unit tests, local app) and then do nothing.
+`enabled=False` outside Ray (unit tests, local app) and then do nothing. Every series carries the
+Serve `application` and `deployment` it comes from, as Ray Serve's own metrics name them.
 
 On a node's metrics endpoint the names appear prefixed `ray_` (counters suffixed `_total`).
 """
@@ -21,19 +22,37 @@ class _Null:
     def inc(self, *a: Any, **k: Any) -> None: ...
 
 
+def _deployment_tags() -> dict[str, str]:
+    """The calling Serve replica's application and deployment ('' outside a replica)."""
+    from ray import serve
+
+    try:
+        deployment = serve.get_replica_context().replica_id.deployment_id
+    except Exception:
+        return {"application": "", "deployment": ""}
+    return {"application": deployment.app_name, "deployment": deployment.name}
+
+
 def _make(enabled: bool):
     if not enabled:
         return (lambda *a, **k: _Null(),) * 3
     from ray.util.metrics import Counter, Gauge, Histogram
 
+    defaults = _deployment_tags()
+
+    def tagged(metric):
+        metric.set_default_tags(defaults)
+        return metric
+
     def gauge(name: str, desc: str, tags: tuple[str, ...]):
-        return Gauge(name, description=desc, tag_keys=tags)
+        return tagged(Gauge(name, description=desc, tag_keys=(*defaults, *tags)))
 
     def hist(name: str, desc: str, tags: tuple[str, ...]):
-        return Histogram(name, description=desc, boundaries=_LATENCY_BOUNDARIES, tag_keys=tags)
+        return tagged(Histogram(name, description=desc, boundaries=_LATENCY_BOUNDARIES,
+                                tag_keys=(*defaults, *tags)))
 
     def counter(name: str, desc: str, tags: tuple[str, ...]):
-        return Counter(name, description=desc, tag_keys=tags)
+        return tagged(Counter(name, description=desc, tag_keys=(*defaults, *tags)))
 
     return gauge, hist, counter
 
@@ -77,10 +96,14 @@ class ReplicaMetrics:
     """Engine load as seen by a replica, and per-request latencies tagged by priority class
     (from the engine's own RequestMetrics: TTFT counts from the request's arrival at the router)."""
 
-    def __init__(self, enabled: bool, replica_id: str, execution: Mapping[str, str] | None = None):
+    def __init__(self, enabled: bool, replica_id: str, execution: Mapping[str, str] | None = None,
+                 objectives: Mapping[tuple[int, str], float] | None = None):
         """`execution`: how the engine computes (quantization, dtype, device), exported as the
-        labels of `cbserve_engine_info` (value 1), so dashboards can split any figure by mode."""
+        labels of `cbserve_engine_info` (value 1), so dashboards can split any figure by mode.
+        `objectives`: (priority, objective) -> seconds, the app's SLO, exported so that alert rules
+        and dashboards compare latencies with it."""
         gauge, hist, counter = _make(enabled)
+        self._objectives = dict(objectives or {})
         self._gauge = gauge
         self._engine_gauges: dict[str, Any] = {}
         self.tags = {"replica": replica_id}
@@ -103,14 +126,15 @@ class ReplicaMetrics:
         self.stream_messages = counter(
             "cbserve_stream_messages", "Coalesced stream messages sent.", ("replica",)
         )
-        self.slo_met = counter("cbserve_slo_met", "Finished requests that met an objective of their class "
-                               "(objective 'all': every one).", ("replica", "priority", "objective"))
-        self.slo_missed = counter("cbserve_slo_missed", "Finished requests that missed an objective of their "
-                                  "class.", ("replica", "priority", "objective"))
+        self.slo_requests = counter(
+            "cbserve_slo_requests", "Finished requests of a class with objectives, by verdict (met or missed) "
+            "on each objective and on all of them (objective 'all').", ("replica", "priority", "objective", "verdict"))
         self.slo_attainment = gauge("cbserve_slo_attainment", "Share of the last minute's finished requests "
                                     "that met every objective.", ("replica", "priority"))
         self.goodput = gauge("cbserve_goodput_rps", "Requests per second that met every objective (last "
                              "minute).", ("replica", "priority"))
+        self.slo_objective = gauge("cbserve_slo_objective_s", "The latency objective of a class, seconds.",
+                                   ("replica", "priority", "objective"))
 
     def record_load(self, stats: Any, engine_stats: Any) -> None:
         """`stats`: the replica's ReplicaStats; `engine_stats`: the engine's EngineStats, every
@@ -121,6 +145,8 @@ class ReplicaMetrics:
         self.kv_usage.set(stats.kv_usage, tags=self.tags)
         self.ready.set(int(stats.ready), tags=self.tags)
         self.engine_info.set(1, tags=self._execution)
+        for (priority, objective), seconds in self._objectives.items():
+            self.slo_objective.set(seconds, tags={**self.tags, "priority": str(priority), "objective": objective})
         for name, value in engine_stats.as_dict().items():
             gauge = self._engine_gauges.get(name)
             if gauge is None:
@@ -131,14 +157,15 @@ class ReplicaMetrics:
 
     def record_slo(self, priority: int, verdicts: Mapping[str, bool]) -> None:
         for objective, met in verdicts.items():
-            (self.slo_met if met else self.slo_missed).inc(
-                tags={**self.tags, "priority": str(priority), "objective": objective})
+            self.slo_requests.inc(tags={**self.tags, "priority": str(priority), "objective": objective,
+                                        "verdict": "met" if met else "missed"})
 
-    def record_slo_window(self, window: Mapping[int, tuple[float, float]]) -> None:
-        """Each tick: attainment and goodput of the classes with requests in the window."""
+    def record_slo_window(self, window: Mapping[int, tuple[float | None, float]]) -> None:
+        """Each tick: goodput of every class seen, attainment of those with requests in the window."""
         for priority, (attainment, goodput) in window.items():
             tags = {**self.tags, "priority": str(priority)}
-            self.slo_attainment.set(attainment, tags=tags)
+            if attainment is not None:
+                self.slo_attainment.set(attainment, tags=tags)
             self.goodput.set(goodput, tags=tags)
 
     def record_request(self, priority: int, timings: Any, num_messages: int, num_output: int,

@@ -23,6 +23,11 @@ class SLOTarget(BaseModel):
     ttft_s: float | None = Field(None, gt=0, description="Time to first token, from arrival at the router.")
     tpot_s: float | None = Field(None, gt=0, description="Time per output token after the first.")
 
+    def objectives(self) -> dict[str, float]:
+        """objective -> seconds, for the objectives this class states."""
+        return {name: seconds for name, seconds in (("ttft", self.ttft_s), ("tpot", self.tpot_s))
+                if seconds is not None}
+
     def verdicts(self, ttft_s: float | None, tpot_s: float | None, ok: bool) -> dict[str, bool]:
         """objective -> met, for this class's objectives (a failed request meets none; a request
         of one token has no TPOT and meets that objective)."""
@@ -67,21 +72,21 @@ class SLOTracker:
         tally.recent.append((self.clock(), verdicts["all"]))
         return verdicts
 
-    def window(self) -> dict[int, tuple[float, float]]:
+    def window(self) -> dict[int, tuple[float | None, float]]:
         """priority -> (attainment ratio, goodput requests/s) over the last window_s seconds, for
-        the classes that finished requests in it."""
+        every class that has finished requests; attainment is None when none finished in the window
+        (goodput is then 0)."""
         now, out = self.clock(), {}
         for priority, tally in self.tallies.items():
             while tally.recent and tally.recent[0][0] < now - self.window_s:
                 tally.recent.popleft()
-            if tally.recent:
-                met = sum(m for _, m in tally.recent)
-                out[priority] = (met / len(tally.recent), met / self.window_s)
+            met = sum(m for _, m in tally.recent)
+            out[priority] = (met / len(tally.recent) if tally.recent else None, met / self.window_s)
         return out
 
     def snapshot(self) -> dict[int, dict[str, float]]:
         """Totals and window figures per class (tests and tools read this)."""
         window = self.window()
         return {p: {"finished": t.finished, "met": t.met, **{f"met_{o}": n for o, n in t.met_by_objective.items()},
-                    "attainment": window.get(p, (None, 0.0))[0], "goodput_rps": window.get(p, (None, 0.0))[1]}
+                    "attainment": window[p][0], "goodput_rps": window[p][1]}
                 for p, t in self.tallies.items()}

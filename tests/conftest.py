@@ -3,9 +3,14 @@ tests load them through the engine's own loader (no hub access anywhere); the on
 with Serve that every real-Ray test shares."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import random
 import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,6 +106,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving(app) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
+    """(url, loop): the ASGI `app` behind a real HTTP server (uvicorn on a free loopback port, on
+    its own thread and event loop), for clients that need real connections."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    for _ in range(3000):
+        if server.started:
+            break
+        time.sleep(0.01)
+    try:
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{server.config.port}", loop
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 @pytest.fixture(scope="session")
 def serve_cluster(tmp_path_factory):
     """Head node + Serve, shared by every real-Ray test: a process connects to one cluster at a
@@ -123,16 +150,17 @@ def serve_cluster(tmp_path_factory):
 
     metrics_port = free_port()
     (tmp / "ray").mkdir()  # Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster
+    # The dashboard process writes the Prometheus service-discovery file the metrics tests scrape by.
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, temp_dir=str(tmp),
-        metrics_export_port=metrics_port))
+        num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=True, dashboard_port=free_port(),
+        temp_dir=str(tmp), metrics_export_port=metrics_port))
     ray.init(address=cluster.address, log_to_driver=False)
     http_port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={
         "host": "127.0.0.1", "port": http_port, "keep_alive_timeout_s": KEEP_ALIVE_TIMEOUT_S})
     try:
         yield {"http": f"http://127.0.0.1:{http_port}",
-               "cluster": cluster}
+               "cluster": cluster, "ray_tmpdir": tmp}
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -12,14 +12,12 @@ import asyncio
 import contextlib
 import json
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -29,7 +27,7 @@ from fake_engine import FakeAsyncEngine  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local import build_local_app  # noqa: E402
-from tests.conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, free_port  # noqa: E402, F401
+from tests.conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, free_port, serving  # noqa: E402, F401
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -75,21 +73,15 @@ def served_local_stack(config: dict, num_replicas: int | None = None,
     replicas), every replica already reporting to the router. engine_cls None: the real engine."""
     cfg = AppConfig.model_validate(config)
     app, router, replicas = build_local_app(cfg, num_replicas, engine_cls)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    for r in replicas:  # what Serve's health check does first: the replica starts reporting load
-        asyncio.run_coroutine_threadsafe(r.check_health(), loop).result(120)
-    url = f"http://127.0.0.1:{server.config.port}"
-    wait_healthy(url, 120)
-    try:
-        yield url, router, replicas
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        for r in replicas:
-            r.shutdown()
+    with serving(app) as (url, loop):
+        try:
+            for r in replicas:  # what Serve's health check does first: the replica starts reporting load
+                asyncio.run_coroutine_threadsafe(r.check_health(), loop).result(120)
+            wait_healthy(url, 120)
+            yield url, router, replicas
+        finally:
+            for r in replicas:
+                r.shutdown()
 
 
 def wait_healthy(url: str, timeout_s: float) -> float:
@@ -150,3 +142,19 @@ def fake_serve_app(serve_cluster: dict, name: str, config: dict,
         yield url
     finally:
         serve.delete(name)
+
+
+def metrics_of_every_node() -> str:
+    """Each Ray node exports the metrics of the actors it hosts; the app's actors may sit on
+    any node of the session cluster (other tests add and remove nodes)."""
+    import ray
+
+    texts = []
+    for node in ray.nodes():
+        if node["Alive"]:
+            try:
+                texts.append(httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                       timeout=5).text)
+            except httpx.HTTPError:
+                pass
+    return "\n".join(texts)

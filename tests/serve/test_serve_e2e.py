@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import fake_serve_app, greedy_text
+from conftest import fake_serve_app, greedy_text, metrics_of_every_node
 from fake_engine import FakeTokenizer
 
 pytestmark = pytest.mark.slow
@@ -89,33 +89,17 @@ def test_fake_app_client_disconnect_aborts_in_engine(fake_app):
     assert sum(running) == 0, running
 
 
-def _metrics_of_every_node() -> str:
-    """Each Ray node exports the metrics of the actors it hosts; the app's actors may sit on
-    any node of the session cluster (other tests add and remove nodes)."""
-    import ray
-
-    texts = []
-    for node in ray.nodes():
-        if node["Alive"]:
-            try:
-                texts.append(httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
-                                       timeout=5).text)
-            except httpx.HTTPError:
-                pass
-    return "\n".join(texts)
-
-
 def test_fake_app_metrics_on_node_endpoint(fake_app):
     client = openai.OpenAI(base_url=fake_app + "/v1", api_key="none")
     for _ in range(3):
         client.completions.create(model="fake", prompt="m", max_tokens=3, extra_body={"priority": 2})
     deadline = time.time() + 60
     want = ["ray_cbserve_ttft_s", "ray_cbserve_router_queue_depth", "ray_cbserve_replica_kv_usage",
-            "ray_cbserve_generation_tokens_total", 'ray_cbserve_slo_met_total{', "ray_cbserve_slo_attainment{",
+            "ray_cbserve_generation_tokens_total", 'ray_cbserve_slo_requests_total{', "ray_cbserve_slo_attainment{",
             "ray_cbserve_goodput_rps{", "ray_cbserve_engine_info{"]
     text = ""
     while time.time() < deadline:
-        text = _metrics_of_every_node()
+        text = metrics_of_every_node()
         if all(w in text for w in want) and 'priority="2"' in text:
             break
         time.sleep(2)
@@ -124,6 +108,10 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
     assert 'priority="2"' in text
     info = [line for line in text.splitlines() if line.startswith("ray_cbserve_engine_info{")]
     assert info and all('quantization="none"' in line and 'dtype="float32"' in line for line in info), info
+    for prefix, deployment in (("ray_cbserve_ttft_s_count{", "EngineReplica"),
+                               ("ray_cbserve_router_queue_depth{", "Router")):
+        lines = [line for line in text.splitlines() if line.startswith(prefix) and 'application="fake"' in line]
+        assert lines and all(f'deployment="{deployment}"' in line for line in lines), (prefix, lines)
 
 
 def test_fake_app_replica_killed_midstream_gets_error_event_then_served(fake_app):
