@@ -133,7 +133,7 @@ def _engine_run(num_waiting: int, steps: int, seed: int) -> float:
 
     def step() -> None:
         out = sched.schedule()
-        sampled = {s.request.request_id: 7 for s in out.scheduled if s.sample}
+        sampled = {s.request.request_id: [7] for s in out.scheduled if s.sample}
         sched.update_from_output(out, ModelRunnerOutput(sampled, {}))
         clock_now[0] += 0.01
         add()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("ngram",)
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
 
@@ -109,15 +110,46 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, spelt as vLLM's `speculative_config` (a dict in engine arguments)."""
+    method: str = _opt("ngram", "'ngram' (prompt lookup: drafts copied from the request's own earlier tokens)")
+    num_speculative_tokens: int = _opt(4, "most draft tokens verified per request and step")
+    prompt_lookup_min: int = _opt(1, "ngram: shortest suffix looked up")
+    prompt_lookup_max: int = _opt(4, "ngram: longest suffix looked up")
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: plain decoding
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        """Builds the config from flat field names (`max_num_seqs=8, block_size=16, ...`)."""
-        parts = {}
+        """Builds the config from flat field names (`max_num_seqs=8, block_size=16, ...`) and
+        `speculative_config` (a dict of SpeculativeConfig's fields)."""
+        parts = {"speculative": SpeculativeConfig.of(kwargs.pop("speculative_config", None))}
         for name, part_cls in zip(("model", "cache", "scheduler"), ENGINE_PARTS):
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})

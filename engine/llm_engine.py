@@ -54,7 +54,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory_bytes {cache.kv_cache_memory_bytes} holds no {block_bytes}-byte block")
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
-                                   PreemptionCosts(block_bytes), clock)
+                                   PreemptionCosts(block_bytes), clock, config.speculative)
         device = torch.device(config.model.device)
         backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,

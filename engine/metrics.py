@@ -41,6 +41,10 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_failed_requests: int  # requests that failed while running (their batch-mates went on)
+    num_spec_proposed_tokens: int = 0  # draft tokens verified
+    num_spec_accepted_tokens: int = 0  # of which the target agreed with
+    spec_acceptance_rate: float = 0.0  # accepted / proposed, cumulative
+    spec_mean_accepted_length: float = 0.0  # accepted drafts per request-step that verified any
 
     def as_dict(self) -> dict:
         return asdict(self)

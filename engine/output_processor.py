@@ -61,7 +61,7 @@ class OutputProcessor:
         self.states[request_id] = _RequestState(prompt, prompt_token_ids, params,
                                                 RequestMetrics(arrival_time + self._wall_offset))
 
-    def process(self, update: SchedulerUpdate, logprobs: dict[str, dict[int, float]]
+    def process(self, update: SchedulerUpdate, logprobs: dict[str, list[dict[int, float]]]
                 ) -> tuple[list[RequestOutput | RequestError], list[str], list[str]]:
         """Returns the step's events (one delta per user request that changed, one error per
         user request that failed), the ids of the requests a stop string just ended, and the
@@ -102,16 +102,25 @@ class OutputProcessor:
         state.metrics.finished_time = self._clock() + self._wall_offset
         return self._emit(request_id, state)
 
-    def _append(self, sample: _SampleState, request: Request, logprobs: dict[int, float] | None) -> bool:
-        """Adds the request's newest token to its sample; True if a stop string ended it."""
-        token_id = request.token_ids[-1]
+    def _append(self, sample: _SampleState, request: Request, logprobs: list[dict[int, float]] | None) -> bool:
+        """Adds the request's new tokens (one, or several after accepted drafts) to its sample, in
+        order; True if a stop string ended it (the tokens after that one are dropped)."""
+        new = request.output_token_ids[len(sample.token_ids):]
+        for i, token_id in enumerate(new):
+            finished = request.is_finished and i == len(new) - 1
+            if self._append_token(sample, request, token_id, logprobs[i] if logprobs else None, finished):
+                return True
+        return False
+
+    def _append_token(self, sample: _SampleState, request: Request, token_id: int,
+                      logprobs: dict[int, float] | None, finished: bool) -> bool:
         sample.token_ids.append(token_id)
         if logprobs is not None:
             sample.logprobs.append(logprobs)
-        if request.is_finished:
+        if finished:
             sample.finish_reason = request.finish_reason.value
         previous_len = len(sample.text)
-        if request.is_finished:  # flush bytes the stream decoder still holds; a stop token is not text
+        if finished:  # flush bytes the stream decoder still holds; a stop token is not text
             text_ids = sample.token_ids[:-1] if request.finish_reason is FinishReason.STOP else sample.token_ids
             sample.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         else:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int]  # request id -> sampled token
-    logprobs: dict[str, dict[int, float]]  # request id -> logprobs of this step's token, when asked
+    sampled: dict[str, list[int]]  # request id -> its new tokens (accepted drafts, then one sampled)
+    logprobs: dict[str, list[dict[int, float]]]  # request id -> logprobs of each new token, when asked
     errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why sampling it failed
 
 

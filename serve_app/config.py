@@ -49,6 +49,8 @@ def _engine_args_model() -> type[_EngineArgsBase]:
         for f in dataclasses.fields(part):
             if f.name != "model":  # the replica's `model` names it
                 fields[f.name] = (hints[f.name] | None, Field(None, description=f.metadata["help"]))
+    fields["speculative_config"] = (dict[str, Any] | None, Field(
+        None, description="speculative decoding, as vLLM spells it: {method: ngram, num_speculative_tokens: 4, ...}"))
     return create_model("EngineArgs", __base__=_EngineArgsBase, **fields)
 
 

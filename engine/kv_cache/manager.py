@@ -150,6 +150,15 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
+    def free_beyond(self, request: Request, num_tokens: int) -> None:
+        """Releases the request's blocks after those covering its first `num_tokens` positions
+        (blocks that held only rejected draft tokens)."""
+        table = self.block_tables[request.request_id]
+        keep = self.num_blocks_for(num_tokens)
+        if len(table) > keep:
+            self.pool.free_blocks(list(reversed(table[keep:])))
+            del table[keep:]
+
     def free(self, request: Request) -> None:
         """Releases every block the request holds, on device and host. Tail blocks first, so a
         shared prefix outlives the blocks after it in the LRU order."""

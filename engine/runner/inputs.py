@@ -1,7 +1,8 @@
 """Builds the one flat ragged batch of a step from the scheduled requests (no padding).
 
 Layout: single-token queries (decodes) first, sorted by context length so backends can cut them
-into dense buckets of similar length; then prefill chunks. Owns no model state.
+into dense buckets of similar length; then prefill chunks and speculating decodes (a request's
+last token and its drafts: a short chunk). Owns no model state.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from engine.request import Request
 from engine.scheduler.output import ScheduledRequest
+from engine.spec_decode.verify import WithDrafts
 
 
 @dataclass(slots=True)
@@ -24,14 +26,15 @@ class ModelInputs:
     block_tables: list[list[int]]  # (B, *) blocks of each request
     num_decodes: int  # the first num_decodes requests have exactly one query token
     block_size: int
-    sample_indices: torch.Tensor  # (R,) flat index of the last token of each request to sample
-    sampled_requests: list[Request]  # (R,) in the order of sample_indices
+    sample_indices: torch.Tensor  # (R,) flat index of each token whose logits are sampled
+    sampled_requests: list[Request | WithDrafts]  # (R,) whose history each row continues
+    verified: list[tuple[Request, list[int], int]]  # (request, drafts, first row) of each request sampled
 
 
 def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
     ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
     input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [], [], []
-    query_start_loc, sample_indices, sampled_requests = [0], [], []
+    query_start_loc, sample_indices, sampled_requests, verified = [0], [], [], []
     for item in ordered:
         n, start = len(item.token_ids), item.start_pos
         input_ids.extend(item.token_ids)
@@ -42,9 +45,12 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         seq_lens.append(start + n)
         tables.append(table)
         query_start_loc.append(query_start_loc[-1] + n)
-        if item.sample:
-            sample_indices.append(query_start_loc[-1] - 1)
+        if item.sample:  # the last token's logits, and each draft's: the target's token after it
+            drafts = item.draft_token_ids
+            verified.append((item.request, drafts, len(sample_indices)))
+            sample_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
             sampled_requests.append(item.request)
+            sampled_requests.extend(WithDrafts(item.request, drafts[:j]) for j in range(1, len(drafts) + 1))
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -61,4 +67,5 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         block_size=block_size,
         sample_indices=as_tensor(sample_indices),
         sampled_requests=sampled_requests,
+        verified=verified,
     )

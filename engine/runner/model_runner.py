@@ -11,6 +11,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.runner.inputs import build_inputs
 from engine.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
+from engine.spec_decode.verify import accepted_tokens
 
 
 class ModelRunner:
@@ -44,10 +45,15 @@ class ModelRunner:
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,
                             inputs.sample_indices)
         result = self.sampler(logits, inputs.sampled_requests)
-        ids = [r.request_id for r in inputs.sampled_requests]
-        return ModelRunnerOutput({i: t for i, t in zip(ids, result.token_ids) if t is not None},
-                                 {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
-                                 result.errors)
+        sampled, logprobs = {}, {}
+        for request, drafts, row in inputs.verified:
+            if request.request_id in result.errors:
+                continue
+            tokens = accepted_tokens(result.token_ids[row:row + len(drafts) + 1], drafts)
+            sampled[request.request_id] = tokens
+            if request.params.logprobs is not None:
+                logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
+        return ModelRunnerOutput(sampled, logprobs, result.errors)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies: batched index copies, in that order."""

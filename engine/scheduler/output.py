@@ -9,10 +9,16 @@ from engine.request import Request
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request  # read-only for the runner: params, token history, RNG for sampling
-    token_ids: list[int]  # input tokens fed this step
+    token_ids: list[int]  # input tokens fed this step (a speculating decode: its last token + drafts)
     start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
     block_table: list[int]  # device blocks covering positions [0, start_pos + len(token_ids))
     sample: bool  # True when this chunk reaches the request's last token: sample its next one
+    draft_token_ids: list[int] = field(default_factory=list)  # the tail of token_ids to verify
+
+    @property
+    def num_input_tokens(self) -> int:
+        """Tokens of the request itself (not drafts) this step computes."""
+        return len(self.token_ids) - len(self.draft_token_ids)
 
 
 @dataclass(slots=True)

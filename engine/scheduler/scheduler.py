@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineStats, StepStats
 from engine.outputs import ModelRunnerOutput
@@ -20,6 +20,7 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from engine.scheduler.queue import WaitingQueue
 from engine.scheduler.step_time import StepTimeModel
+from engine.spec_decode.ngram import NgramProposer
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
 
@@ -37,6 +38,9 @@ class SchedulerCounters:
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int = 0
     num_failed_requests: int = 0
+    num_spec_verifications: int = 0  # request-steps that verified drafts
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +62,12 @@ class SchedulerUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(), costs: PreemptionCosts = PreemptionCosts(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, speculative: SpeculativeConfig | None = None):
+        """`speculative`: decoding requests get draft tokens to verify in the same forward."""
         self.config = config
+        self.speculative = speculative
+        self.proposer = (NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+                         if speculative is not None else None)
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -169,14 +177,19 @@ class Scheduler:
         decodes_behind = sum(r.is_decoding for r in queue)
         while queue and budget > 0:
             request = queue.pop(0)
+            drafts: list[int] = []
             if request.is_decoding:
                 decodes_behind -= 1
+                drafts = self._drafts(request, budget - decodes_behind - 1)
                 num_new = 1
             else:
                 num_new = min(request.num_uncomputed_tokens, budget - decodes_behind)
                 if num_new <= 0:
                     continue
-            copies = self.kv.allocate_slots(request, num_new)
+            copies = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
+            if copies is None:  # drafts never cost a batch-mate its place
+                drafts = []
+                copies = self.kv.allocate_slots(request, num_new)
             while copies is None and queue:
                 victim = queue.pop()
                 decodes_behind -= victim.is_decoding
@@ -185,9 +198,19 @@ class Scheduler:
             if copies is None:
                 self._preempt(request, out)
                 continue
-            self._add_scheduled(out, request, num_new, copies)
-            budget -= num_new
+            self._add_scheduled(out, request, num_new, copies, drafts)
+            budget -= num_new + len(drafts)
         return budget
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for a decoding request: at most `room` (the budget left), and none past
+        its max_tokens or the model's length (the token after the last draft is always new)."""
+        if self.proposer is None:
+            return []
+        k = min(self.speculative.num_speculative_tokens, room,
+                request.params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1)
+        return self.proposer.propose(request.token_ids, k) if k > 0 else []
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swaps requests back in, best first, ahead of new admissions; never one preempted this
@@ -239,15 +262,16 @@ class Scheduler:
             budget -= num_new
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
-                       copies: list[tuple[int, int]]) -> None:
+                       copies: list[tuple[int, int]], drafts: list[int] = ()) -> None:
         start = request.num_computed_tokens
         out.blocks_to_copy.extend(copies)
         out.scheduled.append(ScheduledRequest(
             request=request,
-            token_ids=request.token_ids[start:start + num_new],
+            token_ids=request.token_ids[start:start + num_new] + list(drafts),
             start_pos=start,
             block_table=list(self.kv.block_table(request.request_id)),
             sample=start + num_new == request.num_tokens,
+            draft_token_ids=list(drafts),
         ))
 
     # ---- preemption ----------------------------------------------------------------------
@@ -328,23 +352,39 @@ class Scheduler:
                 self.finish_group(request.group_id, FinishReason.ERROR)
         return update
 
-    def _advance(self, request: Request, item: ScheduledRequest, sampled: dict[str, int], now: float) -> bool:
-        """Applies one scheduled chunk to its request; True if it sampled a token."""
-        request.num_computed_tokens += len(item.token_ids)
+    def _advance(self, request: Request, item: ScheduledRequest, sampled: dict[str, list[int]],
+                 now: float) -> bool:
+        """Applies one scheduled chunk to its request; True if it sampled a token. A speculating
+        decode gets its accepted drafts and one more token, each stop-checked in turn; the KV of
+        rejected drafts is dropped (computed tokens end at the last accepted one, and blocks that
+        held only rejected positions are freed)."""
+        request.num_computed_tokens += item.num_input_tokens
         self.counters.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
                                                - item.start_pos)
         self.kv.cache_full_blocks(request)
         if not item.sample:
             return False
-        request.append_token(sampled[request.request_id])
-        self.counters.num_generation_tokens += 1
+        tokens = sampled[request.request_id]
+        if item.draft_token_ids:
+            self.counters.num_spec_verifications += 1
+            self.counters.num_spec_proposed_tokens += len(item.draft_token_ids)
         if request.first_token_time is None:
             request.first_token_time = now
-        if request.params.n > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
-            self._fork(request)
-        reason = self._stop_reason(request)
-        if reason is not None:
-            self.finish_request(request.request_id, reason)
+        for i, token in enumerate(tokens):
+            if i > 0:  # the token before this one was an accepted draft: its KV is computed
+                request.num_computed_tokens += 1
+                self.counters.num_spec_accepted_tokens += 1
+            request.append_token(token)
+            self.counters.num_generation_tokens += 1
+            if request.params.n > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
+                self._fork(request)
+            reason = self._stop_reason(request)
+            if reason is not None:
+                self.finish_request(request.request_id, reason)
+                return True
+        if item.draft_token_ids:
+            self.kv.cache_full_blocks(request)
+            self.kv.free_beyond(request, request.num_tokens)
         return True
 
     def _fork(self, parent: Request) -> None:
@@ -378,4 +418,7 @@ class Scheduler:
             num_preemptions_swap=c.num_preemptions_swap, num_preemptions_recompute=c.num_preemptions_recompute,
             num_blocks_swapped_out=c.num_blocks_swapped_out, num_blocks_swapped_in=c.num_blocks_swapped_in,
             num_recomputed_tokens=c.num_recomputed_tokens, num_prompt_tokens=c.num_prompt_tokens,
-            num_generation_tokens=c.num_generation_tokens, num_failed_requests=c.num_failed_requests)
+            num_generation_tokens=c.num_generation_tokens, num_failed_requests=c.num_failed_requests,
+            num_spec_proposed_tokens=c.num_spec_proposed_tokens, num_spec_accepted_tokens=c.num_spec_accepted_tokens,
+            spec_acceptance_rate=c.num_spec_accepted_tokens / max(c.num_spec_proposed_tokens, 1),
+            spec_mean_accepted_length=c.num_spec_accepted_tokens / max(c.num_spec_verifications, 1))

@@ -46,7 +46,7 @@ def make_request(num_tokens: int = 10, max_tokens: int = 4, prompt: list[int] | 
 
 def sampled(out: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
     """What a runner would return if it sampled `token` for every request due a token."""
-    return ModelRunnerOutput({s.request.request_id: token for s in out.scheduled if s.sample}, {})
+    return ModelRunnerOutput({s.request.request_id: [token] for s in out.scheduled if s.sample}, {})
 
 
 def step(sched: Scheduler, token: int = 5) -> SchedulerOutput:

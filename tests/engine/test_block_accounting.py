@@ -52,7 +52,7 @@ def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, s
         sampled = {}
         for item in out.scheduled:
             token = (token * 1103515245 + 12345) % (1 << 31)
-            sampled[item.request.request_id] = token % 60  # 0 is eos: some requests stop early
+            sampled[item.request.request_id] = [token % 60]  # 0 is eos: some requests stop early
         due = [item.request.request_id for item in out.scheduled if item.sample]
         errors = {due[pick % len(due)]: RuntimeError("injected")} if fail and due else {}
         update = sched.update_from_output(out, ModelRunnerOutput(sampled, {}, errors))

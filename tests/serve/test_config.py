@@ -54,12 +54,21 @@ def test_scaling_settings_reach_serve_under_its_names():
     {"engine": {"modle": "x"}},
     {"router": {"policy": "lifo"}},
     {"engine": {"engine_args": {"max_num_seq": 4}}},
+    {"engine": {"engine_args": {"speculative_config": {"method": "eagle"}}}},
+    {"engine": {"engine_args": {"speculative_config": {"method": "ngram", "num_speculative_token": 4}}}},
     {"extra": 1},
     {"engine": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
 ])
 def test_unknown_or_invalid_keys_are_errors(bad):
     with pytest.raises(ValidationError):
         AppConfig.model_validate(bad)
+
+
+def test_speculative_config_reaches_the_engine_config():
+    cfg = AppConfig.model_validate({"engine": {"engine_args": {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}}}})
+    spec = cfg.engine.engine_config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 2)
 
 
 def test_autoscaling_target_must_be_reachable_behind_the_router():

@@ -1,0 +1,52 @@
+"""Verification of draft tokens inside the target's own forward.
+
+For a request fed its last token and drafts d1..dk, the target's logits at those k + 1 positions
+are sampled like any other row (every sampling setting, penalties, seeds), each row continuing the
+history with the drafts before it (`WithDrafts`). Drafts are accepted while the target's token
+equals the draft; the first token that differs, or the token after the last draft (the bonus),
+ends the step's tokens. For a one-hot draft distribution (n-gram lookup) this is exactly the
+rejection rule of Leviathan et al. / Chen et al.: accepting d with probability min(1, p(d) / 1)
+= p(d), else drawing from norm(max(0, p - onehot(d))), gives each token with probability p. So
+the output has exactly the target's distribution, and greedy output the target's tokens.
+"""
+from __future__ import annotations
+
+from engine.request import Request
+
+
+class WithDrafts:
+    """A request as seen at a draft position: its tokens followed by the drafts before it. Reads
+    like the request for the sampler (params, ids, token history)."""
+    __slots__ = ("request", "drafts")
+
+    def __init__(self, request: Request, drafts: list[int]):
+        self.request, self.drafts = request, drafts
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sample_index(self) -> int:
+        return self.request.sample_index
+
+    @property
+    def params(self):
+        return self.request.params
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts
+
+
+def accepted_tokens(target_tokens: list[int], drafts: list[int]) -> list[int]:
+    """The step's new tokens: the target's token at each position while it equals the draft
+    there, then the first one that does not (or the bonus token after every draft)."""
+    for i, draft in enumerate(drafts):
+        if target_tokens[i] != draft:
+            return target_tokens[:i + 1]
+    return target_tokens[:len(drafts) + 1]

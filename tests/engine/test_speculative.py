@@ -1,0 +1,185 @@
+"""Speculative decoding with n-gram drafts: lossless under every scheduling feature.
+
+Greedy output equals transformers' token for token with drafts verified inside the continuous
+batch (chunked prefill, preemption by swap and by recompute, prefix caching, priorities, n > 1,
+aborts), the drafts were really proposed, accepted and rejected, and no KV block leaks. Sampled
+output keeps the target's distribution (chi-square against the exact distribution computed by
+transformers).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.verify import accepted_tokens
+from tests.engine.helpers import hf_greedy
+
+MAX_NEW = 32
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat spans of themselves (what prompt lookup is for), of varied lengths."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        span = [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
+        prompts.append([rng.randrange(3, 300) for _ in range(rng.randint(0, 20))] + span * rng.randint(2, 4))
+    return prompts
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(1, 3)
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest occurrence of [1, 2, 3]
+    assert proposer.propose([5, 1, 2, 6, 6, 2], 3) == [6, 6, 2]  # only the 1-gram [2] occurs earlier
+    assert proposer.propose([4, 4, 4], 5) == [4]  # a match may overlap the suffix
+    assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert NgramProposer(2, 3).propose([5, 1, 2, 6, 6, 2], 3) == []  # the 2-gram [6, 2] never occurred
+
+
+def test_accepted_tokens_stop_at_the_first_disagreement_and_keep_the_bonus():
+    assert accepted_tokens([7, 8, 9], [7, 8]) == [7, 8, 9]  # all drafts accepted, plus the bonus token
+    assert accepted_tokens([7, 5, 9], [7, 8]) == [7, 5]  # second draft rejected: the target's token instead
+    assert accepted_tokens([6, 8, 9], [7, 8]) == [6]
+    assert accepted_tokens([4], []) == [4]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    prompts = _repetitive_prompts(8)
+    return tiny_llama, prompts, hf_greedy(tiny_llama, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_seqs=64),
+    dict(max_num_seqs=1),
+    dict(max_num_seqs=64, max_num_batched_tokens=16),  # drafts compete with prefill chunks for the budget
+    dict(max_num_seqs=64, enable_prefix_caching=False),
+    dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="swap"),
+    dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="recompute"),
+    dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="auto", policy="priority"),
+    dict(max_num_seqs=64, attention_backend="cpu"),  # plain decodes on the C++ kernel beside verify chunks
+], ids=["batch64", "batch1", "chunked16", "no-prefix-cache", "preempt-swap", "preempt-recompute",
+        "preempt-auto-priority", "cpu-kernel-attention"])
+def test_greedy_with_ngram_drafts_matches_transformers(reference, engine_args):
+    model_dir, prompts, expected = reference
+    llm = LLM(model_dir, speculative_config=NGRAM, **engine_args)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.engine.get_stats()
+    assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens  # drafts accepted and rejected
+    assert stats.num_generation_tokens == len(prompts) * MAX_NEW
+    if "preemption_mode" in engine_args:
+        assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+EXTRACTION = [[{"role": "user", "content": "Repeat the following text exactly, word for word:\n\n"
+                 "Continuous batching keeps the accelerator busy by adding new requests to the running batch "
+                 "at every step, while a paged key-value cache lets many requests share memory without "
+                 "fragmentation."}]]
+
+
+@pytest.mark.slow
+def test_on_the_embedded_model_extraction_takes_far_fewer_steps_with_the_same_tokens():
+    """A single stream asked to repeat a sentence: n-gram drafts copy it from the prompt, so the
+    answer takes far fewer steps (forward passes) than tokens, and is token for token the plain one."""
+    runs = {}
+    for name, spec in (("plain", None), ("ngram", NGRAM)):
+        llm = LLM(speculative_config=spec)
+        out = llm.chat(EXTRACTION, SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)[0].outputs[0]
+        runs[name] = out.token_ids, llm.engine.get_stats()
+    assert runs["ngram"][0] == runs["plain"][0] and len(runs["plain"][0]) >= 30
+    plain_steps, spec_stats = runs["plain"][1].num_steps, runs["ngram"][1]
+    assert spec_stats.num_steps < 0.6 * plain_steps, (spec_stats.num_steps, plain_steps)
+    assert spec_stats.spec_acceptance_rate > 0.5 and spec_stats.spec_mean_accepted_length > 1.5
+
+
+def test_stop_tokens_n_samples_logprobs_and_aborts_mid_speculation(reference):
+    """1. A stop token inside an accepted run of drafts ends the request there (plain decoding's
+    output, tokens and logprobs alike). 2. n > 1 with a seed: every sample speculates on its own,
+    output unchanged. 3. Aborting a request between steps frees its blocks."""
+    model_dir, prompts, expected = reference
+    stop_at = expected[0][10]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=[stop_at], logprobs=2)
+    plain = LLM(model_dir).generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    spec_llm = LLM(model_dir, speculative_config=NGRAM)
+    spec = spec_llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "stop"
+    assert [sorted(lp) for lp in spec.logprobs] == [sorted(lp) for lp in plain.logprobs]
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+    greedy_n = SamplingParams(max_tokens=MAX_NEW, temperature=0, n=3)
+    samples = spec_llm.generate([prompts[1]], greedy_n, use_tqdm=False)[0].outputs
+    assert [s.token_ids for s in samples] == [expected[1]] * 3
+
+    engine = LLMEngine.from_engine_args(model_dir, speculative_config=NGRAM)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    while engine.get_stats().num_spec_proposed_tokens == 0:  # until some request speculates
+        assert engine.has_unfinished_requests()
+        engine.step()
+    for i in range(0, len(prompts), 2):
+        engine.abort_request(f"r{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of `counts` to `probs`; bins expected below 5 are pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    expected = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = expected > 0
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(1 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat))
+
+
+def test_sampled_output_keeps_the_targets_distribution(tiny_llama_words):
+    """A prompt that repeats itself, so that drafts are proposed at every step; 3,000 samples of
+    the first three tokens at temperature 1 with top-k 8. The first token's and the third token's
+    (marginal) frequencies fit transformers' exact distribution (chi-square, p > 0.001), and
+    drafts were accepted and rejected on the way."""
+    words = "the cat sat on the mat the cat sat on the mat the cat sat on the"
+    llm = LLM(tiny_llama_words, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, seed=1)
+    prompt = llm.engine.encode_prompt(words)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=8, ignore_eos=True)
+    outputs = llm.generate([prompt] * 3000, params, use_tqdm=False)
+    stats = llm.engine.get_stats()
+    assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens
+    tokens = torch.tensor([o.outputs[0].token_ids for o in outputs])
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_words, dtype=torch.float32).eval()
+
+    def next_probs(contexts: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(contexts).logits[:, -1].float()
+        top = logits.topk(8, dim=-1)
+        return torch.zeros_like(logits).scatter(1, top.indices, torch.softmax(top.values, dim=-1))
+
+    base = torch.tensor([prompt])
+    p1 = next_probs(base)[0]
+    vocab = p1.shape[0]
+    assert _chi_square_p_value(torch.bincount(tokens[:, 0], minlength=vocab).float(), p1) > 1e-3
+    # third token: sum over the first two tokens' top-8 continuations (64 contexts)
+    firsts = p1.nonzero().flatten()
+    p2 = next_probs(torch.cat([base.repeat(len(firsts), 1), firsts[:, None]], dim=1))
+    contexts, weights = [], []
+    for i, t1 in enumerate(firsts):
+        for t2 in p2[i].nonzero().flatten():
+            contexts.append(torch.cat([base[0], t1[None], t2[None]]))
+            weights.append(p1[t1] * p2[i, t2])
+    p3 = (torch.stack(weights)[:, None] * next_probs(torch.stack(contexts))).sum(0)
+    assert _chi_square_p_value(torch.bincount(tokens[:, 2], minlength=vocab).float(), p3) > 1e-3
