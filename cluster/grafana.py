@@ -102,6 +102,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
              "generated/s priority {{priority}}"),
             (f"sum by (priority) (rate(ray_cbserve_prompt_tokens_total{{{APP}}}[$__rate_interval]))",
              "prompt/s priority {{priority}}"))),
+        Panel("Speculative decoding", "short", (
+            (f"avg by (replica) (ray_cbserve_engine_spec_acceptance_rate{{{APP}}})", "acceptance rate {{replica}}"),
+            (f"avg by (replica) (ray_cbserve_engine_spec_mean_accepted_length{{{APP}}})",
+             "accepted drafts per step {{replica}}"),
+            (f"sum by (replica) (rate(ray_cbserve_engine_num_spec_accepted_tokens{{{APP}}}[$__rate_interval]))",
+             "accepted drafts/s {{replica}}")),
+            "Draft tokens the target accepted (0 without speculative_config)."),
         Panel("Replicas ready", "short", (
             (f"sum (ray_cbserve_replica_ready{{{APP}}})", "ready"),
             (f"count by (quantization, dtype, device) (ray_cbserve_engine_info{{{APP}}})",

@@ -262,16 +262,16 @@ class Scheduler:
             budget -= num_new
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
-                       copies: list[tuple[int, int]], drafts: list[int] = ()) -> None:
+                       copies: list[tuple[int, int]], drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         out.blocks_to_copy.extend(copies)
         out.scheduled.append(ScheduledRequest(
             request=request,
-            token_ids=request.token_ids[start:start + num_new] + list(drafts),
+            token_ids=request.token_ids[start:start + num_new] + (drafts or []),
             start_pos=start,
             block_table=list(self.kv.block_table(request.request_id)),
             sample=start + num_new == request.num_tokens,
-            draft_token_ids=list(drafts),
+            draft_token_ids=drafts or [],
         ))
 
     # ---- preemption ----------------------------------------------------------------------

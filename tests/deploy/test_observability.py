@@ -66,7 +66,7 @@ def test_dashboard_is_rays_serve_dashboard_with_the_cbserve_rows():
     assert min(y for _, y in cells) >= max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in ray_panels)
     titles = " ".join(p["title"] for p in ours)
     for wanted in ("queue depth", "Admission wait", "SLO attainment", "Goodput", "Batch per step", "KV cache",
-                   "Preemptions and swaps", "Time to first token", "Time per output token"):
+                   "Preemptions and swaps", "Speculative decoding", "Time to first token", "Time per output token"):
         assert wanted in titles
 
 

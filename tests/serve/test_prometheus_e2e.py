@@ -93,10 +93,10 @@ def prometheus(serve_cluster, prom_app, tmp_path_factory):
             try:
                 r = httpx.get(url + "/api/v1/targets", timeout=5)  # 503 until Prometheus is ready
                 targets = r.json()["data"]["activeTargets"] if r.status_code == 200 else []
-                if targets and all(t["health"] == "up" for t in targets):
-                    break
-            except httpx.HTTPError:
-                pass
+            except httpx.HTTPError:  # not listening yet
+                targets = []
+            if targets and all(t["health"] == "up" for t in targets):
+                break
             assert proc.poll() is None, (tmp / "prometheus.log").read_text()
             assert time.time() < deadline, f"targets not up: {targets}"
             time.sleep(0.5)
