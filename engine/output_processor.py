@@ -105,7 +105,7 @@ class OutputProcessor:
     def _append(self, sample: _SampleState, request: Request, logprobs: list[dict[int, float]] | None) -> bool:
         """Adds the request's new tokens (one, or several after accepted drafts) to its sample, in
         order; True if a stop string ended it (the tokens after that one are dropped)."""
-        new = request.output_token_ids[len(sample.token_ids):]
+        new = request.token_ids[request.num_prompt_tokens + len(sample.token_ids):]  # not a copy of every output
         for i, token_id in enumerate(new):
             finished = request.is_finished and i == len(new) - 1
             if self._append_token(sample, request, token_id, logprobs[i] if logprobs else None, finished):
