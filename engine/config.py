@@ -116,6 +116,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = _opt(4, "most draft tokens verified per request and step")
     prompt_lookup_min: int = _opt(1, "ngram: shortest suffix looked up")
     prompt_lookup_max: int = _opt(4, "ngram: longest suffix looked up")
+    adaptive: bool = _opt(True, "verify only the drafts expected to pay: k per request from its acceptance "
+                                "history and the measured step cost (0 in a full batch); off: every draft")
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from tokenizers.decoders import DecodeStream
 
 from engine.errors import RequestFailedError
-from engine.outputs import CompletionOutput, RequestError, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestError, RequestMetrics, RequestOutput, SpecCounts
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import SchedulerUpdate
@@ -24,6 +24,7 @@ from engine.scheduler.scheduler import SchedulerUpdate
 @dataclass(slots=True)
 class _SampleState:
     decoder: DecodeStream
+    spec: SpecCounts  # its request's, kept up to date by the scheduler
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -78,7 +79,8 @@ class OutputProcessor:
             try:
                 sample = state.samples.get(request.sample_index)
                 if sample is None:
-                    sample = state.samples[request.sample_index] = _SampleState(DecodeStream(skip_special_tokens=True))
+                    sample = state.samples[request.sample_index] = _SampleState(
+                        DecodeStream(skip_special_tokens=True), request.spec)
                 self._update_metrics(state, request)
                 if self._append(sample, request, logprobs.get(request.request_id)):
                     stopped.append(request.request_id)
@@ -97,7 +99,7 @@ class OutputProcessor:
         if state is None:
             return None
         for index in range(state.params.n):
-            sample = state.samples.setdefault(index, _SampleState(DecodeStream(skip_special_tokens=True)))
+            sample = state.samples.setdefault(index, _SampleState(DecodeStream(skip_special_tokens=True), SpecCounts()))
             sample.finish_reason = sample.finish_reason or FinishReason.ABORT.value
         state.metrics.finished_time = self._clock() + self._wall_offset
         return self._emit(request_id, state)
@@ -158,6 +160,7 @@ class OutputProcessor:
                                            sample.logprobs[sample.num_emitted_tokens:]
                                            if state.params.logprobs is not None else None))
             sample.num_emitted_chars, sample.num_emitted_tokens = end, len(sample.token_ids)
+        state.metrics.spec = sum((s.spec for s in state.samples.values()), SpecCounts())
         finished = (len(state.samples) == state.params.n
                     and all(s.finish_reason is not None for s in state.samples.values()))
         if finished:

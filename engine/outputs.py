@@ -22,11 +22,38 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class SpecCounts:
+    """Speculative decoding's tallies, for one request or the whole engine."""
+    verifications: int = 0  # request-steps that verified drafts
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of which the target agreed with
+
+    def add(self, num_proposed: int, num_accepted: int) -> None:
+        self.verifications += 1
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+
+    def __add__(self, other: SpecCounts) -> SpecCounts:
+        return SpecCounts(self.verifications + other.verifications, self.proposed + other.proposed,
+                          self.accepted + other.accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted drafts per verification."""
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float  # wall-clock seconds (time.time())
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    spec: SpecCounts = field(default_factory=SpecCounts)  # over all its samples
 
     @property
     def ttft(self) -> float | None:

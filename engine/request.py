@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.outputs import SpecCounts
 from engine.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (last admission)
         self.num_preemptions = 0
+        self.spec = SpecCounts()  # its drafts verified and accepted
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

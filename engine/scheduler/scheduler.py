@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineStats, StepStats
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import ModelRunnerOutput, SpecCounts
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from engine.scheduler.queue import WaitingQueue
 from engine.scheduler.step_time import StepTimeModel
+from engine.spec_decode.adaptive import AdaptiveSpeculation
 from engine.spec_decode.ngram import NgramProposer
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
@@ -38,9 +39,7 @@ class SchedulerCounters:
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int = 0
     num_failed_requests: int = 0
-    num_spec_verifications: int = 0  # request-steps that verified drafts
-    num_spec_proposed_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +67,7 @@ class Scheduler:
         self.speculative = speculative
         self.proposer = (NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
                          if speculative is not None else None)
+        self.adaptive = AdaptiveSpeculation() if speculative is not None and speculative.adaptive else None
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -81,7 +81,7 @@ class Scheduler:
         self._groups: dict[str, list[str]] = {}  # group id -> request ids of its samples
         self._finished_ids: list[str] = []  # since the last schedule(): the runner drops their state
         self._static_batch_open = True
-        self.step_time = StepTimeModel()  # fed by the engine; used under target_step_latency_s
+        self.step_time = StepTimeModel()  # fed by the engine; sizes steps and speculation
 
     # ---- requests in and out -------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -120,6 +120,10 @@ class Scheduler:
         request.finished_time = self.clock()
         self.kv.free(request)
         self.kv.forget(request)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
+        if self.adaptive is not None:
+            self.adaptive.forget(request_id)
         self._finished_ids.append(request_id)
         siblings = self._groups[request.group_id]
         siblings.remove(request_id)
@@ -175,12 +179,14 @@ class Scheduler:
         prompt never makes a running stream skip a step."""
         queue = sorted(self.running, key=self._victim_rank)  # best first; victims come from the tail
         decodes_behind = sum(r.is_decoding for r in queue)
+        planned = self._plan_drafts() if self.proposer is not None else {}
         while queue and budget > 0:
             request = queue.pop(0)
             drafts: list[int] = []
             if request.is_decoding:
                 decodes_behind -= 1
-                drafts = self._drafts(request, budget - decodes_behind - 1)
+                room = budget - decodes_behind - 1  # a draft never takes a decode's place
+                drafts = planned.get(request.request_id, [])[:max(room, 0)]
                 num_new = 1
             else:
                 num_new = min(request.num_uncomputed_tokens, budget - decodes_behind)
@@ -202,15 +208,17 @@ class Scheduler:
             budget -= num_new + len(drafts)
         return budget
 
-    def _drafts(self, request: Request, room: int) -> list[int]:
-        """Draft tokens for a decoding request: at most `room` (the budget left), and none past
-        its max_tokens or the model's length (the token after the last draft is always new)."""
-        if self.proposer is None:
-            return []
-        k = min(self.speculative.num_speculative_tokens, room,
-                request.params.max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - request.num_tokens - 1)
-        return self.proposer.propose(request.token_ids, k) if k > 0 else []
+    def _plan_drafts(self) -> dict[str, list[int]]:
+        """Drafts for each decoding request: up to num_speculative_tokens, none past its
+        max_tokens or the model's length (the token after the last draft is always new), then,
+        when adaptive, cut to what is expected to pay (engine.spec_decode.adaptive)."""
+        decoding = [r for r in self.running if r.is_decoding]
+        limits = [min(self.speculative.num_speculative_tokens, r.params.max_tokens - r.num_output_tokens - 1,
+                      self.max_model_len - r.num_tokens - 1) for r in decoding]
+        drafts = self.proposer.propose(decoding, limits)
+        if self.adaptive is not None:
+            drafts = self.adaptive.trim([r.request_id for r in decoding], drafts, self.step_time, len(decoding))
+        return {r.request_id: d for r, d in zip(decoding, drafts) if d}
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swaps requests back in, best first, ahead of new admissions; never one preempted this
@@ -366,14 +374,12 @@ class Scheduler:
             return False
         tokens = sampled[request.request_id]
         if item.draft_token_ids:
-            self.counters.num_spec_verifications += 1
-            self.counters.num_spec_proposed_tokens += len(item.draft_token_ids)
+            self._observe_verification(request, len(item.draft_token_ids), len(tokens) - 1)
         if request.first_token_time is None:
             request.first_token_time = now
         for i, token in enumerate(tokens):
             if i > 0:  # the token before this one was an accepted draft: its KV is computed
                 request.num_computed_tokens += 1
-                self.counters.num_spec_accepted_tokens += 1
             request.append_token(token)
             self.counters.num_generation_tokens += 1
             if request.params.n > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
@@ -386,6 +392,12 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             self.kv.free_beyond(request, request.num_tokens)
         return True
+
+    def _observe_verification(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        self.counters.spec.add(num_proposed, num_accepted)
+        request.spec.add(num_proposed, num_accepted)
+        if self.adaptive is not None:
+            self.adaptive.observe(request.request_id, num_proposed, num_accepted)
 
     def _fork(self, parent: Request) -> None:
         for index in range(1, parent.params.n):
@@ -419,6 +431,5 @@ class Scheduler:
             num_blocks_swapped_out=c.num_blocks_swapped_out, num_blocks_swapped_in=c.num_blocks_swapped_in,
             num_recomputed_tokens=c.num_recomputed_tokens, num_prompt_tokens=c.num_prompt_tokens,
             num_generation_tokens=c.num_generation_tokens, num_failed_requests=c.num_failed_requests,
-            num_spec_proposed_tokens=c.num_spec_proposed_tokens, num_spec_accepted_tokens=c.num_spec_accepted_tokens,
-            spec_acceptance_rate=c.num_spec_accepted_tokens / max(c.num_spec_proposed_tokens, 1),
-            spec_mean_accepted_length=c.num_spec_accepted_tokens / max(c.num_spec_verifications, 1))
+            num_spec_proposed_tokens=c.spec.proposed, num_spec_accepted_tokens=c.spec.accepted,
+            spec_acceptance_rate=c.spec.acceptance_rate, spec_mean_accepted_length=c.spec.mean_accepted_length)

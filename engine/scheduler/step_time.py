@@ -4,6 +4,7 @@ The scheduler asks it how many tokens fit a step-latency target (`target_step_la
 that running decodes keep their time per output token under the target whatever the hardware,
 model or load, and prefill chunks take what is left. Fitted by exponentially weighted least
 squares: recent steps count most, so a change of load or of machine speed shows in ~20 steps.
+Speculative decoding asks it what one more token costs in a step (engine.spec_decode.adaptive).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class StepTimeModel:
     _tokens_sq: float = 0.0
     _tokens_seconds: float = 0.0
     _steps: int = 0
+    _last_per_token: float | None = None  # from the last window whose step sizes varied enough
 
     def observe(self, tokens: int, seconds: float) -> None:
         d = self.decay
@@ -31,19 +33,30 @@ class StepTimeModel:
         self._tokens_sq = d * self._tokens_sq + tokens * tokens
         self._tokens_seconds = d * self._tokens_seconds + tokens * seconds
         self._steps += 1
+        per_token = self._slope()
+        if per_token is not None:
+            self._last_per_token = per_token
+
+    def _slope(self) -> float | None:
+        """Seconds per token fitted over the window; None if its step sizes barely vary."""
+        mean_tokens, mean_seconds = self._tokens / self._weight, self._seconds / self._weight
+        variance = self._tokens_sq / self._weight - mean_tokens ** 2
+        if variance < _MIN_TOKEN_SPREAD ** 2:
+            return None
+        per_token = (self._tokens_seconds / self._weight - mean_tokens * mean_seconds) / variance
+        return per_token if per_token > 0 else None
 
     def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None before enough steps. With too little
-        spread in step sizes to separate the two, all the time is charged per token (the
+        """(fixed seconds, seconds per token), or None before enough steps. When recent step
+        sizes barely vary, the per-token cost is the last one that could be separated, with the
+        fixed cost re-fitted around it; with none ever, all the time is charged per token (the
         cautious reading: it allows the fewest tokens)."""
         if self._steps < _MIN_STEPS or self._tokens <= 0:
             return None
         mean_tokens, mean_seconds = self._tokens / self._weight, self._seconds / self._weight
-        variance = self._tokens_sq / self._weight - mean_tokens ** 2
-        if variance >= _MIN_TOKEN_SPREAD ** 2:
-            per_token = (self._tokens_seconds / self._weight - mean_tokens * mean_seconds) / variance
-            if per_token > 0:
-                return max(mean_seconds - per_token * mean_tokens, 0.0), per_token
+        per_token = self._last_per_token
+        if per_token is not None and per_token * mean_tokens < mean_seconds:
+            return mean_seconds - per_token * mean_tokens, per_token
         return 0.0, mean_seconds / mean_tokens
 
     def tokens_within(self, seconds: float) -> int | None:

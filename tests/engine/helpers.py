@@ -7,7 +7,7 @@ import itertools
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request
@@ -31,10 +31,10 @@ class FakeClock:
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 0,
                    enable_prefix_caching: bool = True, max_model_len: int = 4096,
                    eos_token_ids=frozenset({0}), costs: PreemptionCosts = PreemptionCosts(),
-                   clock=None, **scheduler_overrides) -> Scheduler:
+                   clock=None, speculative: SpeculativeConfig | None = None, **scheduler_overrides) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching)
     return Scheduler(SchedulerConfig(**scheduler_overrides), kv, max_model_len, frozenset(eos_token_ids), costs,
-                     clock or FakeClock())
+                     clock or FakeClock(), speculative)
 
 
 def make_request(num_tokens: int = 10, max_tokens: int = 4, prompt: list[int] | None = None, priority: int = 0,

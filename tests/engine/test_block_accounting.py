@@ -1,11 +1,12 @@
 """Property test: random arrivals, lengths, forks (n > 1), shared prefixes, aborts, requests that
-fail mid-batch and preemption through the real scheduler and KV manager; accounting is exact
-after every step."""
+fail mid-batch, preemption and speculative drafts (a random number of them accepted, the rest
+rolled back) through the real scheduler and KV manager; accounting is exact after every step."""
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.config import SpeculativeConfig
 from engine.outputs import ModelRunnerOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
@@ -28,12 +29,15 @@ step_spec = st.tuples(st.lists(request_spec, max_size=3), st.booleans(), st.inte
 @given(steps=st.lists(step_spec, min_size=1, max_size=30),
        mode=st.sampled_from(["recompute", "swap", "auto"]),
        policy=st.sampled_from(["fcfs", "sjf", "priority", "static"]),
-       num_blocks=st.integers(10, 40), budget=st.integers(4, 48), seed=st.integers(0, 1000))
-def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, seed):
+       num_blocks=st.integers(10, 40), budget=st.integers(4, 48), seed=st.integers(0, 1000),
+       speculate=st.booleans())
+def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, seed, speculate):
+    spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False) if speculate else None
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, num_host_blocks=12, preemption_mode=mode,
-                           policy=policy, max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64)
+                           policy=policy, max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64,
+                           speculative=spec)
     token = seed
-    count = 0
+    count = proposed = 0
     for new, abort, pick, fail in steps + [([], False, 0, False)] * 400:
         for prefix, own, max_tokens, n, priority in new:
             prompt = (PREFIXES[prefix - 1] if prefix else []) + [(token + i) % 50 + 1 for i in range(own)]
@@ -52,9 +56,11 @@ def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, s
         sampled = {}
         for item in out.scheduled:
             token = (token * 1103515245 + 12345) % (1 << 31)
-            sampled[item.request.request_id] = [token % 60]  # 0 is eos: some requests stop early
+            accepted = item.draft_token_ids[:token % (len(item.draft_token_ids) + 1)]
+            sampled[item.request.request_id] = accepted + [token % 60]  # 0 is eos: some requests stop early
         due = [item.request.request_id for item in out.scheduled if item.sample]
         errors = {due[pick % len(due)]: RuntimeError("injected")} if fail and due else {}
+        proposed += sum(len(item.draft_token_ids) for item in out.scheduled)
         update = sched.update_from_output(out, ModelRunnerOutput(sampled, {}, errors))
         assert not any(r.group_id in update.failed for r in sched.requests.values())  # failed whole
         sched.kv.check_integrity()
@@ -63,3 +69,5 @@ def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, s
     assert not sched.has_unfinished(), "requests left unfinished: the scheduler stalled"
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert sched.kv.host_pool.num_free_blocks == sched.kv.host_pool.num_blocks
+    # drafts of a group that failed in their step are not counted
+    assert sched.counters.spec.proposed <= proposed and (proposed == 0 or speculate)

@@ -12,15 +12,21 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.outputs import SpecCounts
+from engine.request import Request
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.verify import accepted_tokens
 from tests.engine.helpers import hf_greedy
 
 MAX_NEW = 32
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# every draft verified (not adaptive): drafts are proposed, accepted and rejected whatever the step cost
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 
 
 def _repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
@@ -33,13 +39,43 @@ def _repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def _propose(proposer: NgramProposer, token_ids: list[int], k: int) -> list[int]:
+    return proposer.propose([Request(f"q{len(token_ids)}-{k}", token_ids, SamplingParams())], [k])[0]
+
+
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     proposer = NgramProposer(1, 3)
-    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest occurrence of [1, 2, 3]
-    assert proposer.propose([5, 1, 2, 6, 6, 2], 3) == [6, 6, 2]  # only the 1-gram [2] occurs earlier
-    assert proposer.propose([4, 4, 4], 5) == [4]  # a match may overlap the suffix
-    assert proposer.propose([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert NgramProposer(2, 3).propose([5, 1, 2, 6, 6, 2], 3) == []  # the 2-gram [6, 2] never occurred
+    assert _propose(proposer, [1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest occurrence of [1, 2, 3]
+    assert _propose(proposer, [5, 1, 2, 6, 6, 2], 3) == [6, 6, 2]  # only the 1-gram [2] occurs earlier
+    assert _propose(proposer, [4, 4, 4], 5) == [4]  # a match may overlap the suffix
+    assert _propose(proposer, [1, 2, 3, 4], 3) == []  # nothing repeats
+    assert _propose(NgramProposer(2, 3), [5, 1, 2, 6, 6, 2], 3) == []  # the 2-gram [6, 2] never occurred
+
+
+def _scan(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, by brute force: the latest earlier occurrence of the longest suffix."""
+    last = len(token_ids) - 1
+    for n in range(min(max_n, last), min_n - 1, -1):
+        for end in range(last - 1, n - 2, -1):
+            if token_ids[end - n + 1:end + 1] == token_ids[last - n + 1:]:
+                return token_ids[end + 1:end + 1 + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.lists(st.integers(0, 5), min_size=1, max_size=30),
+       appends=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=5), max_size=20),
+       min_n=st.integers(1, 3), extra=st.integers(0, 2), k=st.integers(1, 5))
+def test_ngram_index_extended_step_by_step_agrees_with_a_full_scan(prompt, appends, min_n, extra, k):
+    """Tokens arrive a few at a time (accepted drafts and the bonus token); each step's draft from
+    the incremental index equals the brute-force scan of the whole sequence."""
+    proposer = NgramProposer(min_n, min_n + extra)
+    request = Request("r", prompt, SamplingParams())
+    for new in [[]] + appends:
+        request.token_ids.extend(new)
+        assert proposer.propose([request], [k]) == [_scan(request.token_ids, k, min_n, min_n + extra)]
+    proposer.forget("r")
+    assert proposer.propose([request], [k]) == [_scan(request.token_ids, k, min_n, min_n + extra)]
 
 
 def test_accepted_tokens_stop_at_the_first_disagreement_and_keep_the_bonus():
@@ -64,15 +100,20 @@ def reference(tiny_llama):
     dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="recompute"),
     dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="auto", policy="priority"),
     dict(max_num_seqs=64, attention_backend="cpu"),  # plain decodes on the C++ kernel beside verify chunks
+    dict(max_num_seqs=64, speculative_config={**NGRAM, "adaptive": True}),  # k chosen per request and step
 ], ids=["batch64", "batch1", "chunked16", "no-prefix-cache", "preempt-swap", "preempt-recompute",
-        "preempt-auto-priority", "cpu-kernel-attention"])
+        "preempt-auto-priority", "cpu-kernel-attention", "adaptive"])
 def test_greedy_with_ngram_drafts_matches_transformers(reference, engine_args):
     model_dir, prompts, expected = reference
-    llm = LLM(model_dir, speculative_config=NGRAM, **engine_args)
+    llm = LLM(model_dir, **{"speculative_config": NGRAM, **engine_args})
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = llm.engine.get_stats()
     assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens  # drafts accepted and rejected
+    per_request = sum((o.metrics.spec for o in outputs), SpecCounts())  # each request's own tallies add up
+    assert (per_request.proposed, per_request.accepted) == (stats.num_spec_proposed_tokens,
+                                                            stats.num_spec_accepted_tokens)
+    assert per_request.mean_accepted_length == pytest.approx(stats.spec_mean_accepted_length)
     assert stats.num_generation_tokens == len(prompts) * MAX_NEW
     if "preemption_mode" in engine_args:
         assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
@@ -89,9 +130,10 @@ EXTRACTION = [[{"role": "user", "content": "Repeat the following text exactly, w
 @pytest.mark.slow
 def test_on_the_embedded_model_extraction_takes_far_fewer_steps_with_the_same_tokens():
     """A single stream asked to repeat a sentence: n-gram drafts copy it from the prompt, so the
-    answer takes far fewer steps (forward passes) than tokens, and is token for token the plain one."""
+    answer takes far fewer steps (forward passes) than tokens, and is token for token the plain one.
+    Adaptive k (the default) keeps speculating: at batch 1 drafts are nearly free and mostly accepted."""
     runs = {}
-    for name, spec in (("plain", None), ("ngram", NGRAM)):
+    for name, spec in (("plain", None), ("ngram", {**NGRAM, "adaptive": True})):
         llm = LLM(speculative_config=spec)
         out = llm.chat(EXTRACTION, SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)[0].outputs[0]
         runs[name] = out.token_ids, llm.engine.get_stats()
@@ -117,8 +159,12 @@ def test_stop_tokens_n_samples_logprobs_and_aborts_mid_speculation(reference):
         assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
     greedy_n = SamplingParams(max_tokens=MAX_NEW, temperature=0, n=3)
-    samples = spec_llm.generate([prompts[1]], greedy_n, use_tqdm=False)[0].outputs
-    assert [s.token_ids for s in samples] == [expected[1]] * 3
+    before = spec_llm.engine.get_stats()
+    output = spec_llm.generate([prompts[1]], greedy_n, use_tqdm=False)[0]
+    after = spec_llm.engine.get_stats()
+    assert [s.token_ids for s in output.outputs] == [expected[1]] * 3
+    assert output.metrics.spec.proposed == after.num_spec_proposed_tokens - before.num_spec_proposed_tokens > 0
+    assert output.metrics.spec.accepted == after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
 
     engine = LLMEngine.from_engine_args(model_dir, speculative_config=NGRAM)
     for i, prompt in enumerate(prompts):
@@ -153,7 +199,8 @@ def test_sampled_output_keeps_the_targets_distribution(tiny_llama_words):
     (marginal) frequencies fit transformers' exact distribution (chi-square, p > 0.001), and
     drafts were accepted and rejected on the way."""
     words = "the cat sat on the mat the cat sat on the mat the cat sat on the"
-    llm = LLM(tiny_llama_words, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, seed=1)
+    llm = LLM(tiny_llama_words, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "adaptive": False},
+              seed=1)
     prompt = llm.engine.encode_prompt(words)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=8, ignore_eos=True)
     outputs = llm.generate([prompt] * 3000, params, use_tqdm=False)

@@ -1,0 +1,106 @@
+"""Adaptive speculation: how many drafts each request verifies follows its own acceptance and the
+measured cost of a step, through the real scheduler (a fake runner accepts or rejects drafts)."""
+from __future__ import annotations
+
+from engine.config import SpeculativeConfig
+from engine.outputs import ModelRunnerOutput
+from engine.request import FinishReason
+from engine.scheduler.step_time import StepTimeModel
+from engine.spec_decode.adaptive import AdaptiveSpeculation
+from tests.engine.helpers import make_request, make_scheduler
+
+K = 4
+PROMPT = [1, 2, 3, 4] * 4  # every suffix occurred before: n-gram lookup always has a draft
+
+
+def _cost_model(fixed: float, per_token: float) -> StepTimeModel:
+    model = StepTimeModel()
+    for tokens in [4, 9, 30, 17] * 5:
+        model.observe(tokens, fixed + per_token * tokens)
+    return model
+
+
+def test_trim_keeps_drafts_when_tokens_are_nearly_free_and_drops_them_when_they_cost_a_full_share():
+    adaptive = AdaptiveSpeculation()
+    drafts = [[7, 8, 9, 10]]
+    # batch 1 on a CPU: a step is its fixed cost (weights read once); at the prior alpha 0.5 the
+    # 4th draft still yields 0.0625 tokens, far above what its 0.5 ms costs in a 50 ms step
+    assert adaptive.trim(["a"], drafts, _cost_model(0.050, 0.0005), 1) == drafts
+    # a full batch: tokens cost 10 ms each and fixed 10 ms; only a draft nearly sure to pass would pay
+    drafts_64 = [[7, 8, 9, 10]] * 64
+    assert adaptive.trim([f"r{i}" for i in range(64)], drafts_64, _cost_model(0.010, 0.010), 64) == [[]] * 64
+    assert adaptive.trim(["u"], drafts, StepTimeModel(), 1) == drafts  # nothing measured yet: every draft
+
+
+def test_trim_gives_a_request_that_is_usually_right_more_drafts_than_one_that_is_usually_wrong():
+    adaptive = AdaptiveSpeculation()
+    for _ in range(10):
+        adaptive.observe("good", K, K)  # every draft accepted
+        adaptive.observe("bad", K, 0)  # the first draft rejected
+    assert adaptive.alpha("good") > 0.9 and adaptive.alpha("bad") < 0.2
+    trimmed = adaptive.trim(["good", "bad"], [[5] * K, [6] * K], _cost_model(0.030, 0.005), 4)
+    assert trimmed == [[5] * K, []]
+
+
+def _decode_steps(sched, accept: dict[str, bool], steps: int) -> list[dict[str, int]]:
+    """Runs `steps` scheduler steps; a request in `accept` gets all its drafts accepted (True) or
+    its first draft rejected (False); other tokens continue the prompt's cycle 1, 2, 3, 4. Returns
+    the drafts each request verified per step."""
+    history = []
+    for _ in range(steps):
+        out = sched.schedule()
+        sampled, drafts = {}, {}
+        for item in out.scheduled:
+            if not item.sample:
+                continue
+            rid, d = item.request.request_id, item.draft_token_ids
+            drafts[rid] = len(d)
+            if d and accept.get(rid, False):
+                sampled[rid] = d + [d[-1] % 4 + 1]
+            elif d:
+                sampled[rid] = [d[0] % 4 + 1]  # a prompt token other than the draft: rejected
+            else:
+                sampled[rid] = [item.request.token_ids[-1] % 4 + 1]
+        sched.update_from_output(out, ModelRunnerOutput(sampled, {}))
+        sched.kv.check_integrity()
+        history.append(drafts)
+    return history
+
+
+def test_speculation_stops_in_a_full_batch_and_resumes_when_the_load_falls():
+    """1. 16 requests decode, tokens cost a full share of the step: no drafts. 2. 15 finish, the
+    machine is the batch-1 CPU one again (fixed cost dominates): the survivor verifies K drafts."""
+    sched = make_scheduler(num_blocks=512, block_size=4, max_num_seqs=16, max_num_batched_tokens=256,
+                           speculative=SpeculativeConfig(num_speculative_tokens=K))
+    requests = [make_request(prompt=PROMPT, max_tokens=200) for _ in range(16)]
+    for r in requests:
+        sched.add_request(r)
+    _decode_steps(sched, {}, 1)  # the prompts
+    sched.step_time = _cost_model(0.010, 0.010)
+    assert all(d == {r.request_id: 0 for r in requests} for d in _decode_steps(sched, {}, 5))
+    for r in requests[1:]:
+        sched.finish_request(r.request_id, FinishReason.ABORT)
+    sched.step_time = _cost_model(0.050, 0.0005)
+    survivor = requests[0].request_id
+    assert [d[survivor] for d in _decode_steps(sched, {survivor: True}, 5)] == [K] * 5
+
+
+def test_each_request_gets_the_drafts_its_acceptance_earns_and_a_denied_one_is_retried():
+    """Four requests at a load where a draft needs odds of about 0.37: the one whose drafts are
+    always accepted keeps verifying K; those whose drafts are always rejected drop to 0 and,
+    learning nothing while denied (their estimate drifts back to the prior 0.5), are retried with
+    a draft now and then."""
+    sched = make_scheduler(num_blocks=512, block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
+                           speculative=SpeculativeConfig(num_speculative_tokens=K))
+    requests = [make_request(prompt=PROMPT, max_tokens=400) for _ in range(4)]
+    for r in requests:
+        sched.add_request(r)
+    _decode_steps(sched, {}, 1)
+    sched.step_time = _cost_model(0.050, 0.004)  # c * N / T = 0.24 for four decodes, 0.37 with K good drafts
+    good, bad = requests[0].request_id, requests[1].request_id
+    history = _decode_steps(sched, {good: True, bad: False}, 60)
+    assert [d[good] for d in history[-20:]] == [K] * 20
+    bad_drafts = [d[bad] for d in history[20:]]
+    assert bad_drafts.count(0) >= 30  # mostly denied once its record is poor
+    assert 2 <= sum(bad_drafts) <= 10  # yet retried now and then
+    assert requests[1].spec.accepted == 0 and requests[0].spec.acceptance_rate == 1.0
