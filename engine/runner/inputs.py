@@ -1,8 +1,10 @@
 """Builds the one flat ragged batch of a step from the scheduled requests (no padding).
 
 Layout: single-token queries (decodes) first, sorted by context length so backends can cut them
-into dense buckets of similar length; then prefill chunks and speculating decodes (a request's
-last token and its drafts: a short chunk). Owns no model state.
+into dense buckets of similar length; then prefill chunks. A speculating decode (a request's last
+token and its k drafts) is k + 1 single-token rows over the same block table, each with its own
+context length, so each draft sees exactly the tokens before it and verification runs on the
+decode path (no per-request attention call, whatever the batch). Owns no model state.
 """
 from __future__ import annotations
 
@@ -20,31 +22,41 @@ class ModelInputs:
     input_ids: torch.Tensor  # (T,) token ids of every scheduled token, request after request
     positions: torch.Tensor  # (T,) position of each token in its request
     slot_mapping: torch.Tensor  # (T,) KV slot (block_id * block_size + offset) each token writes
-    query_start_loc: list[int]  # (B + 1,) token offsets of each request in the flat batch
-    seq_lens: list[int]  # (B,) context length of each request after this step
+    query_start_loc: list[int]  # (B + 1,) token offsets of each sequence (a request or a row) in the batch
+    seq_lens: list[int]  # (B,) context length of each sequence after this step
     start_positions: list[int]  # (B,) tokens already cached before this step
-    block_tables: list[list[int]]  # (B, *) blocks of each request
-    num_decodes: int  # the first num_decodes requests have exactly one query token
+    block_tables: list[list[int]]  # (B, *) blocks of each sequence's request
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
     sample_indices: torch.Tensor  # (R,) flat index of each token whose logits are sampled
     sampled_requests: list[Request | WithDrafts]  # (R,) whose history each row continues
     verified: list[tuple[Request, list[int], int]]  # (request, drafts, first row) of each request sampled
 
 
+def _as_rows(item: ScheduledRequest) -> bool:
+    """One query token, or a decode's last token with its drafts: single-token rows."""
+    return len(item.token_ids) == 1 or bool(item.draft_token_ids)
+
+
 def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
-    ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
+    ordered = sorted(scheduled, key=lambda s: (not _as_rows(s), s.start_pos if _as_rows(s) else 0))
     input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [], [], []
     query_start_loc, sample_indices, sampled_requests, verified = [0], [], [], []
+    num_decodes = 0
     for item in ordered:
         n, start = len(item.token_ids), item.start_pos
         input_ids.extend(item.token_ids)
         positions.extend(range(start, start + n))
         table = item.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        starts.append(start)
-        seq_lens.append(start + n)
-        tables.append(table)
-        query_start_loc.append(query_start_loc[-1] + n)
+        rows = _as_rows(item)
+        sequences = [(p, p + 1) for p in range(start, start + n)] if rows else [(start, start + n)]
+        for first, end in sequences:
+            starts.append(first)
+            seq_lens.append(end)
+            tables.append(table)
+            query_start_loc.append(query_start_loc[-1] + end - first)
+        num_decodes += len(sequences) if rows else 0
         if item.sample:  # the last token's logits, and each draft's: the target's token after it
             drafts = item.draft_token_ids
             verified.append((item.request, drafts, len(sample_indices)))
@@ -63,7 +75,7 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         seq_lens=seq_lens,
         start_positions=starts,
         block_tables=tables,
-        num_decodes=sum(1 for s in ordered if len(s.token_ids) == 1),
+        num_decodes=num_decodes,
         block_size=block_size,
         sample_indices=as_tensor(sample_indices),
         sampled_requests=sampled_requests,

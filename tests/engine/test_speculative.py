@@ -99,10 +99,10 @@ def reference(tiny_llama):
     dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="swap"),
     dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="recompute"),
     dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="auto", policy="priority"),
-    dict(max_num_seqs=64, attention_backend="cpu"),  # plain decodes on the C++ kernel beside verify chunks
+    dict(max_num_seqs=64, attention_backend="torch"),  # verify rows in pure-torch decode buckets (auto: C++ kernel)
     dict(max_num_seqs=64, speculative_config={**NGRAM, "adaptive": True}),  # k chosen per request and step
 ], ids=["batch64", "batch1", "chunked16", "no-prefix-cache", "preempt-swap", "preempt-recompute",
-        "preempt-auto-priority", "cpu-kernel-attention", "adaptive"])
+        "preempt-auto-priority", "torch-attention", "adaptive"])
 def test_greedy_with_ngram_drafts_matches_transformers(reference, engine_args):
     model_dir, prompts, expected = reference
     llm = LLM(model_dir, **{"speculative_config": NGRAM, **engine_args})
