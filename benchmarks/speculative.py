@@ -1,5 +1,5 @@
-"""Speculative decoding on the embedded model: plain decoding vs n-gram drafts with a fixed k and
-with adaptive k, same run.
+"""Speculative decoding on the embedded model: plain decoding vs n-gram drafts and self-drafts (the
+target's first quarter of layers), each with a fixed k and with adaptive k, same run.
 
 Two workloads: extraction (the answer repeats a passage of the prompt) and free chat. For each
 batch size, the three engines' runs alternate (`--repeats` rounds); the figure is the median
@@ -8,6 +8,7 @@ drafts per verifying step. Outputs are checked identical (greedy). Each engine l
 whole run, as a server would, so the adaptive one measures its step cost as it goes.
 
     python benchmarks/speculative.py [--batch-sizes 1,4,16,64] [--repeats 3] [--k 4] [--plot speedup.png]
+        [--modes plain,ngram,ngram_adaptive,self_draft,self_draft_adaptive]
 """
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ def workload(name: str, batch: int) -> list[list[dict]]:
     return [[{"role": "user", "content": items[i % len(items)]}] for i in range(batch)]
 
 
-MODES = {"plain": None, "ngram": {"adaptive": False}, "ngram_adaptive": {"adaptive": True}}
+MODES = {"plain": None,
+         "ngram": {"method": "ngram", "adaptive": False}, "ngram_adaptive": {"method": "ngram", "adaptive": True},
+         "self_draft": {"method": "self_draft", "adaptive": False},
+         "self_draft_adaptive": {"method": "self_draft", "adaptive": True}}
 
 
 def run(llm: LLM, chats: list[list[dict]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
@@ -64,15 +68,16 @@ def plot(rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for workload_name, marker in (("extraction", "o"), ("chat", "s")):
-        for mode, style in (("ngram", "--"), ("ngram_adaptive", "-")):
-            mine = [r for r in rows if r["workload"] == workload_name]
-            ax.plot([r["batch"] for r in mine], [r[f"{mode}_ratio"] for r in mine], style, marker=marker,
-                    label=f"{workload_name}, {'adaptive k' if mode == 'ngram_adaptive' else 'fixed k'}")
+        mine = [r for r in rows if r["workload"] == workload_name]
+        for mode in [m for m in MODES if m != "plain" and f"{m}_ratio" in rows[0]]:
+            method, adaptive = mode.removesuffix("_adaptive"), mode.endswith("_adaptive")
+            ax.plot([r["batch"] for r in mine], [r[f"{mode}_ratio"] for r in mine], "-" if adaptive else "--",
+                    marker=marker, label=f"{workload_name}, {method}, {'adaptive' if adaptive else 'fixed'} k")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (concurrent requests)")
     ax.set_ylabel("output tok/s, ratio to plain decoding")
-    ax.set_title("n-gram speculative decoding, SmolLM2-135M on CPU")
+    ax.set_title("speculative decoding, SmolLM2-135M on CPU")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -86,10 +91,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--plot", help="write a PNG of the speed-up against batch size here")
+    parser.add_argument("--modes", default=",".join(MODES), help="engines to compare (plain always runs)")
     args = parser.parse_args()
-    llms = {mode: LLM(speculative_config=None if extra is None else
-                      {"method": "ngram", "num_speculative_tokens": args.k, **extra})
-            for mode, extra in MODES.items()}
+    modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
+    llms = {mode: LLM(speculative_config=None if MODES[mode] is None else
+                      {"num_speculative_tokens": args.k, **MODES[mode]})
+            for mode in modes}
     rows = []
     for name in ("extraction", "chat"):
         for batch in map(int, args.batch_sizes.split(",")):
@@ -103,7 +110,7 @@ def main() -> None:
             plain = statistics.median(speeds["plain"])
             row = {"workload": name, "batch": batch, "plain_tok_s": round(plain, 1),
                    "steps_plain": counts["plain"]["steps"]}
-            for mode in ("ngram", "ngram_adaptive"):
+            for mode in modes[1:]:
                 assert outputs[mode] == outputs["plain"], f"{name} batch {batch} {mode}: outputs differ"
                 spec, tok_s = counts[mode], statistics.median(speeds[mode])
                 row |= {f"{mode}_tok_s": round(tok_s, 1), f"{mode}_ratio": round(tok_s / plain, 2),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "self_draft")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
 
@@ -112,10 +112,13 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding, spelt as vLLM's `speculative_config` (a dict in engine arguments)."""
-    method: str = _opt("ngram", "'ngram' (prompt lookup: drafts copied from the request's own earlier tokens)")
+    method: str = _opt("ngram", "'ngram' (prompt lookup: drafts copied from the request's own earlier tokens) "
+                                "or 'self_draft' (the target's first num_layers layers, norm and LM head)")
     num_speculative_tokens: int = _opt(4, "most draft tokens verified per request and step")
     prompt_lookup_min: int = _opt(1, "ngram: shortest suffix looked up")
     prompt_lookup_max: int = _opt(4, "ngram: longest suffix looked up")
+    num_layers: int | None = _opt(None, "self_draft: how many of the target's first layers draft "
+                                        "(default: a quarter of them)")
     adaptive: bool = _opt(True, "verify only the drafts expected to pay: k per request from its acceptance "
                                 "history and the measured step cost (0 in a full batch); off: every draft")
 
@@ -124,6 +127,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")

@@ -24,6 +24,7 @@ from engine.request import FinishReason, Request
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
+from engine.spec_decode.self_draft import SelfDraft
 from engine.tokenization import check_context_length, check_token_ids, encode_chat, encode_text
 
 Event = RequestOutput | RequestError
@@ -57,8 +58,11 @@ class LLMEngine:
                                    PreemptionCosts(block_bytes), clock, config.speculative)
         device = torch.device(config.model.device)
         backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
+        spec = config.speculative
+        drafter = (SelfDraft(model, spec.num_layers or max(model.num_layers // 4, 1), cache.block_size)
+                   if spec is not None and spec.method == "self_draft" else None)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
-                                  config.model.seed, loaded.dtype)
+                                  config.model.seed, loaded.dtype, drafter)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self._last_step = StepStats()
 

@@ -77,11 +77,13 @@ class LlamaForPagedAttention(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata, sample_indices):
-        """Returns logits (R, vocab) for the tokens at sample_indices."""
+    def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata, sample_indices,
+                num_layers: int | None = None):
+        """Returns logits (R, vocab) for the tokens at sample_indices; `num_layers`: through the
+        first layers only (a self-draft), then the final norm and LM head."""
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (T, 1, d)
-        for layer, layer_cache in zip(self.layers, kv_cache):
+        for layer, layer_cache in zip(self.layers[:num_layers], kv_cache):
             hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
         hidden = rms_norm(hidden[sample_indices], self.norm, self.eps)
         return self.lm_head(hidden)

@@ -11,13 +11,17 @@ from engine.outputs import ModelRunnerOutput
 from engine.runner.inputs import build_inputs
 from engine.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
+from engine.spec_decode.self_draft import SelfDraft
 from engine.spec_decode.verify import accepted_tokens
 
 
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, num_blocks: int, num_host_blocks: int,
-                 block_size: int, device: torch.device, seed: int, dtype: torch.dtype = torch.float32):
+                 block_size: int, device: torch.device, seed: int, dtype: torch.dtype = torch.float32,
+                 drafter: SelfDraft | None = None):
+        """`drafter`: fills in the drafts the scheduler reserved, before the target's forward."""
         self.model = model
+        self.drafter = drafter
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -40,6 +44,8 @@ class ModelRunner:
         self._move_blocks(out)
         if out.is_empty:
             return ModelRunnerOutput({}, {})
+        if self.drafter is not None:
+            self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
         inputs = build_inputs(out.scheduled, self.block_size, self.device)
         metadata = self.backend.build_metadata(inputs)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,

@@ -10,6 +10,7 @@ from engine.request import Request
 class ScheduledRequest:
     request: Request  # read-only for the runner: params, token history, RNG for sampling
     token_ids: list[int]  # input tokens fed this step (a speculating decode: its last token + drafts)
+    # (drafts from a model in the runner are reserved by the scheduler and filled in by the runner)
     start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
     block_table: list[int]  # device blocks covering positions [0, start_pos + len(token_ids))
     sample: bool  # True when this chunk reaches the request's last token: sample its next one

@@ -22,6 +22,7 @@ from engine.scheduler.queue import WaitingQueue
 from engine.scheduler.step_time import StepTimeModel
 from engine.spec_decode.adaptive import AdaptiveSpeculation
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.self_draft import PendingDrafts
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
 
@@ -65,8 +66,8 @@ class Scheduler:
         """`speculative`: decoding requests get draft tokens to verify in the same forward."""
         self.config = config
         self.speculative = speculative
-        self.proposer = (NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
-                         if speculative is not None else None)
+        self.proposer = (None if speculative is None else PendingDrafts() if speculative.method == "self_draft"
+                         else NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max))
         self.adaptive = AdaptiveSpeculation() if speculative is not None and speculative.adaptive else None
         self.kv = kv
         self.max_model_len = max_model_len

@@ -1,8 +1,9 @@
-"""Speculative decoding with n-gram drafts: lossless under every scheduling feature.
+"""Speculative decoding with n-gram and self-draft drafts: lossless under every scheduling feature.
 
 Greedy output equals transformers' token for token with drafts verified inside the continuous
 batch (chunked prefill, preemption by swap and by recompute, prefix caching, priorities, n > 1,
-aborts), the drafts were really proposed, accepted and rejected, and no KV block leaks. Sampled
+aborts, adaptive k), the drafts were really proposed, accepted and rejected, and no KV block
+leaks. A self-draft with every layer is the target itself: every draft is accepted. Sampled
 output keeps the target's distribution (chi-square against the exact distribution computed by
 transformers).
 """
@@ -27,6 +28,8 @@ MAX_NEW = 32
 # every draft verified (not adaptive): drafts are proposed, accepted and rejected whatever the step cost
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
+SELF_DRAFT = {"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 3, "adaptive": False}  # 1 of 2 layers
+METHODS = pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
 
 
 def _repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
@@ -100,12 +103,15 @@ def reference(tiny_llama):
     dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="recompute"),
     dict(num_blocks=40, block_size=4, max_num_batched_tokens=24, preemption_mode="auto", policy="priority"),
     dict(max_num_seqs=64, attention_backend="torch"),  # verify rows in pure-torch decode buckets (auto: C++ kernel)
-    dict(max_num_seqs=64, speculative_config={**NGRAM, "adaptive": True}),  # k chosen per request and step
+    dict(max_num_seqs=64, adaptive=True),  # k chosen per request and step
 ], ids=["batch64", "batch1", "chunked16", "no-prefix-cache", "preempt-swap", "preempt-recompute",
         "preempt-auto-priority", "torch-attention", "adaptive"])
-def test_greedy_with_ngram_drafts_matches_transformers(reference, engine_args):
+@METHODS
+def test_greedy_with_drafts_matches_transformers(reference, engine_args, spec):
     model_dir, prompts, expected = reference
-    llm = LLM(model_dir, **{"speculative_config": NGRAM, **engine_args})
+    engine_args = dict(engine_args)
+    spec = {**spec, "adaptive": engine_args.pop("adaptive", False)}
+    llm = LLM(model_dir, speculative_config=spec, **engine_args)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = llm.engine.get_stats()
@@ -143,7 +149,20 @@ def test_on_the_embedded_model_extraction_takes_far_fewer_steps_with_the_same_to
     assert spec_stats.spec_acceptance_rate > 0.5 and spec_stats.spec_mean_accepted_length > 1.5
 
 
-def test_stop_tokens_n_samples_logprobs_and_aborts_mid_speculation(reference):
+def test_self_draft_with_every_layer_is_the_target_itself_so_every_draft_is_accepted(reference):
+    model_dir, prompts, expected = reference
+    llm = LLM(model_dir, speculative_config={**SELF_DRAFT, "num_layers": 2})
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.engine.get_stats()
+    assert stats.num_spec_proposed_tokens > 0.6 * len(prompts) * MAX_NEW  # 3 drafts per step: 3 of every 4 tokens
+    assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens
+    with pytest.raises(ValueError, match="num_layers must be in"):
+        LLM(model_dir, speculative_config={**SELF_DRAFT, "num_layers": 3})
+
+
+@METHODS
+def test_stop_tokens_n_samples_logprobs_and_aborts_mid_speculation(reference, spec):
     """1. A stop token inside an accepted run of drafts ends the request there (plain decoding's
     output, tokens and logprobs alike). 2. n > 1 with a seed: every sample speculates on its own,
     output unchanged. 3. Aborting a request between steps frees its blocks."""
@@ -151,11 +170,11 @@ def test_stop_tokens_n_samples_logprobs_and_aborts_mid_speculation(reference):
     stop_at = expected[0][10]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=[stop_at], logprobs=2)
     plain = LLM(model_dir).generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
-    spec_llm = LLM(model_dir, speculative_config=NGRAM)
-    spec = spec_llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
-    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "stop"
-    assert [sorted(lp) for lp in spec.logprobs] == [sorted(lp) for lp in plain.logprobs]
-    for a, b in zip(spec.logprobs, plain.logprobs):
+    spec_llm = LLM(model_dir, speculative_config=spec)
+    drafted = spec_llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    assert drafted.token_ids == plain.token_ids and drafted.finish_reason == plain.finish_reason == "stop"
+    assert [sorted(lp) for lp in drafted.logprobs] == [sorted(lp) for lp in plain.logprobs]
+    for a, b in zip(drafted.logprobs, plain.logprobs):
         assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
     greedy_n = SamplingParams(max_tokens=MAX_NEW, temperature=0, n=3)
@@ -166,7 +185,7 @@ def test_stop_tokens_n_samples_logprobs_and_aborts_mid_speculation(reference):
     assert output.metrics.spec.proposed == after.num_spec_proposed_tokens - before.num_spec_proposed_tokens > 0
     assert output.metrics.spec.accepted == after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
 
-    engine = LLMEngine.from_engine_args(model_dir, speculative_config=NGRAM)
+    engine = LLMEngine.from_engine_args(model_dir, speculative_config=spec)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0))
     while engine.get_stats().num_spec_proposed_tokens == 0:  # until some request speculates
@@ -193,14 +212,16 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(1 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat))
 
 
-def test_sampled_output_keeps_the_targets_distribution(tiny_llama_words):
-    """A prompt that repeats itself, so that drafts are proposed at every step; 3,000 samples of
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 2, "adaptive": False},
+                                  {**SELF_DRAFT, "num_speculative_tokens": 2}], ids=["ngram", "self_draft"])
+def test_sampled_output_keeps_the_targets_distribution(tiny_llama_words, spec):
+    """A prompt that repeats itself, so that n-gram drafts are proposed at every step (a self-draft
+    always proposes); 3,000 samples of
     the first three tokens at temperature 1 with top-k 8. The first token's and the third token's
     (marginal) frequencies fit transformers' exact distribution (chi-square, p > 0.001), and
     drafts were accepted and rejected on the way."""
     words = "the cat sat on the mat the cat sat on the mat the cat sat on the"
-    llm = LLM(tiny_llama_words, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "adaptive": False},
-              seed=1)
+    llm = LLM(tiny_llama_words, speculative_config=spec, seed=1)
     prompt = llm.engine.encode_prompt(words)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=8, ignore_eos=True)
     outputs = llm.generate([prompt] * 3000, params, use_tqdm=False)

@@ -1,0 +1,65 @@
+"""Self-drafting: the target's own first layers, with its final norm and LM head, are the draft
+model. No second model and no second KV cache: for tokens the target has computed, the draft's
+keys and values in those layers are the target's own, already in the paged cache. A draft pass
+writes its layers' KV at the draft positions, slots the scheduler reserved for them; the target's
+verifying forward rewrites the same slots (identical values for the same tokens in the same
+layers), and slots past the last accepted token are rolled back with the rest of the rejected
+positions (computed tokens end there, blocks holding only them are freed).
+
+The scheduler reserves the drafts (PendingDrafts: how many, per request, adaptive or not); the
+runner fills them in (SelfDraft) before the target's forward, k one-token passes for the whole
+batch of speculating requests. Drafts are the draft model's argmax: a one-hot draft distribution,
+for which the target's verification (engine.spec_decode.verify) is the exact rejection rule
+whatever the request's sampling settings.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+from engine.runner.inputs import build_inputs
+from engine.scheduler.output import ScheduledRequest
+
+PENDING = -1  # a reserved draft the runner has not filled in yet (never a valid token id)
+
+
+class PendingDrafts:
+    """The scheduler's proposer when the drafts come from a model in the runner: reserves up to
+    each request's limit."""
+
+    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        return [[PENDING] * max(k, 0) for k in max_drafts]
+
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+
+class SelfDraft:
+    def __init__(self, model, num_layers: int, block_size: int):
+        if not 1 <= num_layers <= model.num_layers:
+            raise ValueError(f"self_draft num_layers must be in [1, {model.num_layers}] (the target's layers), "
+                             f"got {num_layers}")
+        self.model, self.num_layers, self.block_size = model, num_layers, block_size
+
+    @torch.inference_mode()
+    def fill(self, scheduled: list[ScheduledRequest], kv_cache, backend) -> None:
+        """Replaces the reserved drafts of every speculating request with the draft model's tokens:
+        pass j feeds each request's token at position start + j (its last token, then its drafts)."""
+        active = [item for item in scheduled if item.draft_token_ids]
+        drafts: dict[str, list[int]] = {item.request.request_id: [] for item in active}
+        for depth in range(max((len(item.draft_token_ids) for item in active), default=0)):
+            rows = [ScheduledRequest(item.request, [item.token_ids[depth]], item.start_pos + depth,
+                                     item.block_table, sample=True)
+                    for item in active if len(item.draft_token_ids) > depth]
+            inputs = build_inputs(rows, self.block_size, kv_cache.device)
+            logits = self.model(inputs.input_ids, inputs.positions, kv_cache, backend,
+                                backend.build_metadata(inputs), inputs.sample_indices, num_layers=self.num_layers)
+            tokens = logits.argmax(dim=-1).tolist()
+            for request, _, row in inputs.verified:
+                drafts[request.request_id].append(tokens[row])
+            for item in active:
+                mine = drafts[item.request.request_id]
+                if len(mine) == depth + 1:
+                    item.token_ids[item.num_input_tokens + depth] = mine[-1]
+        for item in active:
+            item.draft_token_ids = drafts[item.request.request_id]
