@@ -3,14 +3,14 @@ expected tokens per second, from each request's acceptance history and the step'
 
 Each request's chance that a draft is accepted, alpha, is estimated from its own verifications
 (a of k drafts accepted: a successes and, when a < k, one failure; counts decay, so the estimate
-follows the request). Drafts accepted while the target agrees, so the j-th draft yields a token
-with probability alpha^j. The step-time model says a step costs fixed + c * tokens seconds. A step
-of T seconds whose decodes emit N tokens gains alpha^j tokens and c seconds per draft added, which
-raises N / T exactly when alpha^j > c * N / T; adding drafts in decreasing alpha^j while that
-holds gives the largest N / T (a ratio of sums grows with each item above it and with no item
-below it). So one rule covers every request and every load: at batch 1 on a CPU, where c is
-small beside the step's fixed cost (weights are read once for 1 + k tokens), any plausible draft
-pays; in a full batch c * N / T nears 1 and none does.
+follows the request). Drafts are accepted while the target agrees, so the j-th draft yields a
+token with probability alpha^j. Any set of drafts is best made of the ones with the largest
+alpha^j, so the choice is how many of those to take: m drafts make a step of n + m tokens that
+emits N + (their alpha^j) tokens, and the m with the most tokens per second (the step-time model's
+cost of that step size, measured online) wins. So one rule covers every request and every load:
+at batch 1 on a CPU, where a few more tokens cost little beside the step (weights are read once),
+plausible drafts pay; in a full batch each draft costs a full token's compute and few or none do.
+A size whose cost is not known yet is priced by the linear fit, tried, and then known.
 
 A request that gets no drafts learns nothing, so its counts decay toward the prior each step it
 is denied one: speculation is retried now and then, and resumes when the load falls.
@@ -61,22 +61,22 @@ class AdaptiveSpeculation:
 
     def trim(self, request_ids: list[str], drafts: list[list[int]], step_time: StepTimeModel,
              num_decodes: int) -> list[list[int]]:
-        """Each request's drafts cut to the count that maximises the step's expected tokens per
+        """Each request's drafts cut to the counts that maximise the step's expected tokens per
         second for `num_decodes` decoding requests; unchanged while the step cost is unmeasured."""
-        fitted = step_time.fit()
-        if fitted is None:
+        base = step_time.seconds(num_decodes)
+        if base is None:
             return drafts
-        fixed, per_token = fitted
         alphas = [self.alpha(request_id) for request_id in request_ids]
         candidates = sorted(((alphas[i] ** j, i) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
-        tokens, seconds = float(num_decodes), fixed + per_token * num_decodes
-        counts = [0] * len(drafts)
-        for gain, i in candidates:
-            if gain * seconds <= per_token * tokens:
-                break
+        best_m, best_rate, tokens = 0, num_decodes / base, float(num_decodes)
+        for m, (gain, _) in enumerate(candidates, start=1):
             tokens += gain
-            seconds += per_token
+            rate = tokens / step_time.seconds(num_decodes + m)
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        counts = [0] * len(drafts)
+        for _, i in candidates[:best_m]:
             counts[i] += 1
         for request_id, d, count in zip(request_ids, drafts, counts):
             if d and count == 0:

@@ -42,6 +42,24 @@ def test_trim_gives_a_request_that_is_usually_right_more_drafts_than_one_that_is
     assert trimmed == [[5] * K, []]
 
 
+def test_trim_prices_each_step_size_by_its_measured_time_not_by_a_line():
+    """Measured here on SmolLM2-135M in fp32: one token 50 ms, two 93 ms, five 105 ms (a second
+    row turns a matrix-vector product into a slower matrix-matrix one). A request whose drafts are
+    seldom right gets none (1.14 tokens in 93 ms is worse than 1 in 50), one whose drafts are
+    nearly always right gets all four (4.5 tokens in 105 ms)."""
+    model = StepTimeModel()
+    for tokens, seconds in [(1, 0.050), (2, 0.093), (3, 0.120), (4, 0.110), (5, 0.105), (64, 0.9), (128, 1.7)] * 3:
+        model.observe(tokens, seconds)
+    adaptive = AdaptiveSpeculation()
+    for _ in range(10):
+        adaptive.observe("chat", K, 0)
+        adaptive.observe("copy", K, K)
+    assert adaptive.trim(["chat"], [[1, 2, 3, 4]], model, 1) == [[]]
+    assert adaptive.trim(["copy"], [[1, 2, 3, 4]], model, 1) == [[1, 2, 3, 4]]
+    linear = _cost_model(0.050, 0.0005)  # the same machine as a line through its prefills would see it
+    assert adaptive.trim(["chat"], [[1, 2, 3, 4]], linear, 1) != [[]]  # which would draft at a loss
+
+
 def _decode_steps(sched, accept: dict[str, bool], steps: int) -> list[dict[str, int]]:
     """Runs `steps` scheduler steps; a request in `accept` gets all its drafts accepted (True) or
     its first draft rejected (False); other tokens continue the prompt's cycle 1, 2, 3, 4. Returns
