@@ -67,6 +67,9 @@ class StepTimeModel:
             return mean_seconds - per_token * mean_tokens, per_token
         return 0.0, mean_seconds / mean_tokens
 
+    def has_seen(self, tokens: int) -> bool:
+        return tokens in self._by_size
+
     def seconds(self, tokens: int) -> float | None:
         """What a step of `tokens` tokens costs: its own recent time if that size ran, else the
         linear fit; None while unfitted."""

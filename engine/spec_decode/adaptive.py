@@ -10,7 +10,9 @@ emits N + (their alpha^j) tokens, and the m with the most tokens per second (the
 cost of that step size, measured online) wins. So one rule covers every request and every load:
 at batch 1 on a CPU, where a few more tokens cost little beside the step (weights are read once),
 plausible drafts pay; in a full batch each draft costs a full token's compute and few or none do.
-A size whose cost is not known yet is priced by the linear fit, tried, and then known.
+A size whose cost is not known yet is priced by the linear fit, tried, and then known; but the
+plain step itself (no drafts) is measured before anything is weighed against it, or a wrong fit
+could keep it from ever running.
 
 A request that gets no drafts learns nothing, so its counts decay toward the prior each step it
 is denied one: speculation is retried now and then, and resumes when the load falls.
@@ -62,10 +64,13 @@ class AdaptiveSpeculation:
     def trim(self, request_ids: list[str], drafts: list[list[int]], step_time: StepTimeModel,
              num_decodes: int) -> list[list[int]]:
         """Each request's drafts cut to the counts that maximise the step's expected tokens per
-        second for `num_decodes` decoding requests; unchanged while the step cost is unmeasured."""
+        second for `num_decodes` decoding requests; unchanged while no step cost is measured, and
+        none while the plain step of this size is not."""
         base = step_time.seconds(num_decodes)
         if base is None:
             return drafts
+        if not step_time.has_seen(num_decodes):
+            return [[] for _ in drafts]
         alphas = [self.alpha(request_id) for request_id in request_ids]
         candidates = sorted(((alphas[i] ** j, i) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)

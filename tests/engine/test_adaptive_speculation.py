@@ -15,7 +15,7 @@ PROMPT = [1, 2, 3, 4] * 4  # every suffix occurred before: n-gram lookup always 
 
 def _cost_model(fixed: float, per_token: float) -> StepTimeModel:
     model = StepTimeModel()
-    for tokens in [4, 9, 30, 17] * 5:
+    for tokens in [1, 4, 9, 16, 30, 64, 17] * 5:  # the plain steps of 1, 4, 16 and 64 decodes among them
         model.observe(tokens, fixed + per_token * tokens)
     return model
 
@@ -30,6 +30,7 @@ def test_trim_keeps_drafts_when_tokens_are_nearly_free_and_drops_them_when_they_
     drafts_64 = [[7, 8, 9, 10]] * 64
     assert adaptive.trim([f"r{i}" for i in range(64)], drafts_64, _cost_model(0.010, 0.010), 64) == [[]] * 64
     assert adaptive.trim(["u"], drafts, StepTimeModel(), 1) == drafts  # nothing measured yet: every draft
+    assert adaptive.trim(["u"], drafts, _cost_model(0.050, 0.0005), 2) == [[]]  # 2 decodes: plain step first
 
 
 def test_trim_gives_a_request_that_is_usually_right_more_drafts_than_one_that_is_usually_wrong():
