@@ -8,7 +8,7 @@ Speculative decoding asks what a step of a given size costs (engine.spec_decode.
 time is not linear in tokens at small sizes on a CPU (one row is a matrix-vector product; two rows
 already cost a matrix-matrix product that reads the weights more slowly: 1 token 50 ms, 2 tokens
 93 ms, 5 tokens 105 ms on SmolLM2-135M in fp32 here), so each size seen keeps its own recent
-time, and the linear fit answers only for sizes not seen yet.
+time (`measured`), and the linear fit prices sizes not seen yet.
 """
 from __future__ import annotations
 
@@ -67,17 +67,9 @@ class StepTimeModel:
             return mean_seconds - per_token * mean_tokens, per_token
         return 0.0, mean_seconds / mean_tokens
 
-    def has_seen(self, tokens: int) -> bool:
-        return tokens in self._by_size
-
-    def seconds(self, tokens: int) -> float | None:
-        """What a step of `tokens` tokens costs: its own recent time if that size ran, else the
-        linear fit; None while unfitted."""
-        seen = self._by_size.get(tokens)
-        if seen is not None:
-            return seen
-        fitted = self.fit()
-        return None if fitted is None else fitted[0] + fitted[1] * tokens
+    def measured(self, tokens: int) -> float | None:
+        """The recent time of a step of exactly `tokens` tokens; None if no step that size ran."""
+        return self._by_size.get(tokens)
 
     def tokens_within(self, seconds: float) -> int | None:
         """Most tokens a step can take and still finish within `seconds`; None while unfitted."""

@@ -53,7 +53,7 @@ class AdaptiveSpeculation:
 
     def alpha(self, request_id: str) -> float:
         estimate = self._estimates.get(request_id)
-        return estimate.alpha if estimate is not None else AcceptanceEstimate().alpha
+        return estimate.alpha if estimate is not None else PRIOR_ACCEPTED / PRIOR_TRIALS
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self._estimates.setdefault(request_id, AcceptanceEstimate()).observe(num_proposed, num_accepted)
@@ -66,18 +66,25 @@ class AdaptiveSpeculation:
         """Each request's drafts cut to the counts that maximise the step's expected tokens per
         second for `num_decodes` decoding requests; unchanged while no step cost is measured, and
         none while the plain step of this size is not."""
-        base = step_time.seconds(num_decodes)
-        if base is None:
+        fitted = step_time.fit()  # once per step: it prices the sizes not measured yet
+        if fitted is None:
             return drafts
-        if not step_time.has_seen(num_decodes):
+        base = step_time.measured(num_decodes)
+        if base is None:
             return [[] for _ in drafts]
+        fixed, per_token = fitted
+
+        def seconds(tokens: int) -> float:
+            measured = step_time.measured(tokens)
+            return measured if measured is not None else fixed + per_token * tokens
+
         alphas = [self.alpha(request_id) for request_id in request_ids]
         candidates = sorted(((alphas[i] ** j, i) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
         best_m, best_rate, tokens = 0, num_decodes / base, float(num_decodes)
         for m, (gain, _) in enumerate(candidates, start=1):
             tokens += gain
-            rate = tokens / step_time.seconds(num_decodes + m)
+            rate = tokens / seconds(num_decodes + m)
             if rate > best_rate:
                 best_m, best_rate = m, rate
         counts = [0] * len(drafts)
