@@ -1,7 +1,8 @@
 """Quantization modes on the embedded SmolLM2-135M-Instruct (CPU), interleaved in one run.
 
-Per mode (`none` = fp32, the reference; `int8` = int8 weights in groups of 32, fp32
-activations): single-stream decode tok/s (128-token prompt, 128 new tokens, time per output
+Per mode (`none` = fp32, the reference; `int8` = every matmul as GGUF Q8_0 blocks; `gguf` = the
+file's own Q4_1/Q8_0 blocks; both with activations quantized per block of 32 to 15 bits):
+single-stream decode tok/s (128-token prompt, 128 new tokens, time per output
 token after the first), prefill tok/s (one 512-token prompt), the 64-request mixed workload
 (prompts 16-512, outputs 8-256: useful output tok/s), matmul weight bytes per decode step, and
 teacher-forced quality against fp32 on the shipped text (engine/quality.py). Each measurement is
@@ -28,7 +29,7 @@ from benchmarks.workload import Stopwatch, make_workload, random_prompt  # noqa:
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.quality import compare, eval_tokens, position_logits  # noqa: E402
 
-MODES = ("none", "int8")
+MODES = ("none", "int8", "gguf")
 
 
 def cpu_features() -> str:
@@ -125,8 +126,9 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for i, mode in enumerate(MODES):
             m = results["modes"][mode]
-            ax.bar([x + 0.38 * i for x in range(2)], [m["decode_tok_s"], m["workload_tok_s"]], 0.38, label=mode)
-        ax.set_xticks([x + 0.19 for x in range(2)], labels)
+            width = 0.8 / len(MODES)
+            ax.bar([x + width * i for x in range(2)], [m["decode_tok_s"], m["workload_tok_s"]], width, label=mode)
+        ax.set_xticks([x + 0.4 - 0.4 / len(MODES) for x in range(2)], labels)
         ax.set_ylabel("output tokens/s")
         ax.set_title("SmolLM2-135M on 2 CPU cores, by quantization mode")
         ax.legend()

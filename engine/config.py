@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_MODES = ("none", "int8", "gguf")
 SPECULATIVE_METHODS = ("ngram", "self_draft")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
@@ -31,18 +32,23 @@ class ModelConfig:
     num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
     dtype: str = _opt("auto", "weights, activations and KV cache: 'auto' (bfloat16 on CUDA, float32 on CPU), "
                               "'float32', 'bfloat16' or 'float16'")
-    quantization: str = _opt("none", "matmul weights: 'none' (fp32, exact) or 'int8' (int8 weights in groups of 32, "
-                                     "fp32 activations: a quarter of the bytes per decode step, CPU)")
+    quantization: str = _opt("none", "matmul weights: 'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
+                                     "fp32's bytes per decode step) or 'gguf' (a .gguf model's own Q4_1/Q8_0 blocks); "
+                                     "both quantize activations per block of 32 (CPU)")
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
-        if self.quantization == "int8" and self.device != "cpu":
-            raise ValueError("quantization 'int8' runs on the CPU (its kernel is C++ for x86); use 'none' on CUDA")
-        if self.quantization == "int8" and self.resolved_dtype != "float32":
-            raise ValueError(f"quantization 'int8' computes in float32, got dtype {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU (its kernel is C++ for x86); "
+                             "use 'none' on CUDA")
+        if self.quantization != "none" and self.resolved_dtype != "float32":
+            raise ValueError(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}")
+        if self.quantization == "gguf" and self.model is not None and not self.model.endswith(".gguf"):
+            raise ValueError(f"quantization 'gguf' runs a .gguf file's own blocks, got model {self.model!r}; "
+                             "use 'int8' to quantize other checkpoints")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:

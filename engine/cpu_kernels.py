@@ -1,8 +1,8 @@
 """The engine's C++ CPU kernels in csrc/ (one extension): built once per machine, loaded at start-up.
 
 `paged_decode_attention` reads K/V blocks in place through the block table, where the pure-torch
-path first gathers them into a padded copy; `int8_linear` multiplies fp32 activations by int8
-weights for decode-sized batches (engine/models/linear.py). They are compiled for the CPU's
+path first gathers them into a padded copy; `block_quant_linear` multiplies activations by GGUF
+block-quantized weights (Q8_0, Q4_1) for decode-sized batches (engine/models/linear.py). They are compiled for the CPU's
 vector width (torch's cpp_extension and ninja, tens of seconds). `make install` builds them
 (`python -m engine.cpu_kernels`) into a cache keyed by the sources, the flags, torch's version
 and the CPU capability, so an engine's start-up only loads the library; if it is missing there,
@@ -27,7 +27,7 @@ from engine.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "int8_linear.cpp"]
+_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "block_quant_linear.cpp"]
 
 
 def _flags() -> tuple[str, list[str]]:

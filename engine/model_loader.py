@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
+from engine.models.gguf_blocks import read_blocks
 from engine.models.linear import quantize, weight_bytes_per_token
 from engine.models.registry import build_model
 
@@ -110,7 +111,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # built in float32 (RoPE tables included, as transformers computes them), then cast: the
     # reference model casts its cos/sin to the activations' dtype the same way
     model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
-    model = quantize(model, config.quantization)
+    stored_blocks = read_blocks(config.model or default_model_path(), hf_model.config) \
+        if config.quantization == "gguf" else None
+    model = quantize(model, config.quantization, stored_blocks)
     weight_bytes = weight_bytes_per_token(model)
     logger.info("model loaded: %s, quantization %s, %.0f MB of matmul weights per decode step",
                 config.resolved_dtype, config.quantization, weight_bytes / 1e6)

@@ -6,6 +6,7 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
 
-// int8_linear.cpp: fp32 activations times int8 weights with a scale per group of each row.
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias);
+// block_quant_linear.cpp: fp32 x (quantized per block of 32 inside) times GGUF Q8_0 (format 0) or Q4_1
+// (format 1) weight blocks (N, K / 32 * block bytes).
+torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
+                                 const c10::optional<torch::Tensor>& bias);

@@ -1,19 +1,29 @@
 """The model's matmuls, one class per execution mode, chosen by `quantization` at load time.
 
-`none`: fp32 weights, F.linear (the reference: exact parity with transformers). `int8`: int8
-weights in groups of 32 with fp32 activations (weight-only). Weight-only because quantizing
-the activations too (fbgemm's dynamic int8, per-tensor, 7-bit on x86) cost this model family far
-too much quality: on SmolLM2-135M top-1 agreement with fp32 fell to 49% (80% with SmoothQuant
-scales folded in), where weight-only int8 keeps it above 97% (engine/quality.py, BENCHMARKS.md).
+`none`: fp32 weights, F.linear (the reference: exact parity with transformers). `int8`: every
+matmul re-quantized to GGUF's Q8_0 blocks (int8 weights, one fp16 scale per 32). `gguf`: a GGUF
+checkpoint's own blocks (Q4_1, Q8_0) as stored, so no re-quantization error
+(engine/models/gguf_blocks.py). Both quantized modes quantize activations per block of 32 to 15
+bits, so the decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp):
+llama.cpp's 8-bit activations cost SmolLM2-135M ~3% of top-1 agreement with fp32 (per-tensor
+int8, fbgemm's, 51%); 15 bits cost nothing measurable, for two byte products per block.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf.quants import quantize as quantize_blocks
 from torch import nn
 
-QUANTIZATION_MODES = ("none", "int8")
+from engine.config import QUANTIZATION_MODES
+
+BLOCK = 32  # values per quantization block, of weights and of activations
+ACTIVATION_LEVELS = 127 * 128  # activations are integers in [-LEVELS, LEVELS] times a scale per block
+KERNEL_FORMATS = {GGMLQuantizationType.Q8_0: 0, GGMLQuantizationType.Q4_1: 1}  # the C++ kernel's format codes
 
 
 class Linear(nn.Module):
@@ -32,40 +42,45 @@ class Linear(nn.Module):
         return self.weight.numel() * self.weight.element_size()
 
 
-class Int8Linear(nn.Module):
-    """Weights rounded to int8 in groups of GROUP_SIZE consecutive weights of a row (symmetric,
-    scale = max |w| / 127 per group, as GGUF's Q8_0), fp32 activations. Up to DECODE_ROWS rows
-    (decode steps) run the C++ int8 kernel, which reads ~28% of fp32's bytes; larger inputs
-    (prefill) run fp32 GEMM on the same weights dequantized, identical values, so they keep the
-    fast GEMM path. Without the compiled kernels every input takes the GEMM path."""
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 values of a row to steps of max|x| / ACTIVATION_LEVELS (15 bits):
+    the values the kernel's integer dot products see (the same IEEE fp32 arithmetic, ties
+    rounded to even)."""
+    blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / ACTIVATION_LEVELS
+    inverse = torch.where(scale != 0, 1 / scale, 0)
+    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
-    GROUP_SIZE = 32  # per-row scales (one group) kept top-1 agreement at 95.9% on SmolLM2; 32: 98.0%
+
+class BlockQuantLinear(nn.Module):
+    """A matmul on GGUF block-quantized weights with block-quantized activations. Up to
+    DECODE_ROWS rows (decode steps) run the C++ kernel, which reads only the blocks; larger inputs
+    (prefill) run fp32 GEMM of the dequantized weights with the same quantized activations: the
+    same values, so the same results to fp32 rounding, whatever the batch. Without the compiled
+    kernels every input takes the GEMM path."""
+
     DECODE_ROWS = 8  # the kernel beats fp32 GEMM up to here on this model family's shapes (BENCHMARKS.md)
 
-    def __init__(self, dense: Linear, kernels):
+    def __init__(self, qtype: GGMLQuantizationType, blocks: np.ndarray, bias: torch.Tensor | None, kernels):
         super().__init__()
-        weight = dense.weight.detach().float()
-        rows, cols = weight.shape
-        group = self.GROUP_SIZE if cols % self.GROUP_SIZE == 0 else cols
-        groups = weight.view(rows, cols // group, group)
-        scale = (groups.abs().amax(dim=-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # (rows, groups)
-        qweight = torch.round(groups / scale[..., None]).to(torch.int8)
-        self.register_buffer("qweight", qweight.view(rows, cols).contiguous())
-        self.register_buffer("scale", scale.contiguous())
-        self.register_buffer("weight", (qweight.float() * scale[..., None]).view(rows, cols))
-        self.bias = dense.bias
+        self.qtype, self.format = qtype, KERNEL_FORMATS[qtype]
+        self.register_buffer("blocks", torch.from_numpy(np.ascontiguousarray(blocks)))  # (N, K / 32 * bytes) uint8
+        self.register_buffer("weight", torch.from_numpy(dequantize(blocks, qtype)))  # (N, K) fp32
+        self.bias = bias
         self._kernels = kernels
-        self.weight_bytes = qweight.numel() + 4 * scale.numel()  # what a decode step reads
+        self.weight_bytes = self.blocks.numel()  # what a decode step reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None and x.shape[0] <= self.DECODE_ROWS:
             bias = self.bias.detach() if self.bias is not None else None
-            return self._kernels.int8_linear(x.contiguous(), self.qweight, self.scale, bias)
-        return F.linear(x, self.weight, self.bias)
+            return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, bias)
+        return F.linear(quantize_activations(x), self.weight, self.bias)
 
 
-def quantize(model: nn.Module, mode: str) -> nn.Module:
-    """Replaces every Linear of `model` by the mode's implementation, in place."""
+def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> nn.Module:
+    """Replaces the Linears of `model` by the mode's implementation, in place. `int8`: every
+    matmul whose input width is a multiple of 32 (others stay fp32). `gguf`: `stored_blocks`,
+    {module name: (GGML type, blocks)} from the checkpoint (engine/models/gguf_blocks.py)."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
     if mode == "none":
@@ -73,13 +88,21 @@ def quantize(model: nn.Module, mode: str) -> nn.Module:
     from engine.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear):
-                setattr(parent, name, Int8Linear(child, kernels))
+    for name, dense in list(model.named_modules()):
+        if not isinstance(dense, Linear):
+            continue
+        if mode == "gguf":
+            qtype, blocks = stored_blocks[name]
+        elif dense.weight.shape[1] % BLOCK == 0:
+            qtype = GGMLQuantizationType.Q8_0
+            blocks = quantize_blocks(dense.weight.detach().float().numpy(), qtype)
+        else:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, BlockQuantLinear(qtype, blocks, dense.bias, kernels))
     return model
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Bytes of matmul weights one decode step reads (embeddings are a row lookup)."""
-    return sum(m.weight_bytes for m in model.modules() if isinstance(m, (Linear, Int8Linear)))
+    return sum(m.weight_bytes for m in model.modules() if isinstance(m, (Linear, BlockQuantLinear)))

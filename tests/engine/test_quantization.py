@@ -1,40 +1,123 @@
-"""quantization='int8' (engine/models/linear.py): the C++ kernel computes what fp32 GEMM computes on
-the same dequantized weights; teacher-forced quality against the fp32 engine on the shipped text
-(engine/quality.py); greedy output the same alone and in any batch, under every scheduler feature."""
+"""Quantized execution (engine/models/linear.py, engine/models/gguf_blocks.py): the C++ kernel
+computes what fp32 GEMM computes on the dequantized blocks with the quantized activations; `gguf`
+runs the file's own blocks, exactly the weights of the fp32 model; teacher-forced quality
+against the fp32 engine on the shipped text (engine/quality.py); greedy output the same alone and
+in any batch, under every scheduler feature."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize as quantize_blocks
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.cpu_kernels import load_cpu_kernels
 from engine.model_loader import load_model
-from engine.models.linear import Int8Linear, Linear
+from engine.models.gguf_blocks import read_blocks
+from engine.models.linear import ACTIVATION_LEVELS, BLOCK, BlockQuantLinear, Linear, quantize_activations
 from engine.quality import compare, eval_tokens, position_logits
 from tests.engine.test_parity import _prompts
 
+QTYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1]
 
-@pytest.mark.parametrize("cols", [64, 96, 40])  # 40: not a multiple of the group, one group per row
+
+def _layer(qtype, rows: int, cols: int, with_bias: bool) -> BlockQuantLinear:
+    weight = torch.randn(rows, cols) * 0.05
+    bias = torch.randn(rows) if with_bias else None
+    return BlockQuantLinear(qtype, quantize_blocks(weight.numpy(), qtype), bias, load_cpu_kernels())
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [64, 96])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_int8_kernel_computes_the_gemm_of_the_dequantized_weights(cols, with_bias):
+def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_activations(qtype, cols, with_bias):
     torch.manual_seed(0)
-    dense = Linear(torch.randn(48, cols) * 0.05, torch.randn(48) if with_bias else None)
-    kernels = load_cpu_kernels()
-    assert kernels is not None
-    layer = Int8Linear(dense, kernels)
-    assert layer.qweight.dtype == torch.int8
-    assert (layer.weight - dense.weight).abs().max() <= layer.scale.max() / 2 + 1e-7  # rounding error bound
-    for rows in range(1, Int8Linear.DECODE_ROWS + 1):
+    assert load_cpu_kernels() is not None
+    layer = _layer(qtype, 48, cols, with_bias)
+    for rows in range(1, BlockQuantLinear.DECODE_ROWS + 1):
         x = torch.randn(rows, cols)
-        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
-        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        want = torch.nn.functional.linear(quantize_activations(x), layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # the kernel
         torch.testing.assert_close(layer(x.t().contiguous().t()), want, rtol=1e-5, atol=1e-5)  # strided input
+        torch.testing.assert_close(layer(x.repeat(2, 1))[:rows], want, rtol=1e-5, atol=1e-5)  # the GEMM path
 
 
-def _quality(model: str | None, num_tokens: int, min_margin: float = 0.0):
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_kernel_and_gemm_round_activation_ties_alike(qtype):
+    """A block whose max is ACTIVATION_LEVELS has scale 1: k + 0.5 is a tie, rounded to even by both."""
+    torch.manual_seed(1)
+    layer = _layer(qtype, 16, 64, with_bias=False)
+    x = (torch.arange(64, dtype=torch.float32) * 257 % 16000 - 8000) + 0.5
+    x[0], x[BLOCK] = ACTIVATION_LEVELS, -ACTIVATION_LEVELS
+    x = x[None]
+    assert torch.equal(quantize_activations(x)[0, 1:4], torch.round(x[0, 1:4]))
+    torch.testing.assert_close(layer(x), layer(x.repeat(BlockQuantLinear.DECODE_ROWS + 1, 1))[:1], rtol=1e-6, atol=1e-2)
+
+
+def test_activation_rounding_error_is_half_a_step():
+    x = torch.randn(5, 4 * BLOCK) * torch.logspace(-3, 3, 4 * BLOCK)
+    step = x.view(5, 4, BLOCK).abs().amax(-1, keepdim=True) / ACTIVATION_LEVELS
+    assert ((quantize_activations(x) - x).view(5, 4, BLOCK).abs() <= step / 2 * (1 + 1e-6)).all()
+
+
+def test_int8_keeps_matmuls_whose_width_is_not_a_multiple_of_the_block_in_fp32(tmp_path):
+    from tests.conftest import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m", hidden_size=40, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=64)
+    loaded = load_model(EngineConfig.from_kwargs(model=model, quantization="int8").model)
+    kinds = {name.split(".")[-1]: type(m) for name, m in loaded.model.named_modules()
+             if isinstance(m, (Linear, BlockQuantLinear))}
+    assert kinds == {"qkv": Linear, "o": Linear, "gate_up": Linear, "down": BlockQuantLinear, "lm_head": Linear}
+
+
+def test_gguf_runs_the_files_own_blocks_which_are_the_fp32_models_weights():
+    """The embedded GGUF: every matmul keeps its stored type (Q4_1 layers, Q8_0 tied LM head), and
+    dequantized they are exactly the weights transformers loaded (q/k rows un-permuted, parts stacked)."""
+    ref = load_model(ModelConfig())
+    quant = load_model(ModelConfig(quantization="gguf"))
+    ref_weights = {name: m.weight for name, m in ref.model.named_modules() if isinstance(m, Linear)}
+    quantized = {name: m for name, m in quant.model.named_modules() if isinstance(m, BlockQuantLinear)}
+    assert quantized.keys() == ref_weights.keys()
+    assert {m.qtype for name, m in quantized.items() if name != "lm_head"} == {GGMLQuantizationType.Q4_1}
+    assert quantized["lm_head"].qtype == GGMLQuantizationType.Q8_0
+    for name, m in quantized.items():
+        assert torch.equal(m.weight, ref_weights[name]), name
+    assert quant.weight_bytes_per_token < 0.2 * ref.weight_bytes_per_token
+
+
+def test_gguf_refuses_block_types_the_kernel_does_not_read(tmp_path, tiny_llama):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama)
+    path = str(tmp_path / "mixed.gguf")
+    writer = GGUFWriter(path, "llama")
+    hidden, inter, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * 16
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    for i in range(config.num_hidden_layers):
+        for part, shape in shapes.items():
+            data = np.zeros(shape, dtype=np.float32)
+            qtype = GGMLQuantizationType.F32 if (i, part) == (1, "ffn_up") else GGMLQuantizationType.Q4_1
+            writer.add_tensor(f"blk.{i}.{part}.weight", quantize_blocks(data, qtype), raw_dtype=qtype)
+    writer.add_tensor("output.weight", quantize_blocks(np.zeros((config.vocab_size, hidden), np.float32),
+                                                       GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight is F32"):
+        read_blocks(path, config)
+    with pytest.raises(ValueError, match="runs a .gguf file's own blocks"):
+        ModelConfig(model=tiny_llama, quantization="gguf")
+
+
+def _quality(model: str | None, mode: str, num_tokens: int, min_margin: float = 0.0):
     ref = load_model(EngineConfig.from_kwargs(model=model).model)
-    quant = load_model(EngineConfig.from_kwargs(model=model, quantization="int8").model)
+    quant = load_model(EngineConfig.from_kwargs(model=model, quantization=mode).model)
     assert quant.weight_bytes_per_token < 0.3 * ref.weight_bytes_per_token
     ids = eval_tokens(ref.tokenizer, num_tokens)
     return compare(position_logits(ref, ids), position_logits(quant, ids), ids, min_margin=min_margin)
@@ -44,18 +127,29 @@ def _quality(model: str | None, num_tokens: int, min_margin: float = 0.0):
 def test_int8_quality_against_fp32_on_tiny_models(model, request):
     """Random models are nearly flat (perplexity in the thousands): top-1 agreement counts the
     positions whose reference argmax leads by at least 0.2 logits (their logits spread with std ~2.4)."""
-    quality = _quality(request.getfixturevalue(model), 2048, min_margin=0.2)
+    quality = _quality(request.getfixturevalue(model), "int8", 2048, min_margin=0.2)
     assert quality.top1_agreement >= 0.97, quality
     assert abs(quality.perplexity_increase) <= 0.03, quality
 
 
 @pytest.mark.slow
-def test_int8_quality_against_fp32_on_the_embedded_model():
+@pytest.mark.parametrize("mode", ["int8", "gguf"])
+def test_quality_against_fp32_on_the_embedded_model(mode):
     """6,000 tokens of the shipped text: top-1 agreement >= 97%, perplexity within 3%."""
-    quality = _quality(None, 6000)
-    print(f"int8 vs fp32: {quality}")
+    quality = _quality(None, mode, 6000)
+    print(f"{mode} vs fp32: {quality}")
     assert quality.top1_agreement >= 0.97, quality
     assert abs(quality.perplexity_increase) <= 0.03, quality
+
+
+def _same_alone_and_in_a_batch(model: str | None, mode: str, engine_args: dict, num_prompts: int, max_tokens: int):
+    prompts = _prompts(num_prompts, seed=3)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    alone = LLM(model=model, quantization=mode, max_num_seqs=1)
+    want = [alone.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(model=model, quantization=mode, **engine_args)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -67,10 +161,14 @@ def test_int8_quality_against_fp32_on_the_embedded_model():
     dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="recompute"),
 ])
 def test_int8_greedy_is_the_same_alone_and_in_a_batch_under_every_scheduler_feature(tiny_llama, engine_args):
-    prompts = _prompts(12, seed=3)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    alone = LLM(model=tiny_llama, quantization="int8", max_num_seqs=1)
-    want = [alone.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    llm = LLM(model=tiny_llama, quantization="int8", **engine_args)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    _same_alone_and_in_a_batch(tiny_llama, "int8", engine_args, num_prompts=12, max_tokens=24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_seqs=64, max_num_batched_tokens=16),  # chunked prefill; decodes in batches of 8 and more
+    dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="swap"),
+    dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="recompute"),
+])
+def test_gguf_greedy_is_the_same_alone_and_in_a_batch_on_the_embedded_model(engine_args):
+    _same_alone_and_in_a_batch(None, "gguf", engine_args, num_prompts=10, max_tokens=12)
