@@ -169,20 +169,54 @@ inline void dot_pass(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
   }
 }
 
+// The rows the matmul multiplies, when a prologue is fused: RMSNorm(x) * norm_weight, or SwiGLU
+// silu(x[:, :K]) * x[:, K:] (x twice as wide as the weight).
+std::vector<float> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps, bool swiglu) {
+  std::vector<float> rows(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    float* y = rows.data() + m * K;
+    if (swiglu) {
+      const float* gate = x + m * 2 * K;
+      for (int64_t k = 0; k < K; ++k) y[k] = gate[k] / (1.f + std::exp(-gate[k])) * gate[K + k];
+    } else {
+      const float* xr = x + m * K;
+      float squares = 0.f;
+      for (int64_t k = 0; k < K; ++k) squares += xr[k] * xr[k];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(K) + eps);
+      for (int64_t k = 0; k < K; ++k) y[k] = xr[k] * inv * norm_weight[k];
+    }
+  }
+  return rows;
+}
+
 }  // namespace
 
 torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
-                                 const c10::optional<torch::Tensor>& bias) {
+                                 const c10::optional<torch::Tensor>& bias,
+                                 const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                                 const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(format == kQ8_0 || format == kQ4_1, "format: 0 (Q8_0) or 1 (Q4_1)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 (M, K)");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.is_contiguous() &&
-                  blocks.size(1) == nb * block_bytes(format), "blocks: contiguous uint8 (N, K / 32 * block bytes)");
-  const int64_t N = blocks.size(0);
+                  blocks.size(1) % block_bytes(format) == 0, "blocks: contiguous uint8 (N, K / 32 * block bytes)");
+  const int64_t N = blocks.size(0), nb = blocks.size(1) / block_bytes(format), K = nb * kBlock, M = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) == (swiglu ? 2 * K : K), "x: contiguous fp32 (M, K), (M, 2K) with swiglu");
+  TORCH_CHECK(!(swiglu && norm_weight.has_value()), "one prologue: norm or swiglu");
+  TORCH_CHECK(!norm_weight.has_value() || (norm_weight->scalar_type() == torch::kFloat &&
+                  norm_weight->is_contiguous() && norm_weight->numel() == K), "norm_weight: fp32 (K)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
-  const QuantizedX qx = quantize_x(x.data_ptr<float>(), M, K);
+  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
+                  residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
+  const float* rows = x.data_ptr<float>();
+  std::vector<float> transformed;
+  if (swiglu || norm_weight.has_value()) {
+    transformed = prologue(rows, M, K, norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr,
+                           static_cast<float>(eps), swiglu);
+    rows = transformed.data();
+  }
+  const QuantizedX qx = quantize_x(rows, M, K);
   auto out = torch::empty({M, N}, x.options());
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -198,7 +232,10 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
         } else {
           dot_pass<kQ4_1>(wp + n * row_bytes, nb, qx, m0, mb, sums);
         }
-        for (int64_t i = 0; i < mb; ++i) op[(m0 + i) * N + n] = sums[i] + (bp ? bp[n] : 0.f);
+        for (int64_t i = 0; i < mb; ++i) {
+          const int64_t at = (m0 + i) * N + n;
+          op[at] = (rp ? rp[at] : 0.f) + (sums[i] + (bp ? bp[n] : 0.f));
+        }
       }
     }
   });

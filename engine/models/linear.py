@@ -1,4 +1,8 @@
-"""The model's matmuls, one class per execution mode, chosen by `quantization` at load time.
+"""The model's matmuls, one class per execution mode, chosen by `quantization` at load time, each
+with the fusions a decoder layer needs: a prologue on its input (RMSNorm, or SwiGLU of a fused
+gate/up output) and a residual added to its output. The fp32 reference runs them as separate torch
+ops in transformers' order; the quantized decode kernel fuses them, so a decode step makes a few
+calls per layer instead of a dozen small ops (per-op overhead, not arithmetic, dominates there).
 
 `none`: fp32 weights, F.linear (the reference: exact parity with transformers). `int8`: every
 matmul re-quantized to GGUF's Q8_0 blocks (int8 weights, one fp16 scale per 32). `gguf`: a GGUF
@@ -26,16 +30,38 @@ ACTIVATION_LEVELS = 127 * 128  # activations are integers in [-LEVELS, LEVELS] t
 KERNEL_FORMATS = {GGMLQuantizationType.Q8_0: 0, GGMLQuantizationType.Q4_1: 1}  # the C++ kernel's format codes
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' order in 16-bit dtypes: normalize in float32, round, then scale (fused in float32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
+
+
+def prologue(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, swiglu: bool) -> torch.Tensor:
+    """RMSNorm with `norm` = (weight, eps), or SwiGLU silu(gate) * up of x = [gate | up], or x."""
+    if norm is not None:
+        return rms_norm(x, *norm)
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+    return x
+
+
+def _plus(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    return out if residual is None else residual + out
+
+
 class Linear(nn.Module):
-    """y = x W^T + b in fp32."""
+    """residual + prologue(x) W^T + b in the model's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        return _plus(residual, F.linear(prologue(x, norm, swiglu), self.weight, self.bias))
 
     @property
     def weight_bytes(self) -> int:
@@ -70,11 +96,14 @@ class BlockQuantLinear(nn.Module):
         self._kernels = kernels
         self.weight_bytes = self.blocks.numel()  # what a decode step reads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         if self._kernels is not None and x.shape[0] <= self.DECODE_ROWS:
             bias = self.bias.detach() if self.bias is not None else None
-            return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, bias)
-        return F.linear(quantize_activations(x), self.weight, self.bias)
+            norm_weight, eps = norm if norm is not None else (None, 0.0)
+            return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, bias, norm_weight, eps,
+                                                    swiglu, residual)
+        return _plus(residual, F.linear(quantize_activations(prologue(x, norm, swiglu)), self.weight, self.bias))
 
 
 def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> nn.Module:

@@ -2,7 +2,8 @@
 
 One flat ragged batch of T tokens goes through every layer; attention is the backend's. Weights
 are copied from a loaded transformers model, with q/k/v and gate/up fused into one matmul each;
-matmuls are engine.models.linear modules (fp32, or quantized at load time). RoPE tables come from
+matmuls are engine.models.linear modules (fp32, or quantized at load time), which also apply the
+norms, the SwiGLU and the residual adds around them. RoPE tables come from
 the transformers model's own rotary embedding, so its rope scaling (llama3, linear, yarn, ...) is
 reproduced exactly. Logits are computed only at sampled positions.
 """
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.models.linear import Linear
+from engine.models.linear import Linear, rms_norm
 
 
 class LlamaLayer(nn.Module):
@@ -33,22 +34,13 @@ class LlamaLayer(nn.Module):
 
     def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
         num_tokens, num_qk = hidden.shape[0], self.num_heads + self.num_kv_heads
-        x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = self.qkv(x)  # (T, (heads + 2 kv_heads) * d)
+        qkv = self.qkv(hidden, norm=(self.input_norm, self.eps))  # (T, (heads + 2 kv_heads) * d)
         qk = _rope(qkv[:, :num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos, sin)
         v = qkv[:, num_qk * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata)
-        hidden = hidden + self.o(attn)
-        x = rms_norm(hidden, self.post_norm, self.eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate).mul_(up))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' order in 16-bit dtypes: normalize in float32, round, then scale (fused in float32)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
-    return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
+        hidden = self.o(attn, residual=hidden)
+        gate_up = self.gate_up(hidden, norm=(self.post_norm, self.eps))
+        return self.down(gate_up, swiglu=True, residual=hidden)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu_kernels import load_cpu_kernels
 from engine.model_loader import load_model
 from engine.models.gguf_blocks import read_blocks
-from engine.models.linear import ACTIVATION_LEVELS, BLOCK, BlockQuantLinear, Linear, quantize_activations
+from engine.models.linear import ACTIVATION_LEVELS, BLOCK, BlockQuantLinear, Linear, prologue, quantize_activations
 from engine.quality import compare, eval_tokens, position_logits
 from tests.engine.test_parity import _prompts
 
@@ -42,6 +42,24 @@ def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_a
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # the kernel
         torch.testing.assert_close(layer(x.t().contiguous().t()), want, rtol=1e-5, atol=1e-5)  # strided input
         torch.testing.assert_close(layer(x.repeat(2, 1))[:rows], want, rtol=1e-5, atol=1e-5)  # the GEMM path
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual", "norm+residual"])
+def test_the_kernels_fused_prologue_and_residual_compute_what_the_torch_ops_compute(qtype, fusion):
+    torch.manual_seed(2)
+    layer = _layer(qtype, 48, 64, with_bias=True)
+    reference = Linear(layer.weight, layer.bias)  # the fp32 ops on the same (dequantized) weights
+    for rows in (1, 3, BlockQuantLinear.DECODE_ROWS):
+        x = torch.randn(rows, 128 if fusion == "swiglu" else 64) * 3
+        kwargs = dict(norm=(torch.rand(64) + 0.5, 1e-5) if "norm" in fusion else None, swiglu=fusion == "swiglu",
+                      residual=torch.randn(rows, 48) if "residual" in fusion else None)
+        want = reference(quantize_activations(prologue(x, kwargs["norm"], kwargs["swiglu"])),
+                         residual=kwargs["residual"])
+        torch.testing.assert_close(layer(x, **kwargs), want, rtol=1e-4, atol=1e-4)  # the kernel
+        batch = layer(x.repeat(3, 1), **{**kwargs, "residual": None if kwargs["residual"] is None
+                                          else kwargs["residual"].repeat(3, 1)})  # the GEMM path
+        torch.testing.assert_close(batch[:rows], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
