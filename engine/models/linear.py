@@ -10,7 +10,7 @@ checkpoint's own blocks (Q4_1, Q8_0) as stored, so no re-quantization error
 (engine/models/gguf_blocks.py). Both quantized modes quantize activations per block of 32 to 15
 bits, so the decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp):
 llama.cpp's 8-bit activations cost SmolLM2-135M ~3% of top-1 agreement with fp32 (per-tensor
-int8, fbgemm's, 51%); 15 bits cost nothing measurable, for two byte products per block.
+int8, fbgemm's, 49%); 15 bits cost nothing measurable, for two byte products per block.
 """
 
 from __future__ import annotations
