@@ -91,7 +91,7 @@ inline float hsum(__m256 v) {
 template <int64_t Format, int64_t MB>
 __attribute__((always_inline)) inline void block_step(const uint8_t* blk, int64_t b, int64_t nb, const QuantizedX& qx,
                                                       int64_t m0, __m256* acc, float* offsets) {
-  const float dw = half_at(blk);
+  const float dw = half_at(blk), mw = Format == kQ4_1 ? half_at(blk + 2) : 0.f;  // scale, Q4_1 offset
   __m256i wq;  // Q8_0: the signed weights; Q4_1: the nibbles as bytes 0-15
   if constexpr (Format == kQ8_0) {
     wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
@@ -114,7 +114,7 @@ __attribute__((always_inline)) inline void block_step(const uint8_t* blk, int64_
     const __m256i dot_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, lo), _mm256_set1_epi16(1));
     const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(dot_hi, dot_lo));
     acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * qx.d[xb]), dot, acc[i]);
-    if constexpr (Format == kQ4_1) offsets[i] += half_at(blk + 2) * qx.s[xb];
+    if constexpr (Format == kQ4_1) offsets[i] += mw * qx.s[xb];
   }
 }
 #endif
@@ -140,7 +140,7 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
   float acc[MB] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
-    const float dw = half_at(blk);
+    const float dw = half_at(blk), mw = Format == kQ4_1 ? half_at(blk + 2) : 0.f;
     for (int64_t i = 0; i < MB; ++i) {
       const int64_t xb = (m0 + i) * nb + b;
       const int8_t* hi = qx.hi.data() + xb * kBlock;
@@ -152,7 +152,7 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
         dot += wj * (128 * hi[j] + lo[j]);
       }
       acc[i] += dw * qx.d[xb] * static_cast<float>(dot);
-      if constexpr (Format == kQ4_1) offsets[i] += half_at(blk + 2) * qx.s[xb];
+      if constexpr (Format == kQ4_1) offsets[i] += mw * qx.s[xb];
     }
   }
   for (int64_t i = 0; i < MB; ++i) sums[i] = acc[i] + offsets[i];
