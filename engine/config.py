@@ -14,7 +14,8 @@ POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_MODES = ("none", "int8", "gguf")
-SPECULATIVE_METHODS = ("ngram", "self_draft")
+SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
+DRAFT_PLACEMENTS = ("local", "actor")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
 
@@ -118,13 +119,20 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding, spelt as vLLM's `speculative_config` (a dict in engine arguments)."""
-    method: str = _opt("ngram", "'ngram' (prompt lookup: drafts copied from the request's own earlier tokens) "
-                                "or 'self_draft' (the target's first num_layers layers, norm and LM head)")
+    method: str = _opt("ngram", "'ngram' (prompt lookup: drafts copied from the request's own earlier tokens), "
+                                "'self_draft' (the target's first num_layers layers, norm and LM head) or "
+                                "'draft_model' (a smaller model with the target's vocabulary: `model`)")
     num_speculative_tokens: int = _opt(4, "most draft tokens verified per request and step")
     prompt_lookup_min: int = _opt(1, "ngram: shortest suffix looked up")
     prompt_lookup_max: int = _opt(4, "ngram: longest suffix looked up")
     num_layers: int | None = _opt(None, "self_draft: how many of the target's first layers draft "
                                         "(default: a quarter of them)")
+    model: str | None = _opt(None, "draft_model: HF directory or .gguf file of the draft model")
+    placement: str = _opt("local", "draft_model/self_draft: 'local' (in the engine process) or 'actor' (the "
+                                   "DraftModel Ray Serve deployment of `draft_app`, one batched call per step)")
+    draft_app: str | None = _opt(None, "actor: the Serve application holding the DraftModel deployment "
+                                       "(the serve app sets it)")
+    deadline_s: float = _opt(0.05, "actor: a proposal later than this means plain decoding for the step")
     adaptive: bool = _opt(True, "verify only the drafts expected to pay: k per request from its acceptance "
                                 "history and the measured step cost (0 in a full batch); off: every draft")
 
@@ -133,6 +141,15 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative `model` (the draft model) is required with method 'draft_model' "
+                             "and only there")
+        if self.placement not in DRAFT_PLACEMENTS:
+            raise ValueError(f"placement must be one of {DRAFT_PLACEMENTS}, got {self.placement!r}")
+        if self.placement == "actor" and self.method == "ngram":
+            raise ValueError("placement 'actor' runs a draft model: method 'draft_model' or 'self_draft'")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.base import select_backend
+from engine.attention.base import kv_block_bytes, select_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.kv_cache.manager import KVCacheManager
@@ -24,6 +24,7 @@ from engine.request import FinishReason, Request
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
+from engine.spec_decode.draft_model import DraftModelDrafter, load_draft_worker
 from engine.spec_decode.self_draft import SelfDraft
 from engine.tokenization import check_context_length, check_token_ids, encode_chat, encode_text
 
@@ -46,7 +47,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the loaded model's {loaded.max_model_len}")
         self.vocab_size = model.vocab_size
         cache = config.cache
-        block_bytes = ModelRunner.block_bytes(model, cache.block_size, loaded.dtype)
+        block_bytes = kv_block_bytes(model, cache.block_size, loaded.dtype)
         # never more blocks than max_num_seqs requests of max_model_len tokens can fill
         useful_blocks = -(-config.scheduler.max_num_seqs * self.max_model_len // cache.block_size)
         num_blocks = cache.num_blocks or min(cache.kv_cache_memory_bytes // block_bytes, useful_blocks)
@@ -58,13 +59,30 @@ class LLMEngine:
                                    PreemptionCosts(block_bytes), clock, config.speculative)
         device = torch.device(config.model.device)
         backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
-        spec = config.speculative
-        drafter = (SelfDraft(model, spec.num_layers or max(model.num_layers // 4, 1), cache.block_size)
-                   if spec is not None and spec.method == "self_draft" else None)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
-                                  config.model.seed, loaded.dtype, drafter)
+                                  config.model.seed, loaded.dtype, self._drafter(num_blocks))
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self._last_step = StepStats()
+
+    def _drafter(self, num_blocks: int) -> SelfDraft | DraftModelDrafter | None:
+        """What fills the drafts the scheduler reserves (n-gram drafts need nothing): the target's
+        own first layers, or a draft model here or in the DraftModel deployment."""
+        spec, block_size = self.config.speculative, self.config.cache.block_size
+        if spec is None or spec.method == "ngram":
+            return None
+        if spec.placement == "actor":
+            if spec.draft_app is None:
+                raise ValueError("speculative placement 'actor' needs draft_app, the Serve application "
+                                 "holding the DraftModel deployment")
+            from engine.spec_decode.remote import ServeDraftTransport
+
+            return DraftModelDrafter(ServeDraftTransport(spec.draft_app, spec.deadline_s))
+        if spec.method == "self_draft":
+            return SelfDraft(self.loaded.model, spec.num_layers, block_size)
+        worker = load_draft_worker(spec, self.config.model, self.max_model_len, block_size,
+                                   self.config.cache.kv_cache_memory_bytes, num_blocks,
+                                   (self.tokenizer, self.vocab_size))
+        return DraftModelDrafter(worker.propose)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args) -> LLMEngine:

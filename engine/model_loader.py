@@ -20,7 +20,7 @@ from typing import Any
 import safetensors.torch
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
@@ -73,13 +73,25 @@ def converted_gguf(path: str) -> Path:
     return target
 
 
-def load_hf(model: str | None, dtype: torch.dtype = torch.float32):
-    """Returns (transformers model on CPU in `dtype`, tokenizer)."""
+def hf_directory(model: str | None) -> str:
+    """The Hugging Face directory a model is read from (a .gguf's converted copy)."""
     path = model or default_model_path()
     if path.endswith(".gguf"):
-        path = str(converted_gguf(path))
-    elif not os.path.isdir(path):
+        return str(converted_gguf(path))
+    if not os.path.isdir(path):
         raise ValueError(f"model must be a Hugging Face directory or a .gguf file, got {path!r}")
+    return path
+
+
+def load_vocabulary(model: str | None) -> tuple[Any, int]:
+    """(tokenizer, number of logits) of a model, without its weights."""
+    path = hf_directory(model)
+    return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).vocab_size
+
+
+def load_hf(model: str | None, dtype: torch.dtype = torch.float32):
+    """Returns (transformers model on CPU in `dtype`, tokenizer)."""
+    path = hf_directory(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model.eval()

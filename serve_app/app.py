@@ -2,8 +2,10 @@
 
 Graph: Ingress(config, router, replicas) -> Router (one replica, the global queue) and
 EngineReplica (num_replicas or autoscaling; pinned per call by PinnedReplicaRequestRouter).
-Replicas hold a router handle to push load reports. `app_builder(args)` is the YAML entry point
-(`import_path: serve_app.app:app_builder`); unknown keys in `args` are errors.
+Replicas hold a router handle to push load reports, and, with speculative placement `actor`, the
+DraftModel deployment's (bound so Serve deploys it with the app; engines call it by name).
+`app_builder(args)` is the YAML entry point (`import_path: serve_app.app:app_builder`); unknown
+keys in `args` are errors.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.client import EngineClient
+from engine.spec_decode.messages import DRAFT_DEPLOYMENT
 from serve_app.config import AppConfig
+from serve_app.draft import DraftModel
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineReplica
 from serve_app.router import Router
@@ -65,6 +69,18 @@ def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
     )
 
 
+def draft_deployment_options(config: AppConfig) -> dict[str, Any]:
+    draft = config.engine.draft
+    return dict(
+        name=DRAFT_DEPLOYMENT,
+        num_replicas=draft.num_replicas,
+        ray_actor_options={"num_cpus": draft.num_cpus, "num_gpus": draft.num_gpus},
+        max_ongoing_requests=64,  # one call per engine step per engine replica; they run one at a time
+        logging_config=_QUIET,
+        health_check_period_s=5,
+    )
+
+
 def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     """The application graph; `engine_cls` defaults to engine.AsyncEngine (tests inject a fake
     EngineClient; it must be importable on the workers)."""
@@ -74,7 +90,12 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
     ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
     router = router_dep.bind(config.router, metrics_enabled=True)
-    replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo)
+    engine_config, draft = config.engine.engine_config, None
+    if engine_config.speculative is not None and engine_config.speculative.placement == "actor":
+        draft_dep = serve.deployment(DraftModel, **draft_deployment_options(config))
+        draft = draft_dep.bind(engine_config, config.engine.draft.num_threads)
+    replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,
+                                draft=draft)
     return ingress_dep.bind(config, router, replicas)
 
 

@@ -78,6 +78,14 @@ class AutoscalingSettings(_Strict):
         return self
 
 
+class DraftModelSettings(_Strict):
+    """The DraftModel deployment, deployed when speculative_config says placement: actor."""
+    num_replicas: int = Field(1, ge=1, description="Draft replicas (engine replicas share them).")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per draft replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per draft replica.")
+    num_threads: int | None = Field(None, ge=1, description="torch threads of a draft replica; None keeps torch's.")
+
+
 class EngineReplicaConfig(_Strict):
     model: str | None = Field(None, description="Model directory/GGUF; None = embedded model.")
     served_model_name: str | None = Field(
@@ -97,6 +105,7 @@ class EngineReplicaConfig(_Strict):
     engine_process: bool = Field(
         True, description="Run the engine's step loop in a child process of the replica, so the "
                           "replica's serving threads take neither the GIL nor the forward's cores.")
+    draft: DraftModelSettings = Field(default_factory=DraftModelSettings)
     stream_flush_interval_s: float = Field(
         0.05, ge=0, description="Coalesce token deltas into one message per interval per stream.")
     stats_report_interval_s: float = Field(

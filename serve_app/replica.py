@@ -22,6 +22,7 @@ from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
 from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
+from serve_app.draft import bind_draft_app
 from serve_app.messages import EngineRequest, ErrorInfo, ModelInfo, ReplicaStats, StreamChunk
 from serve_app.metrics import ReplicaMetrics
 from serve_app.slo import SLOTarget, SLOTracker
@@ -57,13 +58,15 @@ class EngineReplica:
 
     def __init__(self, config: EngineReplicaConfig, router: Any = None,
                  engine_cls: type[EngineClient] | None = None, replica_id: str | None = None,
-                 metrics_enabled: bool = False, slo: dict[int, SLOTarget] | None = None):
+                 metrics_enabled: bool = False, slo: dict[int, SLOTarget] | None = None, draft: Any = None):
         if engine_cls is None:
             from engine.async_engine import AsyncEngine
 
             engine_cls = AsyncEngine
         self.config = config
-        self.engine: EngineClient = engine_cls.from_config(config.engine_config, config.engine_process)
+        self.draft = draft  # the DraftModel deployment (placement: actor); the engine calls it by name
+        self.engine: EngineClient = engine_cls.from_config(bind_draft_app(config.engine_config),
+                                                           config.engine_process)
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]
         model = config.engine_config.model
         self.slo = SLOTracker(slo or {})

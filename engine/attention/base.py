@@ -43,6 +43,11 @@ def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in FLASH_DTYPES and torch.backends.cuda.is_flash_attention_available()
 
 
+def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes of one block of the model across all layers (K and V)."""
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: float) -> AttentionBackend:
     """`auto`: flash attention on CUDA in bf16/fp16; on CPU in float32 torch with the C++ decode
     kernel when it builds; else pure torch. `torch` forces the pure-torch path, `cpu` requires

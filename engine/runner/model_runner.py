@@ -11,6 +11,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.runner.inputs import build_inputs
 from engine.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
+from engine.spec_decode.draft_model import DraftModelDrafter
 from engine.spec_decode.self_draft import SelfDraft
 from engine.spec_decode.verify import accepted_tokens
 
@@ -18,7 +19,7 @@ from engine.spec_decode.verify import accepted_tokens
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, num_blocks: int, num_host_blocks: int,
                  block_size: int, device: torch.device, seed: int, dtype: torch.dtype = torch.float32,
-                 drafter: SelfDraft | None = None):
+                 drafter: SelfDraft | DraftModelDrafter | None = None):
         """`drafter`: fills in the drafts the scheduler reserved, before the target's forward."""
         self.model = model
         self.drafter = drafter
@@ -33,14 +34,11 @@ class ModelRunner:
             self.host_cache = self.host_cache.pin_memory()
         self.sampler = Sampler(seed, device)
 
-    @staticmethod
-    def block_bytes(model, block_size: int, dtype: torch.dtype = torch.float32) -> int:
-        """KV bytes of one block across all layers (K and V)."""
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(out.finished_ids)
+        if self.drafter is not None:
+            self.drafter.forget(out.finished_ids)
         self._move_blocks(out)
         if out.is_empty:
             return ModelRunnerOutput({}, {})

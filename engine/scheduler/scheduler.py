@@ -66,7 +66,7 @@ class Scheduler:
         """`speculative`: decoding requests get draft tokens to verify in the same forward."""
         self.config = config
         self.speculative = speculative
-        self.proposer = (None if speculative is None else PendingDrafts() if speculative.method == "self_draft"
+        self.proposer = (None if speculative is None else PendingDrafts() if speculative.method != "ngram"
                          else NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max))
         self.adaptive = AdaptiveSpeculation() if speculative is not None and speculative.adaptive else None
         self.kv = kv
@@ -389,7 +389,7 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(request.request_id, reason)
                 return True
-        if item.draft_token_ids:
+        if self.speculative is not None:  # also the slots of drafts reserved but not proposed in the end
             self.kv.cache_full_blocks(request)
             self.kv.free_beyond(request, request.num_tokens)
         return True

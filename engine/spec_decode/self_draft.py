@@ -34,12 +34,22 @@ class PendingDrafts:
         """Nothing is kept per request."""
 
 
+def self_draft_layers(num_layers: int | None, num_target_layers: int) -> int:
+    """How many of the target's first layers draft: `num_layers`, by default a quarter of them."""
+    num_layers = num_layers or max(num_target_layers // 4, 1)
+    if not 1 <= num_layers <= num_target_layers:
+        raise ValueError(f"self_draft num_layers must be in [1, {num_target_layers}] (the target's layers), "
+                         f"got {num_layers}")
+    return num_layers
+
+
 class SelfDraft:
-    def __init__(self, model, num_layers: int, block_size: int):
-        if not 1 <= num_layers <= model.num_layers:
-            raise ValueError(f"self_draft num_layers must be in [1, {model.num_layers}] (the target's layers), "
-                             f"got {num_layers}")
-        self.model, self.num_layers, self.block_size = model, num_layers, block_size
+    def __init__(self, model, num_layers: int | None, block_size: int):
+        self.model, self.block_size = model, block_size
+        self.num_layers = self_draft_layers(num_layers, model.num_layers)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Nothing is kept per request: the drafts' KV is in the target's cache."""
 
     @torch.inference_mode()
     def fill(self, scheduled: list[ScheduledRequest], kv_cache, backend) -> None:

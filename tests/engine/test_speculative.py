@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram and self-draft drafts: lossless under every scheduling feature.
+"""Speculative decoding with n-gram, self-draft and draft-model drafts: lossless under every
+scheduling feature.
 
 Greedy output equals transformers' token for token with drafts verified inside the continuous
 batch (chunked prefill, preemption by swap and by recompute, prefix caching, priorities, n > 1,
@@ -15,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.outputs import SpecCounts
@@ -29,7 +30,29 @@ MAX_NEW = 32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
 SELF_DRAFT = {"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 3, "adaptive": False}  # 1 of 2 layers
-METHODS = pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
+DRAFT_MODEL = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}  # + the draft's path
+METHODS = pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+
+
+def save_first_layer(model_dir: str, path) -> str:
+    """A separate draft checkpoint: the model's first layer with its norm and LM head, saved as a
+    one-layer model (so it agrees with the model often, not always)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_llama, tmp_path_factory) -> str:
+    return save_first_layer(tiny_llama, tmp_path_factory.mktemp("tiny-draft"))
+
+
+@pytest.fixture
+def spec(method, tiny_draft) -> dict:
+    return {"ngram": NGRAM, "self_draft": SELF_DRAFT, "draft_model": {**DRAFT_MODEL, "model": tiny_draft}}[method]
 
 
 def _repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
@@ -212,14 +235,15 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(1 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat))
 
 
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 2, "adaptive": False},
-                                  {**SELF_DRAFT, "num_speculative_tokens": 2}], ids=["ngram", "self_draft"])
-def test_sampled_output_keeps_the_targets_distribution(tiny_llama_words, spec):
-    """A prompt that repeats itself, so that n-gram drafts are proposed at every step (a self-draft
-    always proposes); 3,000 samples of
-    the first three tokens at temperature 1 with top-k 8. The first token's and the third token's
+@METHODS
+def test_sampled_output_keeps_the_targets_distribution(tiny_llama_words, method, tmp_path):
+    """A prompt that repeats itself, so that n-gram drafts are proposed at every step (draft models
+    always propose); 3,000 samples of the first three tokens at temperature 1 with top-k 8. The first token's and the third token's
     (marginal) frequencies fit transformers' exact distribution (chi-square, p > 0.001), and
     drafts were accepted and rejected on the way."""
+    spec = {"ngram": NGRAM, "self_draft": SELF_DRAFT,
+            "draft_model": {**DRAFT_MODEL, "model": save_first_layer(tiny_llama_words, tmp_path)}}[method]
+    spec = {**spec, "num_speculative_tokens": 2}
     words = "the cat sat on the mat the cat sat on the mat the cat sat on the"
     llm = LLM(tiny_llama_words, speculative_config=spec, seed=1)
     prompt = llm.engine.encode_prompt(words)

@@ -1,0 +1,27 @@
+"""What crosses between an engine and its draft worker, in-process or to the DraftModel
+deployment (engine.spec_decode.draft_model). Torch-free, so the serve app imports it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DRAFT_DEPLOYMENT = "DraftModel"  # the Serve deployment engines call with placement `actor`
+
+
+@dataclass(frozen=True, slots=True)
+class DraftQuery:
+    request_id: str
+    num_kept: int  # the request's first tokens the worker was sent before (it keeps those)
+    new_token_ids: list[int]  # the request's tokens after them
+    num_drafts: int
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCall:
+    """One engine step's queries, and the requests that ended since the last call delivered."""
+    queries: list[DraftQuery]
+    finished_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftReply:
+    drafts: list[list[int] | None]  # per query; None: the worker lacks its first num_kept tokens
