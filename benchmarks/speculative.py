@@ -1,6 +1,10 @@
 """Speculative decoding on the embedded model: plain decoding vs n-gram drafts and self-drafts (the
 target's first quarter of layers), each with a fixed k and with adaptive k, same run.
 
+`self_draft_actor` runs the self-draft in the DraftModel Ray Serve deployment (placement `actor`,
+its own process and KV cache, one call per step) on a local Ray cluster the benchmark starts; the
+median round trip of an empty call (the hop) is printed first.
+
 Two workloads: extraction (the answer repeats a passage of the prompt) and free chat. For each
 batch size, the three engines' runs alternate (`--repeats` rounds); the figure is the median
 output tokens per second, with the ratio to plain, the acceptance rate and the mean accepted
@@ -8,7 +12,7 @@ drafts per verifying step. Outputs are checked identical (greedy). Each engine l
 whole run, as a server would, so the adaptive one measures its step cost as it goes.
 
     python benchmarks/speculative.py [--batch-sizes 1,4,16,64] [--repeats 3] [--k 4] [--plot speedup.png]
-        [--modes plain,ngram,ngram_adaptive,self_draft,self_draft_adaptive]
+        [--modes plain,ngram,ngram_adaptive,self_draft,self_draft_adaptive,self_draft_actor]
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -46,7 +51,35 @@ def workload(name: str, batch: int) -> list[list[dict]]:
 MODES = {"plain": None,
          "ngram": {"method": "ngram", "adaptive": False}, "ngram_adaptive": {"method": "ngram", "adaptive": True},
          "self_draft": {"method": "self_draft", "adaptive": False},
-         "self_draft_adaptive": {"method": "self_draft", "adaptive": True}}
+         "self_draft_adaptive": {"method": "self_draft", "adaptive": True},
+         "self_draft_actor": {"method": "self_draft", "adaptive": False, "placement": "actor"}}
+DRAFT_APP = "bench-drafts"
+
+
+def start_draft_actor(spec: dict, tmp: str) -> float:
+    """A local Ray cluster with the DraftModel deployment of `spec` (its own process, as under
+    `serve run`); returns the median ms of an empty call's round trip from this process (the hop
+    every engine step pays on top of the drafting itself)."""
+    import os
+
+    import ray
+    from ray import serve
+
+    from engine.config import EngineConfig
+    from engine.spec_decode.messages import DraftCall
+    from serve_app.draft import DraftModel
+
+    os.environ.setdefault("RAY_TMPDIR", tmp)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    config = EngineConfig.from_kwargs(speculative_config=spec)
+    deployment = serve.deployment(DraftModel, name="DraftModel", ray_actor_options={"num_cpus": 0})
+    handle = serve.run(deployment.bind(config, 2), name=DRAFT_APP, route_prefix=None)
+    times = []
+    for _ in range(60):
+        with Stopwatch() as clock:
+            handle.propose.remote(DraftCall([], [])).result()
+        times.append(clock.wall_s * 1e3)
+    return statistics.median(times[10:])
 
 
 def run(llm: LLM, chats: list[list[dict]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
@@ -94,9 +127,14 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="engines to compare (plain always runs)")
     args = parser.parse_args()
     modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
-    llms = {mode: LLM(speculative_config=None if MODES[mode] is None else
-                      {"num_speculative_tokens": args.k, **MODES[mode]})
-            for mode in modes}
+    specs = {mode: None if MODES[mode] is None else {"num_speculative_tokens": args.k, **MODES[mode]}
+             for mode in modes}
+    for mode, spec in specs.items():
+        if spec is not None and spec.get("placement") == "actor":
+            hop_ms = start_draft_actor(spec, tempfile.mkdtemp(prefix="ray-"))
+            print(json.dumps({"draft_hop_ms": round(hop_ms, 2)}), flush=True)
+            specs[mode] = {**spec, "draft_app": DRAFT_APP}
+    llms = {mode: LLM(speculative_config=spec) for mode, spec in specs.items()}
     rows = []
     for name in ("extraction", "chat"):
         for batch in map(int, args.batch_sizes.split(",")):

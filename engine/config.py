@@ -132,7 +132,7 @@ class SpeculativeConfig:
                                    "DraftModel Ray Serve deployment of `draft_app`, one batched call per step)")
     draft_app: str | None = _opt(None, "actor: the Serve application holding the DraftModel deployment "
                                        "(the serve app sets it)")
-    deadline_s: float = _opt(0.05, "actor: a proposal later than this means plain decoding for the step")
+    deadline_s: float = _opt(0.25, "actor: a proposal later than this means plain decoding for the step")
     adaptive: bool = _opt(True, "verify only the drafts expected to pay: k per request from its acceptance "
                                 "history and the measured step cost (0 in a full batch); off: every draft")
 

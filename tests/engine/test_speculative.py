@@ -238,9 +238,9 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @METHODS
 def test_sampled_output_keeps_the_targets_distribution(tiny_llama_words, method, tmp_path):
     """A prompt that repeats itself, so that n-gram drafts are proposed at every step (draft models
-    always propose); 3,000 samples of the first three tokens at temperature 1 with top-k 8. The first token's and the third token's
-    (marginal) frequencies fit transformers' exact distribution (chi-square, p > 0.001), and
-    drafts were accepted and rejected on the way."""
+    always propose); 3,000 samples of the first three tokens at temperature 1 with top-k 8. The
+    first token's and the third token's (marginal) frequencies fit transformers' exact
+    distribution (chi-square, p > 0.001), and drafts were accepted and rejected on the way."""
     spec = {"ngram": NGRAM, "self_draft": SELF_DRAFT,
             "draft_model": {**DRAFT_MODEL, "model": save_first_layer(tiny_llama_words, tmp_path)}}[method]
     spec = {**spec, "num_speculative_tokens": 2}
