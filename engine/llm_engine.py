@@ -78,7 +78,7 @@ class LLMEngine:
 
             return DraftModelDrafter(ServeDraftTransport(spec.draft_app, spec.deadline_s))
         if spec.method == "self_draft":
-            return SelfDraft(self.loaded.model, spec.num_layers, block_size)
+            return SelfDraft(self.loaded.model, spec.num_layers, block_size, self.config.model.seed)
         worker = load_draft_worker(spec, self.config.model, self.max_model_len, block_size,
                                    self.config.cache.kv_cache_memory_bytes, num_blocks,
                                    (self.tokenizer, self.vocab_size))

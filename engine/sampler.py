@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.messages import SampledDraft
+
+DRAFT_SUPPORT = 64  # tokens a sampled draft's distribution keeps (and a DraftReply carries)
 
 
 @dataclass(slots=True)
@@ -38,16 +42,20 @@ class Sampler:
             self._request_generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 drafts: list[SampledDraft | None] | None = None) -> SamplerOutput:
+        """`drafts`: per row, the sampled draft it verifies (Leviathan et al.'s rule), or None: the
+        row is sampled as it is (a one-hot draft is verified by comparing with that sample)."""
+        drafts = drafts or [None] * len(requests)
         snapshot = self._snapshot(requests)
         try:
-            return self._sample_batch(logits, requests)
+            return self._sample_batch(logits, requests, drafts)
         except Exception:
             self._restore(snapshot)
         token_ids, logprobs, errors = [], [], {}
         for row, request in enumerate(requests):
             try:
-                one = self._sample_batch(logits[row:row + 1], [request])
+                one = self._sample_batch(logits[row:row + 1], [request], drafts[row:row + 1])
             except Exception as e:  # this request's own fault: fail it, keep its batch-mates
                 token_ids.append(None)
                 logprobs.append(None)
@@ -57,7 +65,8 @@ class Sampler:
             logprobs += one.logprobs
         return SamplerOutput(token_ids, logprobs, errors)
 
-    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request],
+                      drafts: list[SampledDraft | None]) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.params.logprobs is not None for r in requests) else None)
@@ -70,26 +79,35 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
+            token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows],
+                                           [drafts[i] for i in random_rows])
         ids = token_ids.tolist()
         return SamplerOutput(ids, [_logprobs(raw_logprobs, i, ids[i], r) for i, r in enumerate(requests)])
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params, device = [r.params for r in requests], logits.device
-        logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None]
+                ) -> torch.Tensor:
+        probs = sampling_probs(logits, [r.params for r in requests])
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.params.seed is not None:
                 noise[row].exponential_(generator=self._request_generator(request))
+        for row, draft in enumerate(drafts):
+            if draft is not None:
+                probs[row] = self._verify(probs[row], draft)
         return (probs / noise).argmax(dim=-1)
+
+    def _verify(self, p: torch.Tensor, draft: SampledDraft) -> torch.Tensor:
+        """Leviathan et al. / Chen et al.: the draft d, drawn from q, is accepted with probability
+        min(1, p(d) / q(d)), else a token is drawn from norm(max(0, p - q)). So each token has
+        probability p. Returns the distribution to draw the row's token from: one-hot at d when
+        accepted, else the residual."""
+        p = p / p.sum()
+        q = torch.zeros_like(p).index_put_((torch.tensor(draft.support, device=p.device),),
+                                            torch.tensor(draft.probs, device=p.device, dtype=p.dtype))
+        d = draft.token_id
+        if float(torch.rand((), generator=self.generator, device=p.device)) * float(q[d]) <= float(p[d]):
+            return torch.zeros_like(p).index_fill_(0, torch.tensor([d], device=p.device), 1.0)
+        return (p - q).clamp_(min=0)
 
     def _request_generator(self, request: Request) -> torch.Generator:
         generator = self._request_generators.get(request.request_id)
@@ -113,6 +131,51 @@ class Sampler:
         for generator, state in states:
             generator.set_state(state)
         self.forget(new_ids)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution under its temperature, top-k, top-p and min-p (unnormalised
+    after min-p)."""
+    device = logits.device
+    logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def draft_params(params: SamplingParams) -> SamplingParams | None:
+    """What a draft model samples its drafts under for a request: None (argmax) for greedy
+    requests, whose target token is the argmax, and for seeded ones, whose tokens must not depend
+    on a draft's own randomness."""
+    return None if params.greedy or params.seed is not None else params
+
+
+def sample_drafts(logits: torch.Tensor, params: list[SamplingParams | None], generator: torch.Generator
+                  ) -> tuple[list[int], list[SampledDraft | None]]:
+    """A draft model's next token per row: the argmax where `params` is None (greedy or seeded
+    requests: a one-hot draft, no randomness of the draft's own), else a draw from the row's
+    sampling distribution cut to its DRAFT_SUPPORT most likely tokens (any draft distribution is
+    exact under verification; this one is close to the target's and small to send)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if p is not None]
+    drafts: list[SampledDraft | None] = [None] * len(params)
+    if rows:
+        probs = sampling_probs(logits[rows].float(), [params[i] for i in rows])
+        top = probs.topk(min(DRAFT_SUPPORT, probs.shape[-1]), dim=-1)
+        top_probs = top.values / top.values.sum(dim=-1, keepdim=True)
+        picks = torch.multinomial(top_probs, 1, generator=generator).flatten().tolist()
+        for j, i in enumerate(rows):
+            keep = top_probs[j] > 0
+            support, q = top.indices[j][keep].tolist(), top_probs[j][keep].tolist()
+            tokens[i] = int(top.indices[j, picks[j]])
+            drafts[i] = SampledDraft(tokens[i], support, q)
+    return tokens, drafts
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

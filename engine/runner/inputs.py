@@ -14,6 +14,7 @@ import torch
 
 from engine.request import Request
 from engine.scheduler.output import ScheduledRequest
+from engine.spec_decode.messages import SampledDraft
 from engine.spec_decode.verify import WithDrafts
 
 
@@ -30,6 +31,7 @@ class ModelInputs:
     block_size: int
     sample_indices: torch.Tensor  # (R,) flat index of each token whose logits are sampled
     sampled_requests: list[Request | WithDrafts]  # (R,) whose history each row continues
+    sampled_drafts: list[SampledDraft | None]  # (R,) the sampled draft each row verifies, if any
     verified: list[tuple[Request, list[int], int]]  # (request, drafts, first row) of each request sampled
 
 
@@ -41,7 +43,7 @@ def _as_rows(item: ScheduledRequest) -> bool:
 def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
     ordered = sorted(scheduled, key=lambda s: (not _as_rows(s), s.start_pos if _as_rows(s) else 0))
     input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [], [], []
-    query_start_loc, sample_indices, sampled_requests, verified = [0], [], [], []
+    query_start_loc, sample_indices, sampled_requests, sampled_drafts, verified = [0], [], [], [], []
     num_decodes = 0
     for item in ordered:
         n, start = len(item.token_ids), item.start_pos
@@ -63,6 +65,8 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
             sample_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
             sampled_requests.append(item.request)
             sampled_requests.extend(WithDrafts(item.request, drafts[:j]) for j in range(1, len(drafts) + 1))
+            sampled_drafts.extend(item.sampled_drafts or [None] * len(drafts))
+            sampled_drafts.append(None)  # the bonus token's row
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -79,5 +83,6 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         block_size=block_size,
         sample_indices=as_tensor(sample_indices),
         sampled_requests=sampled_requests,
+        sampled_drafts=sampled_drafts,
         verified=verified,
     )

@@ -48,7 +48,7 @@ class ModelRunner:
         metadata = self.backend.build_metadata(inputs)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,
                             inputs.sample_indices)
-        result = self.sampler(logits, inputs.sampled_requests)
+        result = self.sampler(logits, inputs.sampled_requests, inputs.sampled_drafts)
         sampled, logprobs = {}, {}
         for request, drafts, row in inputs.verified:
             if request.request_id in result.errors:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import Request
+from engine.spec_decode.messages import SampledDraft
 
 
 @dataclass(slots=True)
@@ -15,6 +16,7 @@ class ScheduledRequest:
     block_table: list[int]  # device blocks covering positions [0, start_pos + len(token_ids))
     sample: bool  # True when this chunk reaches the request's last token: sample its next one
     draft_token_ids: list[int] = field(default_factory=list)  # the tail of token_ids to verify
+    sampled_drafts: list[SampledDraft] | None = None  # their distributions, if drawn at random (else one-hot)
 
     @property
     def num_input_tokens(self) -> int:

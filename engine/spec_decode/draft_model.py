@@ -12,9 +12,10 @@ rollback. A worker that does not hold a sequence (restarted, or evicted it for r
 for it and is sent the whole sequence next step; a call that fails, or misses the actor's
 deadline, means plain decoding for that step: the reserved slots are released like rejected ones.
 
-Drafts are the draft model's argmax: a one-hot draft distribution, for which the target's
-verification (engine.spec_decode.verify) is the exact rejection rule whatever the request's
-sampling settings.
+Drafts are the draft model's argmax (one-hot) for greedy and seeded requests, else drawn from
+its sampling distribution under the request's settings, cut to its most likely tokens and sent
+with the draft (SampledDraft) so the target accepts it with probability min(1, p/q)
+(engine.spec_decode.verify).
 """
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.model_loader import load_model, load_vocabulary
 from engine.request import Request
 from engine.runner.inputs import build_inputs
+from engine.sampler import draft_params, sample_drafts
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import ScheduledRequest
-from engine.spec_decode.messages import DraftCall, DraftQuery, DraftReply
+from engine.spec_decode.messages import DraftCall, DraftQuery, DraftReply, SampledDraft
 from engine.spec_decode.self_draft import self_draft_layers
 
 _SEQUENCE_PARAMS = SamplingParams(max_tokens=1)  # a worker's sequences are never sampled by params
@@ -62,9 +64,11 @@ class DraftWorker:
     first: evicted when blocks run short)."""
 
     def __init__(self, model, backend, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, num_layers: int | None = None):
-        """`num_layers`: draft through the model's first layers only (self-drafting)."""
+                 dtype: torch.dtype, num_layers: int | None = None, seed: int = 0):
+        """`num_layers`: draft through the model's first layers only (self-drafting); `seed`: of
+        the draws of sampled drafts."""
         self.model, self.backend, self.num_layers = model, backend, num_layers
+        self.generator = torch.Generator(device).manual_seed(seed)
         self.block_size, self.device = block_size, device
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_cache = backend.allocate_kv_cache(model.num_layers, num_blocks, block_size, model.num_kv_heads,
@@ -80,16 +84,16 @@ class DraftWorker:
         for request_id in call.finished_ids:
             self._drop(request_id)
         in_call = {query.request_id for query in call.queries}
-        replies: list[list[int] | None] = []
-        drafting: list[tuple[Request, int]] = []
+        known: list[bool] = []
+        drafting: list[tuple[Request, DraftQuery]] = []
         for query in call.queries:
             sequence = self._sync(query)
-            replies.append(None if sequence is None else [])
+            known.append(sequence is not None)
             if sequence is not None and query.num_drafts > 0 and self._reserve(sequence, query.num_drafts, in_call):
-                drafting.append((sequence, query.num_drafts))
-        drafts = self._draft(drafting)
-        return DraftReply([drafts.get(query.request_id, reply) if reply is not None else None
-                           for query, reply in zip(call.queries, replies)])
+                drafting.append((sequence, query))
+        drafts, sampled = self._draft(drafting)
+        return DraftReply([drafts.get(query.request_id, []) if ok else None for query, ok in zip(call.queries, known)],
+                          [sampled.get(query.request_id) for query in call.queries])
 
     def _sync(self, query: DraftQuery) -> Request | None:
         """The query's sequence with the request's tokens, computed tokens rolled back to where
@@ -119,34 +123,38 @@ class DraftWorker:
             self._drop(victim)
         return True
 
-    def _draft(self, drafting: list[tuple[Request, int]]) -> dict[str, list[int]]:
-        """Pass 0 computes each sequence's new tokens and drafts after them; pass j feeds draft j."""
+    def _draft(self, drafting: list[tuple[Request, DraftQuery]]
+               ) -> tuple[dict[str, list[int]], dict[str, list[SampledDraft]]]:
+        """Pass 0 computes each sequence's new tokens and drafts after them; pass j feeds draft j.
+        Returns the drafts, and the distributions of those drawn at random."""
         drafts: dict[str, list[int]] = {sequence.request_id: [] for sequence, _ in drafting}
+        sampled: dict[str, list[SampledDraft]] = {sequence.request_id: [] for sequence, q in drafting if q.params}
+        params = {sequence.request_id: query.params for sequence, query in drafting}
         rows = [self._row(sequence) for sequence, _ in drafting]
         while rows:
-            for request_id, token in self._argmax(rows).items():
-                drafts[request_id].append(token)
+            inputs = build_inputs(rows, self.block_size, self.device)
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
+                                self.backend.build_metadata(inputs), inputs.sample_indices, num_layers=self.num_layers)
+            tokens, distributions = sample_drafts(logits, [params[r.request_id] for r in inputs.sampled_requests],
+                                                  self.generator)
+            for request, _, row in inputs.verified:
+                drafts[request.request_id].append(tokens[row])
+                if distributions[row] is not None:
+                    sampled[request.request_id].append(distributions[row])
             for row in rows:
                 row.request.num_computed_tokens = row.request.num_tokens
             rows = []
-            for sequence, num_drafts in drafting:
+            for sequence, query in drafting:
                 mine = drafts[sequence.request_id]
-                if len(mine) < num_drafts:
+                if len(mine) < query.num_drafts:
                     sequence.token_ids.append(mine[-1])
                     rows.append(self._row(sequence))
-        return drafts
+        return drafts, sampled
 
     def _row(self, sequence: Request) -> ScheduledRequest:
         start = sequence.num_computed_tokens
         return ScheduledRequest(sequence, sequence.token_ids[start:], start,
                                 self.kv.block_table(sequence.request_id), sample=True)
-
-    def _argmax(self, rows: list[ScheduledRequest]) -> dict[str, int]:
-        inputs = build_inputs(rows, self.block_size, self.device)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
-                            self.backend.build_metadata(inputs), inputs.sample_indices, num_layers=self.num_layers)
-        tokens = logits.argmax(dim=-1).tolist()
-        return {request.request_id: tokens[row] for request, _, row in inputs.verified}
 
     def _drop(self, request_id: str) -> None:
         sequence = self._sequences.pop(request_id, None)
@@ -182,7 +190,8 @@ class DraftModelDrafter:
         for item in active:
             request = item.request
             kept = self._num_sent.get(request.request_id, 0)
-            queries.append(DraftQuery(request.request_id, kept, request.token_ids[kept:], len(item.draft_token_ids)))
+            queries.append(DraftQuery(request.request_id, kept, request.token_ids[kept:], len(item.draft_token_ids),
+                                      draft_params(request.params)))
         reply = self.transport(DraftCall(queries, self._finished))
         if reply is not None:
             self._finished = []
@@ -195,6 +204,8 @@ class DraftModelDrafter:
             drafts = (drafts or [])[:len(item.draft_token_ids)]
             item.token_ids = item.token_ids[:item.num_input_tokens] + drafts
             item.draft_token_ids = drafts
+            sampled = reply.sampled[i] if reply is not None else None
+            item.sampled_drafts = sampled[:len(drafts)] if sampled is not None and drafts else None
 
 
 def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int | None, block_size: int,
@@ -222,4 +233,4 @@ def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_le
         raise ValueError(f"kv_cache_memory_bytes {kv_cache_memory_bytes} holds no KV block of the draft model")
     device = torch.device(target.device)
     backend = select_backend(target.attention_backend, device, loaded.dtype, loaded.model.head_dim ** -0.5)
-    return DraftWorker(loaded.model, backend, num_blocks, block_size, device, loaded.dtype, num_layers)
+    return DraftWorker(loaded.model, backend, num_blocks, block_size, device, loaded.dtype, num_layers, target.seed)

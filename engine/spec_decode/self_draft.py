@@ -8,9 +8,9 @@ positions (computed tokens end there, blocks holding only them are freed).
 
 The scheduler reserves the drafts (PendingDrafts: how many, per request, adaptive or not); the
 runner fills them in (SelfDraft) before the target's forward, k one-token passes for the whole
-batch of speculating requests. Drafts are the draft model's argmax: a one-hot draft distribution,
-for which the target's verification (engine.spec_decode.verify) is the exact rejection rule
-whatever the request's sampling settings.
+batch of speculating requests. Drafts are the draft model's argmax (a one-hot draft distribution)
+for greedy and seeded requests, else drawn from the draft's own sampling distribution
+(engine.sampler.sample_drafts), which verification accepts with probability min(1, p/q).
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import torch
 
 from engine.request import Request
 from engine.runner.inputs import build_inputs
+from engine.sampler import draft_params, sample_drafts
 from engine.scheduler.output import ScheduledRequest
+from engine.spec_decode.messages import SampledDraft
 
 PENDING = -1  # a reserved draft the runner has not filled in yet (never a valid token id)
 
@@ -44,9 +46,10 @@ def self_draft_layers(num_layers: int | None, num_target_layers: int) -> int:
 
 
 class SelfDraft:
-    def __init__(self, model, num_layers: int | None, block_size: int):
+    def __init__(self, model, num_layers: int | None, block_size: int, seed: int = 0):
         self.model, self.block_size = model, block_size
         self.num_layers = self_draft_layers(num_layers, model.num_layers)
+        self.generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
 
     def forget(self, request_ids: list[str]) -> None:
         """Nothing is kept per request: the drafts' KV is in the target's cache."""
@@ -57,6 +60,7 @@ class SelfDraft:
         pass j feeds each request's token at position start + j (its last token, then its drafts)."""
         active = [item for item in scheduled if item.draft_token_ids]
         drafts: dict[str, list[int]] = {item.request.request_id: [] for item in active}
+        sampled: dict[str, list[SampledDraft | None]] = {item.request.request_id: [] for item in active}
         for depth in range(max((len(item.draft_token_ids) for item in active), default=0)):
             rows = [ScheduledRequest(item.request, [item.token_ids[depth]], item.start_pos + depth,
                                      item.block_table, sample=True)
@@ -64,12 +68,16 @@ class SelfDraft:
             inputs = build_inputs(rows, self.block_size, kv_cache.device)
             logits = self.model(inputs.input_ids, inputs.positions, kv_cache, backend,
                                 backend.build_metadata(inputs), inputs.sample_indices, num_layers=self.num_layers)
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens, distributions = sample_drafts(logits, [draft_params(r.params) for r in inputs.sampled_requests],
+                                                  self.generator)
             for request, _, row in inputs.verified:
                 drafts[request.request_id].append(tokens[row])
+                sampled[request.request_id].append(distributions[row])
             for item in active:
                 mine = drafts[item.request.request_id]
                 if len(mine) == depth + 1:
                     item.token_ids[item.num_input_tokens + depth] = mine[-1]
         for item in active:
             item.draft_token_ids = drafts[item.request.request_id]
+            mine = sampled[item.request.request_id]
+            item.sampled_drafts = mine if all(mine) else None

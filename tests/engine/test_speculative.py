@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine import LLM, LLMEngine, SamplingParams
 from engine.outputs import SpecCounts
 from engine.request import Request
+from engine.sampler import Sampler, sampling_probs
+from engine.spec_decode.messages import SampledDraft
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.verify import accepted_tokens
 from tests.engine.helpers import hf_greedy
@@ -233,6 +235,30 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
     df = int(keep.sum()) - 1
     return float(1 - torch.distributions.Chi2(torch.tensor(float(df))).cdf(stat))
+
+
+@pytest.mark.parametrize("q, top_k", [
+    ({0: 1 / 6, 1: 1 / 6, 2: 1 / 6, 3: 1 / 6, 4: 1 / 6, 5: 1 / 6}, 0),  # a flat draft
+    ({4: 0.9, 0: 0.1}, 0),  # a draft sure of a token the target finds unlikely
+    ({5: 0.7, 1: 0.3}, 3),  # a draft sure of a token outside the target's top-3 (p = 0: always rejected)
+], ids=["flat", "overconfident", "outside-top-k"])
+def test_the_rejection_rule_draws_from_the_target_whatever_the_draft_distribution(q, top_k):
+    """Drafts drawn from q, verified by the sampler: the row's token has the target's distribution p
+    (chi-square over 6,000 rows) and drafts are accepted at the rate sum(min(p, q))."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, -0.5, -1.0])
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    p = sampling_probs(logits[None], [params])[0]
+    p = p / p.sum()
+    support, probs = list(q), list(q.values())
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.multinomial(torch.tensor(probs), 6000, replacement=True, generator=generator).tolist()
+    drafts = [SampledDraft(support[i], support, probs) for i in picks]
+    requests = [Request(f"q{i}", [1], params) for i in range(len(drafts))]
+    tokens = torch.tensor(Sampler(seed=0)(logits.repeat(len(drafts), 1), requests, drafts).token_ids)
+    assert _chi_square_p_value(torch.bincount(tokens, minlength=6).float(), p) > 1e-3
+    accepted = sum(int(t) == d.token_id for t, d in zip(tokens, drafts)) / len(drafts)
+    q_dense = torch.zeros(6).index_put_((torch.tensor(support),), torch.tensor(probs))
+    assert accepted == pytest.approx(float(torch.minimum(p, q_dense).sum()), abs=0.03)
 
 
 @METHODS
