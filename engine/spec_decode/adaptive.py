@@ -14,8 +14,12 @@ A size whose cost is not known yet is priced by the linear fit, tried, and then 
 plain step itself (no drafts) is measured before anything is weighed against it, or a wrong fit
 could keep it from ever running.
 
-A request that gets no drafts learns nothing, so its counts decay toward the prior each step it
-is denied one: speculation is retried now and then, and resumes when the load falls.
+A request's prior is 0.5, or what the engine's drafts have earned lately over all requests where
+that is less: where drafts are rarely right (a draft model that does not predict this target,
+n-gram lookup on free chat) new requests do not each pay to learn it again. A request that gets no
+drafts learns nothing, so its counts decay toward that prior each step it is denied one, and the
+engine-wide estimate drifts back toward 0.5 in steps where drafts were offered and none was taken:
+speculation is retried now and then (rarely where it never pays), and resumes when the load falls.
 """
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ from dataclasses import dataclass
 
 from engine.scheduler.step_time import StepTimeModel
 
-PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # alpha 0.5 before any evidence
+PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # the highest prior a request starts from, and its weight
 DECAY = 0.8  # weight of a request's past verifications per new one (and per step denied drafts)
+ENGINE_DECAY = 0.98  # the same for the engine-wide estimate (per verification, per step denied drafts)
 
 
 @dataclass(slots=True)
@@ -32,17 +37,16 @@ class AcceptanceEstimate:
     accepted: float = 0.0  # decayed counts of accepted drafts and of drafts tried
     trials: float = 0.0
 
-    @property
-    def alpha(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+    def alpha(self, prior: float) -> float:
+        return (self.accepted + PRIOR_TRIALS * prior) / (self.trials + PRIOR_TRIALS)
 
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
-        self.accepted = DECAY * self.accepted + num_accepted
-        self.trials = DECAY * self.trials + num_accepted + (num_accepted < num_proposed)
+    def observe(self, num_proposed: int, num_accepted: int, decay: float = DECAY) -> None:
+        self.accepted = decay * self.accepted + num_accepted
+        self.trials = decay * self.trials + num_accepted + (num_accepted < num_proposed)
 
-    def decay(self) -> None:
-        self.accepted *= DECAY
-        self.trials *= DECAY
+    def decay(self, decay: float = DECAY) -> None:
+        self.accepted *= decay
+        self.trials *= decay
 
 
 class AdaptiveSpeculation:
@@ -50,13 +54,19 @@ class AdaptiveSpeculation:
 
     def __init__(self):
         self._estimates: dict[str, AcceptanceEstimate] = {}
+        self._engine = AcceptanceEstimate()  # every request's verifications
+
+    @property
+    def prior(self) -> float:
+        return min(PRIOR_ALPHA, self._engine.alpha(PRIOR_ALPHA))
 
     def alpha(self, request_id: str) -> float:
         estimate = self._estimates.get(request_id)
-        return estimate.alpha if estimate is not None else PRIOR_ACCEPTED / PRIOR_TRIALS
+        return estimate.alpha(self.prior) if estimate is not None else self.prior
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self._estimates.setdefault(request_id, AcceptanceEstimate()).observe(num_proposed, num_accepted)
+        self._engine.observe(num_proposed, num_accepted, ENGINE_DECAY)
 
     def forget(self, request_id: str) -> None:
         self._estimates.pop(request_id, None)
@@ -90,6 +100,8 @@ class AdaptiveSpeculation:
         counts = [0] * len(drafts)
         for _, i in candidates[:best_m]:
             counts[i] += 1
+        if candidates and best_m == 0:
+            self._engine.decay(ENGINE_DECAY)
         for request_id, d, count in zip(request_ids, drafts, counts):
             if d and count == 0:
                 self._estimates.setdefault(request_id, AcceptanceEstimate()).decay()

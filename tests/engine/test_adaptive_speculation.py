@@ -123,3 +123,21 @@ def test_each_request_gets_the_drafts_its_acceptance_earns_and_a_denied_one_is_r
     assert bad_drafts.count(0) >= 30  # mostly denied once its record is poor
     assert 2 <= sum(bad_drafts) <= 10  # yet retried now and then
     assert requests[1].spec.accepted == 0 and requests[0].spec.acceptance_rate == 1.0
+
+
+def test_where_drafts_are_never_right_requests_start_and_return_from_a_lower_prior():
+    """The same load with all four requests' drafts always rejected (a draft model that does not
+    predict its target): the engine-wide estimate falls, so denied requests drift back to it
+    rather than to 0.5 and are retried about every 40 steps instead of every step or two, yet
+    still retried; a new request starts from it too."""
+    sched = make_scheduler(num_blocks=1024, block_size=4, max_num_seqs=5, max_num_batched_tokens=256,
+                           speculative=SpeculativeConfig(num_speculative_tokens=K))
+    requests = [make_request(prompt=PROMPT, max_tokens=600) for _ in range(4)]
+    for r in requests:
+        sched.add_request(r)
+    _decode_steps(sched, {}, 1)
+    sched.step_time = _cost_model(0.050, 0.004)
+    history = _decode_steps(sched, {r.request_id: False for r in requests}, 400)
+    retried = sum(sum(d.values()) for d in history[40:])
+    assert 0 < retried <= 60, retried
+    assert sched.adaptive.alpha("new") == sched.adaptive.prior < 0.25
