@@ -10,6 +10,8 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]]  # request id -> its new tokens (accepted drafts, then one sampled)
     logprobs: dict[str, list[dict[int, float]]]  # request id -> logprobs of each new token, when asked
     errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why sampling it failed
+    draft_passes: int = 0  # draft-model passes run to fill this step's drafts
+    draft_seconds: float = 0.0  # the time they took (with the call to a remote draft model)
 
 
 @dataclass(slots=True)

@@ -4,6 +4,8 @@ Owns the device KV cache and its host swap mirror; makes no scheduling decisions
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.attention.base import AttentionBackend
@@ -42,8 +44,11 @@ class ModelRunner:
         self._move_blocks(out)
         if out.is_empty:
             return ModelRunnerOutput({}, {})
+        draft_passes, draft_seconds = 0, 0.0
         if self.drafter is not None:
-            self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
+            t0 = time.perf_counter()
+            draft_passes = self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
+            draft_seconds = time.perf_counter() - t0
         inputs = build_inputs(out.scheduled, self.block_size, self.device)
         metadata = self.backend.build_metadata(inputs)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,
@@ -57,7 +62,7 @@ class ModelRunner:
             sampled[request.request_id] = tokens
             if request.params.logprobs is not None:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
-        return ModelRunnerOutput(sampled, logprobs, result.errors)
+        return ModelRunnerOutput(sampled, logprobs, result.errors, draft_passes, draft_seconds)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies: batched index copies, in that order."""

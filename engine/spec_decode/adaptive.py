@@ -7,7 +7,9 @@ follows the request). Drafts are accepted while the target agrees, so the j-th d
 token with probability alpha^j. Any set of drafts is best made of the ones with the largest
 alpha^j, so the choice is how many of those to take: m drafts make a step of n + m tokens that
 emits N + (their alpha^j) tokens, and the m with the most tokens per second (the step-time model's
-cost of that step size, measured online) wins. So one rule covers every request and every load:
+cost of that step size, measured online, plus, for drafts from a model, one measured draft pass per
+draft depth: the target's step time is measured without them) wins. So one rule covers every
+request and every load:
 at batch 1 on a CPU, where a few more tokens cost little beside the step (weights are read once),
 plausible drafts pay; in a full batch each draft costs a full token's compute and few or none do.
 A size whose cost is not known yet is priced by the linear fit, tried, and then known; but the
@@ -72,10 +74,11 @@ class AdaptiveSpeculation:
         self._estimates.pop(request_id, None)
 
     def trim(self, request_ids: list[str], drafts: list[list[int]], step_time: StepTimeModel,
-             num_decodes: int) -> list[list[int]]:
+             num_decodes: int, draft_pass_s: float = 0.0) -> list[list[int]]:
         """Each request's drafts cut to the counts that maximise the step's expected tokens per
-        second for `num_decodes` decoding requests; unchanged while no step cost is measured, and
-        none while the plain step of this size is not."""
+        second for `num_decodes` decoding requests, a draft model's passes (`draft_pass_s` each,
+        one per draft depth) counted in; unchanged while no step cost is measured, and none while
+        the plain step of this size is not."""
         fitted = step_time.fit()  # once per step: it prices the sizes not measured yet
         if fitted is None:
             return drafts
@@ -89,16 +92,17 @@ class AdaptiveSpeculation:
             return measured if measured is not None else fixed + per_token * tokens
 
         alphas = [self.alpha(request_id) for request_id in request_ids]
-        candidates = sorted(((alphas[i] ** j, i) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
+        candidates = sorted(((alphas[i] ** j, i, j) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
-        best_m, best_rate, tokens = 0, num_decodes / base, float(num_decodes)
-        for m, (gain, _) in enumerate(candidates, start=1):
+        best_m, best_rate, tokens, depth = 0, num_decodes / base, float(num_decodes), 0
+        for m, (gain, _, j) in enumerate(candidates, start=1):
             tokens += gain
-            rate = tokens / seconds(num_decodes + m)
+            depth = max(depth, j)
+            rate = tokens / (seconds(num_decodes + m) + depth * draft_pass_s)
             if rate > best_rate:
                 best_m, best_rate = m, rate
         counts = [0] * len(drafts)
-        for _, i in candidates[:best_m]:
+        for _, i, _ in candidates[:best_m]:
             counts[i] += 1
         if candidates and best_m == 0:
             self._engine.decay(ENGINE_DECAY)

@@ -180,12 +180,13 @@ class DraftModelDrafter:
             if self._num_sent.pop(request_id, None) is not None:
                 self._finished.append(request_id)
 
-    def fill(self, scheduled: list[ScheduledRequest], kv_cache=None, backend=None) -> None:
+    def fill(self, scheduled: list[ScheduledRequest], kv_cache=None, backend=None) -> int:
         """Replaces each speculating request's reserved drafts with the worker's; fewer or none
-        where the worker gave fewer (the scheduler releases the slots left over)."""
+        where the worker gave fewer (the scheduler releases the slots left over). Returns the
+        number of passes asked of the worker."""
         active = [item for item in scheduled if item.draft_token_ids]
         if not active:
-            return
+            return 0
         queries = []
         for item in active:
             request = item.request
@@ -206,6 +207,7 @@ class DraftModelDrafter:
             item.draft_token_ids = drafts
             sampled = reply.sampled[i] if reply is not None else None
             item.sampled_drafts = sampled[:len(drafts)] if sampled is not None and drafts else None
+        return max(query.num_drafts for query in queries)
 
 
 def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int | None, block_size: int,

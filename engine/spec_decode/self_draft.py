@@ -55,13 +55,15 @@ class SelfDraft:
         """Nothing is kept per request: the drafts' KV is in the target's cache."""
 
     @torch.inference_mode()
-    def fill(self, scheduled: list[ScheduledRequest], kv_cache, backend) -> None:
+    def fill(self, scheduled: list[ScheduledRequest], kv_cache, backend) -> int:
         """Replaces the reserved drafts of every speculating request with the draft model's tokens:
-        pass j feeds each request's token at position start + j (its last token, then its drafts)."""
+        pass j feeds each request's token at position start + j (its last token, then its drafts).
+        Returns the number of passes."""
         active = [item for item in scheduled if item.draft_token_ids]
         drafts: dict[str, list[int]] = {item.request.request_id: [] for item in active}
         sampled: dict[str, list[SampledDraft | None]] = {item.request.request_id: [] for item in active}
-        for depth in range(max((len(item.draft_token_ids) for item in active), default=0)):
+        num_passes = max((len(item.draft_token_ids) for item in active), default=0)
+        for depth in range(num_passes):
             rows = [ScheduledRequest(item.request, [item.token_ids[depth]], item.start_pos + depth,
                                      item.block_table, sample=True)
                     for item in active if len(item.draft_token_ids) > depth]
@@ -81,3 +83,4 @@ class SelfDraft:
             item.draft_token_ids = drafts[item.request.request_id]
             mine = sampled[item.request.request_id]
             item.sampled_drafts = mine if all(mine) else None
+        return num_passes

@@ -141,3 +141,16 @@ def test_where_drafts_are_never_right_requests_start_and_return_from_a_lower_pri
     retried = sum(sum(d.values()) for d in history[40:])
     assert 0 < retried <= 60, retried
     assert sched.adaptive.alpha("new") == sched.adaptive.prior < 0.25
+
+
+def test_draft_model_passes_are_priced_on_top_of_the_verifying_step():
+    """At batch 1, where drafts verify almost free, K drafts pay while no draft model has to run
+    for them; with draft passes that cost 60% of a step each (a self-draft on a small model), a
+    request right half the time is better off without them, one nearly always right still drafts."""
+    adaptive = AdaptiveSpeculation()
+    cost = _cost_model(0.050, 0.0005)
+    assert adaptive.trim(["a"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.0) == [[7, 8, 9, 10]]
+    assert adaptive.trim(["a"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    for _ in range(10):
+        adaptive.observe("sure", K, K)
+    assert adaptive.trim(["sure"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[7, 8, 9, 10]]
