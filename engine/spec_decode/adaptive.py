@@ -88,8 +88,12 @@ class AdaptiveSpeculation:
         fixed, per_token = fitted
 
         def seconds(tokens: int) -> float:
+            """A step's time, never below the plain step's plus the fitted cost of its extra tokens:
+            a larger step measured faster is noise, and taking it for free drafts would pay for
+            that noise every step."""
             measured = step_time.measured(tokens)
-            return measured if measured is not None else fixed + per_token * tokens
+            estimate = measured if measured is not None else fixed + per_token * tokens
+            return max(estimate, base + per_token * (tokens - num_decodes))
 
         alphas = [self.alpha(request_id) for request_id in request_ids]
         candidates = sorted(((alphas[i] ** j, i, j) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),

@@ -154,3 +154,17 @@ def test_draft_model_passes_are_priced_on_top_of_the_verifying_step():
     for _ in range(10):
         adaptive.observe("sure", K, K)
     assert adaptive.trim(["sure"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[7, 8, 9, 10]]
+
+
+def test_a_larger_step_measured_faster_than_the_plain_one_is_not_taken_for_free_drafts():
+    """16 decodes; step 17 happened to be measured 1% faster than step 16 (noise): a draft that is
+    right one time in five is still not worth a token's share of the step."""
+    cost = _cost_model(0.050, 0.003)
+    cost.observe(17, cost.measured(16) * 0.99)
+    cost.observe(17, cost.measured(16) * 0.99)
+    adaptive = AdaptiveSpeculation()
+    for i in range(10):
+        adaptive.observe("chat", 1, int(i % 5 == 0))
+    assert adaptive.alpha("chat") < 0.3
+    ids = ["chat"] + [f"r{i}" for i in range(15)]
+    assert adaptive.trim(ids, [[3]] + [[]] * 15, cost, 16) == [[]] * 16
