@@ -52,7 +52,8 @@ MODES = {"plain": None,
          "ngram": {"method": "ngram", "adaptive": False}, "ngram_adaptive": {"method": "ngram", "adaptive": True},
          "self_draft": {"method": "self_draft", "adaptive": False},
          "self_draft_adaptive": {"method": "self_draft", "adaptive": True},
-         "self_draft_actor": {"method": "self_draft", "adaptive": False, "placement": "actor"}}
+         # the placement is measured, not the deadline: one well above the draft's own time
+         "self_draft_actor": {"method": "self_draft", "adaptive": False, "placement": "actor", "deadline_s": 5.0}}
 DRAFT_APP = "bench-drafts"
 
 
