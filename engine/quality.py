@@ -41,7 +41,7 @@ def position_logits(loaded: LoadedModel, token_ids: list[int], window: int = 256
         n = len(chunk)
         positions = torch.arange(n)
         inputs = ModelInputs(torch.tensor(chunk), positions, positions.clone(), [0, n], [n], [0],
-                             [list(range(num_blocks))], 0, block_size, positions.clone(), [], [])
+                             [list(range(num_blocks))], 0, block_size, positions.clone(), [], [], [])
         out.append(model(inputs.input_ids, inputs.positions, kv_cache, backend, backend.build_metadata(inputs),
                          inputs.sample_indices))
     return torch.cat(out)
