@@ -104,18 +104,25 @@ def test_speculation_stops_in_a_full_batch_and_resumes_when_the_load_falls():
     assert [d[survivor] for d in _decode_steps(sched, {survivor: True}, 5)] == [K] * 5
 
 
+def _four_decoding(max_tokens: int):
+    """A scheduler with four requests past their prompts, at a load where a draft needs odds of
+    about 0.37 (c * N / T = 0.24 for four decodes, 0.37 with K good drafts)."""
+    sched = make_scheduler(num_blocks=1024, block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
+                           speculative=SpeculativeConfig(num_speculative_tokens=K))
+    requests = [make_request(prompt=PROMPT, max_tokens=max_tokens) for _ in range(4)]
+    for r in requests:
+        sched.add_request(r)
+    _decode_steps(sched, {}, 1)
+    sched.step_time = _cost_model(0.050, 0.004)
+    return sched, requests
+
+
 def test_each_request_gets_the_drafts_its_acceptance_earns_and_a_denied_one_is_retried():
     """Four requests at a load where a draft needs odds of about 0.37: the one whose drafts are
     always accepted keeps verifying K; those whose drafts are always rejected drop to 0 and,
     learning nothing while denied (their estimate drifts back to the prior 0.5), are retried with
     a draft now and then."""
-    sched = make_scheduler(num_blocks=512, block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
-                           speculative=SpeculativeConfig(num_speculative_tokens=K))
-    requests = [make_request(prompt=PROMPT, max_tokens=400) for _ in range(4)]
-    for r in requests:
-        sched.add_request(r)
-    _decode_steps(sched, {}, 1)
-    sched.step_time = _cost_model(0.050, 0.004)  # c * N / T = 0.24 for four decodes, 0.37 with K good drafts
+    sched, requests = _four_decoding(max_tokens=400)
     good, bad = requests[0].request_id, requests[1].request_id
     history = _decode_steps(sched, {good: True, bad: False}, 60)
     assert [d[good] for d in history[-20:]] == [K] * 20
@@ -130,13 +137,7 @@ def test_where_drafts_are_never_right_requests_start_and_return_from_a_lower_pri
     predict its target): the engine-wide estimate falls, so denied requests drift back to it
     rather than to 0.5 and are retried about every 40 steps instead of every step or two, yet
     still retried; a new request starts from it too."""
-    sched = make_scheduler(num_blocks=1024, block_size=4, max_num_seqs=5, max_num_batched_tokens=256,
-                           speculative=SpeculativeConfig(num_speculative_tokens=K))
-    requests = [make_request(prompt=PROMPT, max_tokens=600) for _ in range(4)]
-    for r in requests:
-        sched.add_request(r)
-    _decode_steps(sched, {}, 1)
-    sched.step_time = _cost_model(0.050, 0.004)
+    sched, requests = _four_decoding(max_tokens=600)
     history = _decode_steps(sched, {r.request_id: False for r in requests}, 400)
     retried = sum(sum(d.values()) for d in history[40:])
     assert 0 < retried <= 60, retried
