@@ -45,6 +45,7 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0  # of which the target agreed with
     spec_acceptance_rate: float = 0.0  # accepted / proposed, cumulative
     spec_mean_accepted_length: float = 0.0  # accepted drafts per request-step that verified any
+    num_spec_unfilled_steps: int = 0  # steps whose reserved drafts a draft model did not fill (late, down, no room)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -12,6 +12,7 @@ class ModelRunnerOutput:
     errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why sampling it failed
     draft_passes: int = 0  # draft-model passes run to fill this step's drafts
     draft_seconds: float = 0.0  # the time they took (with the call to a remote draft model)
+    drafts_unfilled: bool = False  # drafts were reserved and the draft model gave none (late, down, no room)
 
 
 @dataclass(slots=True)

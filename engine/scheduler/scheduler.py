@@ -41,6 +41,7 @@ class SchedulerCounters:
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int = 0
     num_failed_requests: int = 0
+    num_spec_unfilled_steps: int = 0  # steps whose reserved drafts the draft model did not fill
     spec: SpecCounts = field(default_factory=SpecCounts)
 
 
@@ -354,6 +355,7 @@ class Scheduler:
         stop check failed fails with its whole group; the others go on."""
         now = self.clock()
         update = SchedulerUpdate()
+        self.counters.num_spec_unfilled_steps += result.drafts_unfilled
         for item in out.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
@@ -442,4 +444,5 @@ class Scheduler:
             num_recomputed_tokens=c.num_recomputed_tokens, num_prompt_tokens=c.num_prompt_tokens,
             num_generation_tokens=c.num_generation_tokens, num_failed_requests=c.num_failed_requests,
             num_spec_proposed_tokens=c.spec.proposed, num_spec_accepted_tokens=c.spec.accepted,
-            spec_acceptance_rate=c.spec.acceptance_rate, spec_mean_accepted_length=c.spec.mean_accepted_length)
+            spec_acceptance_rate=c.spec.acceptance_rate, spec_mean_accepted_length=c.spec.mean_accepted_length,
+            num_spec_unfilled_steps=c.num_spec_unfilled_steps)

@@ -1,8 +1,8 @@
 """The draft-model worker and its engine-side drafter: drafts are the draft model's greedy
 continuation of each request's tokens after every rollback, eviction and restart of the worker;
 the engine's output is the target's whatever the draft (the target itself: every draft accepted;
-an unrelated random model: most rejected; a worker that misses calls: plain steps); a draft with
-another vocabulary is refused."""
+an unrelated random model: most rejected; a worker that misses calls: plain steps, counted); a
+draft with another vocabulary, or an actor placement with no draft model, is refused."""
 from __future__ import annotations
 
 import pytest
@@ -125,12 +125,18 @@ def test_a_draft_worker_that_misses_calls_means_plain_steps_with_the_same_output
             outputs.setdefault(event.request_id, []).extend(event.outputs[0].token_ids)
         engine.kv.check_integrity()
     assert [outputs[str(i)] for i in range(len(prompts))] == expected
-    assert len(calls) > 4 and 0 < engine.get_stats().num_spec_accepted_tokens
+    stats = engine.get_stats()
+    assert len(calls) > 4 and 0 < stats.num_spec_accepted_tokens
+    assert stats.num_spec_unfilled_steps == len(calls) // 2  # the calls without a reply, counted
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
-def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama, tiny_llama_words):
+def test_a_draft_of_another_vocabulary_or_with_no_draft_model_is_refused(tiny_llama, tiny_llama_words):
     with pytest.raises(ValueError, match="different vocabulary"):
         LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama_words})
     with pytest.raises(ValueError, match="required with method 'draft_model'"):
         LLM(tiny_llama, speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="placement 'actor' runs a draft model"):
+        SpeculativeConfig(method="ngram", placement="actor")
+    with pytest.raises(ValueError, match="needs draft_app"):  # the serve app names the DraftModel's app
+        LLM(tiny_llama, speculative_config={"method": "self_draft", "placement": "actor"})
