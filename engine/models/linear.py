@@ -80,12 +80,12 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 class BlockQuantLinear(nn.Module):
     """A matmul on GGUF block-quantized weights with block-quantized activations. Up to
-    DECODE_ROWS rows (decode steps) run the C++ kernel, which reads only the blocks; larger inputs
-    (prefill) run fp32 GEMM of the dequantized weights with the same quantized activations: the
-    same values, so the same results to fp32 rounding, whatever the batch. Without the compiled
-    kernels every input takes the GEMM path."""
+    DECODE_ROWS rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks;
+    larger inputs (prefill) run fp32 GEMM of the dequantized weights with the same quantized
+    activations: the same values, so the same results to fp32 rounding, whatever the batch.
+    Without the compiled kernels every input takes the GEMM path."""
 
-    DECODE_ROWS = 8  # the kernel beats fp32 GEMM up to here on this model family's shapes (BENCHMARKS.md)
+    DECODE_ROWS = 20  # the kernel beats fp32 GEMM up to here on this model family's shapes (BENCHMARKS.md)
 
     def __init__(self, qtype: GGMLQuantizationType, blocks: np.ndarray, bias: torch.Tensor | None, kernels):
         super().__init__()
@@ -99,10 +99,20 @@ class BlockQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         if self._kernels is not None and x.shape[0] <= self.DECODE_ROWS:
-            bias = self.bias.detach() if self.bias is not None else None
-            norm_weight, eps = norm if norm is not None else (None, 0.0)
-            return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, bias, norm_weight, eps,
-                                                    swiglu, residual)
+            return self.forward_kernel(x, norm, swiglu, residual)
+        return self.forward_gemm(x, norm, swiglu, residual)
+
+    def forward_kernel(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The C++ kernel on the blocks, prologue and residual fused (needs the kernels)."""
+        bias = self.bias.detach() if self.bias is not None else None
+        norm_weight, eps = norm if norm is not None else (None, 0.0)
+        return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, bias, norm_weight, eps,
+                                                swiglu, residual)
+
+    def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 GEMM of the dequantized weights on the same quantized activations."""
         return _plus(residual, F.linear(quantize_activations(prologue(x, norm, swiglu)), self.weight, self.bias))
 
 

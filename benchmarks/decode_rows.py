@@ -1,0 +1,108 @@
+"""Where the quantized matmul should switch from the C++ block kernel to fp32 GEMM of the
+dequantized weights (`BlockQuantLinear.DECODE_ROWS`): both paths timed on the embedded model's own
+matmuls (one layer's q/k/v, o, gate/up and down, plus the LM head), for each number of rows.
+
+Per row count, the matmul time of a whole step: 30 layers' four matmuls plus the LM head, each
+path's calls interleaved, median of `--repeats`. The kernel wins while its time is below GEMM's.
+`--workload 8,20` then runs the 64-request workload (benchmarks/quantization.py) with each of
+those limits set on the model's matmuls, interleaved, `--workload-repeats` rounds.
+
+    python benchmarks/decode_rows.py [--quantization gguf] [--rows 1,2,4,6,8,10,12,16,24,32] [--repeats 30]
+        [--workload 8,20] [--workload-repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from engine.config import ModelConfig  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
+from engine.models.linear import BlockQuantLinear  # noqa: E402
+
+
+def step_matmuls(model) -> list[tuple[BlockQuantLinear, int]]:
+    """(matmul, times it runs per step): the first layer's, as every layer's, and the LM head."""
+    layer = [m for m in model.layers[0].modules() if isinstance(m, BlockQuantLinear)]
+    head = [m for name, m in model.named_modules() if isinstance(m, BlockQuantLinear) and "layers" not in name]
+    return [(m, model.num_layers) for m in layer] + [(m, 1) for m in head]
+
+
+def step_seconds(matmuls: list[tuple[BlockQuantLinear, int]], inputs: list[torch.Tensor], path: str,
+                 calls: int = 3) -> float:
+    """One step's matmul time on `path` ('forward_kernel' or 'forward_gemm')."""
+    total = 0.0
+    for (matmul, per_step), x in zip(matmuls, inputs):
+        forward = getattr(matmul, path)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            forward(x)
+        total += per_step * (time.perf_counter() - t0) / calls
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quantization", default="gguf")
+    parser.add_argument("--rows", default="1,2,4,6,8,10,12,16,24,32")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--workload", default="", help="row limits to compare on the 64-request workload")
+    parser.add_argument("--workload-repeats", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    model = load_model(ModelConfig(quantization=args.quantization)).model
+    matmuls = step_matmuls(model)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    torch.manual_seed(0)
+    results = []
+    with torch.inference_mode():
+        for rows in rows_list:
+            inputs = [torch.randn(rows, m.weight.shape[1]) for m, _ in matmuls]
+            kernel, gemm = [], []
+            for _ in range(args.repeats):
+                kernel.append(step_seconds(matmuls, inputs, "forward_kernel"))
+                gemm.append(step_seconds(matmuls, inputs, "forward_gemm"))
+            row = {"rows": rows, "kernel_ms": round(1e3 * statistics.median(kernel), 2),
+                   "gemm_ms": round(1e3 * statistics.median(gemm), 2)}
+            row["gemm_over_kernel"] = round(row["gemm_ms"] / row["kernel_ms"], 2)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    faster = [r["rows"] for r in results if r["kernel_ms"] < r["gemm_ms"]]
+    print(json.dumps({"quantization": args.quantization, "kernel_faster_up_to": max(faster, default=0),
+                      "DECODE_ROWS": BlockQuantLinear.DECODE_ROWS}))
+    if args.workload:
+        compare_on_workload(args.quantization, [int(v) for v in args.workload.split(",")], args.workload_repeats)
+
+
+def compare_on_workload(quantization: str, limits: list[int], repeats: int) -> None:
+    """The 64-request workload's useful tok/s with each kernel row limit, interleaved."""
+    from benchmarks.quantization import workload
+    from engine import LLM
+
+    llms = {}
+    for limit in limits:
+        # the engines of benchmarks/quantization.py
+        llms[limit] = LLM(quantization=quantization, max_num_seqs=64, max_num_batched_tokens=512, num_threads=2,
+                          enable_prefix_caching=False)
+        for module in llms[limit].engine.runner.model.modules():
+            if isinstance(module, BlockQuantLinear):
+                module.DECODE_ROWS = limit  # this engine's own limit (the class default elsewhere)
+    speeds: dict[int, list[float]] = {limit: [] for limit in limits}
+    for _ in range(repeats):
+        for limit, llm in llms.items():
+            speeds[limit].append(workload(llm)[0])
+    base = statistics.median(speeds[limits[0]])
+    for limit in limits:
+        tok_s = statistics.median(speeds[limit])
+        print(json.dumps({"decode_rows": limit, "workload_tok_s": round(tok_s, 1),
+                          "ratio": round(tok_s / base, 3), "runs": [round(v, 1) for v in speeds[limit]]}))
+
+
+if __name__ == "__main__":
+    main()
