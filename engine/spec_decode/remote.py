@@ -44,8 +44,8 @@ class ServeDraftTransport:
                 if time.monotonic() - sent_at < _GIVE_UP_S:
                     return self._missed("the previous call is still running")
                 response.cancel()  # lost (e.g. with its replica): ask again
-            except Exception:
-                pass  # it failed; this call may find a replica
+            except Exception:  # it failed; this call may find a replica
+                logger.debug("a late draft call failed", exc_info=True)
             self._late = None
         response, sent_at = self.handle.propose.remote(call), time.monotonic()
         try:
