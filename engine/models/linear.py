@@ -92,7 +92,7 @@ class BlockQuantLinear(nn.Module):
         self.qtype, self.format = qtype, KERNEL_FORMATS[qtype]
         self.register_buffer("blocks", torch.from_numpy(np.ascontiguousarray(blocks)))  # (N, K / 32 * bytes) uint8
         self.register_buffer("weight", torch.from_numpy(dequantize(blocks, qtype)))  # (N, K) fp32
-        self.bias = bias
+        self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
         self.weight_bytes = self.blocks.numel()  # what a decode step reads
 
@@ -105,9 +105,8 @@ class BlockQuantLinear(nn.Module):
     def forward_kernel(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """The C++ kernel on the blocks, prologue and residual fused (needs the kernels)."""
-        bias = self.bias.detach() if self.bias is not None else None
         norm_weight, eps = norm if norm is not None else (None, 0.0)
-        return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, bias, norm_weight, eps,
+        return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, self.bias, norm_weight, eps,
                                                 swiglu, residual)
 
     def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,

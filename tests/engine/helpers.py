@@ -1,11 +1,12 @@
 """Factories for engine tests: scheduler without a model, one step with fake sampled tokens, a
-fake clock, HF reference generation."""
+fake clock, HF reference generation, prompts that repeat themselves, a draft checkpoint."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
@@ -100,3 +101,24 @@ def assert_as_faithful_as_transformers(model_dir: str, prompts: list[list[int]],
     argmax, reference_argmax = (sum(g == 0 for g in x) / len(x) for x in (gaps, reference_gaps))
     assert mean <= 2 * reference_mean + 0.02, (mean, reference_mean)
     assert argmax >= reference_argmax - 0.1, (argmax, reference_argmax)
+
+
+def repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat spans of themselves (what prompt lookup is for), of varied lengths."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        span = [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
+        prompts.append([rng.randrange(3, 300) for _ in range(rng.randint(0, 20))] + span * rng.randint(2, 4))
+    return prompts
+
+
+def save_first_layer(model_dir: str, path) -> str:
+    """A separate draft checkpoint: the model's first layer with its norm and LM head, saved as a
+    one-layer model (so it agrees with the model often, not always)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    return str(path)

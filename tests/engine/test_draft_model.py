@@ -14,8 +14,7 @@ from engine.config import ModelConfig, SpeculativeConfig
 from engine.spec_decode.draft_model import load_draft_worker
 from engine.spec_decode.messages import DraftCall, DraftQuery
 from tests.conftest import save_tiny_model
-from tests.engine.helpers import hf_greedy
-from tests.engine.test_speculative import _repetitive_prompts, save_first_layer
+from tests.engine.helpers import hf_greedy, repetitive_prompts, save_first_layer
 
 BLOCK = 4  # small blocks: rollbacks cross block boundaries
 
@@ -71,7 +70,7 @@ def test_drafts_continue_each_request_after_rollbacks_evictions_and_a_restart(ti
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    prompts = _repetitive_prompts(8, seed=3)
+    prompts = repetitive_prompts(8, seed=3)
     return tiny_llama, prompts, hf_greedy(tiny_llama, prompts, 24)
 
 

@@ -10,13 +10,11 @@ transformers).
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.outputs import SpecCounts
@@ -25,7 +23,7 @@ from engine.sampler import Sampler, sampling_probs
 from engine.spec_decode.messages import SampledDraft
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.verify import accepted_tokens
-from tests.engine.helpers import hf_greedy
+from tests.engine.helpers import hf_greedy, repetitive_prompts, save_first_layer
 
 MAX_NEW = 32
 # every draft verified (not adaptive): drafts are proposed, accepted and rejected whatever the step cost
@@ -36,17 +34,6 @@ DRAFT_MODEL = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive":
 METHODS = pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
 
 
-def save_first_layer(model_dir: str, path) -> str:
-    """A separate draft checkpoint: the model's first layer with its norm and LM head, saved as a
-    one-layer model (so it agrees with the model often, not always)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_llama, tmp_path_factory) -> str:
     return save_first_layer(tiny_llama, tmp_path_factory.mktemp("tiny-draft"))
@@ -55,16 +42,6 @@ def tiny_draft(tiny_llama, tmp_path_factory) -> str:
 @pytest.fixture
 def spec(method, tiny_draft) -> dict:
     return {"ngram": NGRAM, "self_draft": SELF_DRAFT, "draft_model": {**DRAFT_MODEL, "model": tiny_draft}}[method]
-
-
-def _repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
-    """Prompts that repeat spans of themselves (what prompt lookup is for), of varied lengths."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num):
-        span = [rng.randrange(3, 300) for _ in range(rng.randint(3, 12))]
-        prompts.append([rng.randrange(3, 300) for _ in range(rng.randint(0, 20))] + span * rng.randint(2, 4))
-    return prompts
 
 
 def _propose(proposer: NgramProposer, token_ids: list[int], k: int) -> list[int]:
@@ -115,7 +92,7 @@ def test_accepted_tokens_stop_at_the_first_disagreement_and_keep_the_bonus():
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    prompts = _repetitive_prompts(8)
+    prompts = repetitive_prompts(8)
     return tiny_llama, prompts, hf_greedy(tiny_llama, prompts, MAX_NEW)
 
 

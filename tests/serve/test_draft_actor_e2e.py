@@ -14,7 +14,7 @@ import pytest
 from conftest import wait_healthy
 
 from engine import LLM, SamplingParams
-from tests.engine.test_speculative import save_first_layer
+from tests.engine.helpers import save_first_layer
 
 pytestmark = pytest.mark.slow
 
