@@ -1,11 +1,13 @@
 """Quantization modes on the embedded SmolLM2-135M-Instruct (CPU), interleaved in one run.
 
 Per mode (`none` = fp32, the reference; `int8` = every matmul as GGUF Q8_0 blocks; `gguf` = the
-file's own Q4_1/Q8_0 blocks; both with activations quantized per block of 32 to 15 bits):
+file's own Q4_1/Q8_0 blocks; both with activations quantized per block of 32 to 15 bits;
+`w8a16`/`w4a16` = int8/int4 weights with bf16 activations, torch's weight-only kernels):
 single-stream decode tok/s (128-token prompt, 128 new tokens, time per output
 token after the first), prefill tok/s (one 512-token prompt), the 64-request mixed workload
 (prompts 16-512, outputs 8-256: useful output tok/s), matmul weight bytes per decode step, and
-teacher-forced quality against fp32 on the shipped text (engine/quality.py). Each measurement is
+teacher-forced quality against fp32 on the shipped text (each engine's start-up check,
+engine/quantization_check.py). Each measurement is
 taken --repeats times with the modes alternating, and the medians are printed with each run's
 process cpu/wall (2 threads: ~2.0 means nothing else took the cores) and the cores' worth of CPU
 other processes used meanwhile. Optional bar chart.
@@ -27,9 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import Stopwatch, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.quality import compare, eval_tokens, position_logits  # noqa: E402
 
-MODES = ("none", "int8", "gguf")
+MODES = ("none", "int8", "gguf", "w8a16", "w4a16")
 
 
 def cpu_features() -> str:
@@ -77,7 +78,7 @@ def main() -> None:
     print(cpu_features())
     # no prefix caching: repeats send the same prompts, and each must be computed again
     engines = {mode: LLM(quantization=mode, max_num_seqs=64, max_num_batched_tokens=512, num_threads=2,
-                         enable_prefix_caching=False)
+                         enable_prefix_caching=False, quality_check_tokens=args.quality_tokens)
                for mode in MODES}
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate([random_prompt(64)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
@@ -94,22 +95,21 @@ def main() -> None:
 
     results: dict = {"cpu": cpu_features(), "modes": {}}
     loaded = {mode: engines[mode].engine.loaded for mode in MODES}
-    ids = eval_tokens(loaded["none"].tokenizer, args.quality_tokens)
-    reference = position_logits(loaded["none"], ids)
-    for mode in MODES:
-        quality = compare(reference, position_logits(loaded[mode], ids), ids)
+    for mode in MODES:  # the figures each engine's start-up check measured (engine/quantization_check.py)
+        quality = loaded[mode].quality
         results["modes"][mode] = {
             **{name: statistics.median(values) for name, values in runs[mode].items()},
             "weight_mb_per_decode_step": loaded[mode].weight_bytes_per_token / 1e6,
-            "top1_agreement": quality.top1_agreement, "perplexity": quality.perplexity,
+            "top1_agreement": 1.0 if quality is None else quality.top1_agreement,
+            "perplexity_increase": 0.0 if quality is None else quality.perplexity_increase,
         }
     base = results["modes"]["none"]
-    print(f"\nmedians of {args.repeats}; quality on {len(ids)} tokens of engine/data/english.txt")
+    print(f"\nmedians of {args.repeats}; quality on {args.quality_tokens} tokens of engine/data/english.txt")
     print(f"{'mode':5} {'decode tok/s':>12} {'prefill tok/s':>13} {'64-req tok/s':>12} {'MB/step':>8} "
-          f"{'top-1 agree':>11} {'ppl':>7}")
+          f"{'top-1 agree':>11} {'ppl vs fp32':>11}")
     for mode, m in results["modes"].items():
         print(f"{mode:5} {m['decode_tok_s']:12.1f} {m['prefill_tok_s']:13.1f} {m['workload_tok_s']:12.1f} "
-              f"{m['weight_mb_per_decode_step']:8.0f} {m['top1_agreement']:11.4f} {m['perplexity']:7.2f}")
+              f"{m['weight_mb_per_decode_step']:8.0f} {m['top1_agreement']:11.4f} {m['perplexity_increase']:+11.2%}")
     for mode, m in results["modes"].items():
         ratios = {k: m[k] / base[k] for k in ("decode_tok_s", "prefill_tok_s", "workload_tok_s")}
         print(f"{mode}/none: decode x{ratios['decode_tok_s']:.2f}, prefill x{ratios['prefill_tok_s']:.2f}, "

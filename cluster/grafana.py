@@ -114,6 +114,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             (f"count by (quantization, dtype, device) (ray_cbserve_engine_info{{{APP}}})",
              "{{quantization}} {{dtype}} {{device}}")),
             "Engines taking requests, and how they compute."),
+        Panel("Quantization", "short", (
+            (f"avg by (replica) (ray_cbserve_model_weight_bytes_per_token{{{APP}}}) / 1e6",
+             "MB read per decode step {{replica}}"),
+            (f"avg by (replica) (ray_cbserve_model_top1_agreement{{{APP}}})", "top-1 agreement {{replica}}"),
+            (f"avg by (replica) (ray_cbserve_model_perplexity_increase{{{APP}}})",
+             "perplexity increase {{replica}}")),
+            "The start-up check against fp32 on the shipped text (fp32 itself: 1 and 0)."),
     )),
     ("cbserve: latency by priority class", (
         Panel("Time to first token", "s", _quantiles("ray_cbserve_ttft_s"), "From arrival at the router."),

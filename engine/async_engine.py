@@ -27,7 +27,7 @@ from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.engine_core import AbortRequest, AddRequest, CoreOutputs, ProcessCore, ThreadCore
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.metrics import EngineStats
+from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -88,6 +88,10 @@ class AsyncEngine(EngineClient):
     @property
     def vocab_size(self) -> int:
         return self._info.vocab_size
+
+    @property
+    def model_report(self) -> ModelReport:
+        return self._info.model_report
 
     @property
     def block_size(self) -> int:

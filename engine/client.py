@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.metrics import EngineStats
+from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -42,6 +42,11 @@ class EngineClient(ABC):
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def model_report(self) -> ModelReport:
+        """How the model computes (quantization, dtype, quality figures), fixed at start-up."""
 
     @property
     @abstractmethod

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_MODES = ("none", "int8", "gguf")
+QUANTIZATION_MODES = ("none", "int8", "gguf", "w8a16", "w4a16", "auto")
 SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
 DRAFT_PLACEMENTS = ("local", "actor")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
@@ -34,22 +34,30 @@ class ModelConfig:
     dtype: str = _opt("auto", "weights, activations and KV cache: 'auto' (bfloat16 on CUDA, float32 on CPU), "
                               "'float32', 'bfloat16' or 'float16'")
     quantization: str = _opt("none", "matmul weights: 'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
-                                     "fp32's bytes per decode step) or 'gguf' (a .gguf model's own Q4_1/Q8_0 blocks); "
-                                     "both quantize activations per block of 32 (CPU)")
+                                     "fp32's bytes per decode step) or 'gguf' (a .gguf model's own Q4_1/Q8_0 blocks), "
+                                     "both with activations quantized per block of 32; 'w8a16'/'w4a16' (int8/int4 "
+                                     "weights, bf16 activations); 'auto': the fastest mode whose start-up quality "
+                                     "check passes (CPU; 'auto' is 'none' on CUDA)")
+    quality_check_tokens: int = _opt(6000, "tokens of the shipped English text a quantized mode is scored on against "
+                                           "fp32 at start-up (cached per model and mode); 0 skips it, except for "
+                                           "'auto'")
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
-        if self.quantization != "none" and self.device != "cpu":
+        if self.quantization not in ("none", "auto") and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU (its kernel is C++ for x86); "
                              "use 'none' on CUDA")
-        if self.quantization != "none" and self.resolved_dtype != "float32":
+        if self.quantization != "none" and self.device == "cpu" and self.resolved_dtype != "float32":
             raise ValueError(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}")
         if self.quantization == "gguf" and self.model is not None and not self.model.endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' runs a .gguf file's own blocks, got model {self.model!r}; "
                              "use 'int8' to quantize other checkpoints")
+        if self.quality_check_tokens < 0 or (self.quantization == "auto" and self.quality_check_tokens == 0):
+            raise ValueError(f"quality_check_tokens must be >= 0, and > 0 with quantization 'auto', "
+                             f"got {self.quality_check_tokens}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import Event, LLMEngine
-from engine.metrics import EngineStats
+from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError
 from engine.sampling_params import SamplingParams
 
@@ -68,6 +68,7 @@ class CoreInfo:
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    model_report: ModelReport
     stats: EngineStats
 
 
@@ -80,7 +81,7 @@ Emit = Callable[[CoreOutputs], None]
 
 
 def _info(engine: LLMEngine) -> CoreInfo:
-    return CoreInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size, engine.get_stats())
+    return CoreInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size, engine.model_report, engine.get_stats())
 
 
 class StepLoop:

@@ -16,7 +16,7 @@ from engine.attention.base import kv_block_bytes, select_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.kv_cache.manager import KVCacheManager
-from engine.metrics import EngineStats, StepStats
+from engine.metrics import EngineStats, ModelReport, StepStats
 from engine.model_loader import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestError, RequestOutput
@@ -46,6 +46,15 @@ class LLMEngine:
         if self.max_model_len > loaded.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the loaded model's {loaded.max_model_len}")
         self.vocab_size = model.vocab_size
+        if loaded.quality is not None:
+            figures = {"top1_agreement": loaded.quality.top1_agreement,
+                       "perplexity_increase": loaded.quality.perplexity_increase}
+        elif loaded.quantization == "none" and loaded.dtype == torch.float32:
+            figures = {"top1_agreement": 1.0, "perplexity_increase": 0.0}  # the reference itself
+        else:
+            figures = {}  # not measured: the check off, or a 16-bit dtype
+        self.model_report = ModelReport(loaded.quantization, str(loaded.dtype).removeprefix("torch."),
+                                        config.model.device, loaded.weight_bytes_per_token, **figures)
         cache = config.cache
         block_bytes = kv_block_bytes(model, cache.block_size, loaded.dtype)
         # never more blocks than max_num_seqs requests of max_model_len tokens can fill

@@ -9,6 +9,18 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class ModelReport:
+    """How the loaded model computes, fixed at start-up; the serve app exports it (the labels of
+    cbserve_engine_info, the cbserve_model_* gauges)."""
+    quantization: str  # the mode it runs (`auto` resolved)
+    dtype: str
+    device: str
+    weight_bytes_per_token: int  # matmul weights one decode step reads
+    top1_agreement: float | None = None  # against fp32 (engine/quality.py), 1 for fp32; None: not measured
+    perplexity_increase: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StepStats:
     """The latest step's figures, kept by the engine that timed it."""
     batch_size: int = 0  # requests in the step

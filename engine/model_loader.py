@@ -25,8 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.gguf_blocks import read_blocks
-from engine.models.linear import quantize, weight_bytes_per_token
+from engine.models.linear import weight_bytes_per_token
 from engine.models.registry import build_model
+from engine.quality import Quality
+from engine.quantization_check import check_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +113,10 @@ class LoadedModel:
     tokenizer: Any  # transformers tokenizer with the chat template
     eos_token_ids: frozenset[int]
     max_model_len: int  # the longest context its RoPE tables cover
-    quantization: str  # engine.models.linear mode of its matmuls
+    quantization: str  # engine.models.linear mode of its matmuls (`auto` resolved)
     weight_bytes_per_token: int  # matmul weight bytes one decode step reads
     dtype: torch.dtype  # of its weights, activations and KV cache
+    quality: Quality | None  # a quantized mode's figures against fp32 (engine/quantization_check.py)
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -123,11 +126,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # built in float32 (RoPE tables included, as transformers computes them), then cast: the
     # reference model casts its cos/sin to the activations' dtype the same way
     model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
-    stored_blocks = read_blocks(config.model or default_model_path(), hf_model.config) \
-        if config.quantization == "gguf" else None
-    model = quantize(model, config.quantization, stored_blocks)
-    weight_bytes = weight_bytes_per_token(model)
-    logger.info("model loaded: %s, quantization %s, %.0f MB of matmul weights per decode step",
-                config.resolved_dtype, config.quantization, weight_bytes / 1e6)
-    return LoadedModel(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, config.quantization,
-                       weight_bytes, dtype)
+    path = config.model or default_model_path()
+    stored_blocks = (lambda: read_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
+    checked = check_quantization(model, config, path, tokenizer, stored_blocks)
+    weight_bytes = weight_bytes_per_token(checked.model)
+    logger.info("model loaded: %s, quantization %s, %.0f MB of matmul weights per decode step%s",
+                config.resolved_dtype, checked.mode, weight_bytes / 1e6,
+                f", {checked.quality}" if checked.quality else "")
+    return LoadedModel(checked.model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, checked.mode,
+                       weight_bytes, dtype, checked.quality)

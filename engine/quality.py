@@ -3,7 +3,7 @@ mode is held to. On a fixed English text (engine/data/english.txt: prose paragra
 3.11 standard-library docstrings, PSF licence, shipped so every machine scores the same tokens)
 each model scores every position given the true prefix, in windows scored from scratch:
 top-1 agreement (the model's argmax equals the reference's) and perplexity of the true next
-tokens."""
+tokens. A quantized mode passes at top-1 agreement >= 97% and perplexity within 3%."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import select_backend
-from engine.model_loader import LoadedModel
 from engine.runner.inputs import ModelInputs
 
 TEXT_PATH = Path(__file__).parent / "data" / "english.txt"
+MIN_TOP1_AGREEMENT = 0.97
+MAX_PERPLEXITY_INCREASE = 0.03
 
 
 def eval_tokens(tokenizer, num_tokens: int = 6000) -> list[int]:
@@ -27,24 +28,32 @@ def eval_tokens(tokenizer, num_tokens: int = 6000) -> list[int]:
     return ids[:num_tokens]
 
 
-@torch.inference_mode()
-def position_logits(loaded: LoadedModel, token_ids: list[int], window: int = 256, block_size: int = 16) -> torch.Tensor:
-    """(len(token_ids), vocab) logits, each position given the tokens before it in its window."""
-    model = loaded.model
-    backend = select_backend("torch", torch.device("cpu"), torch.float32, model.head_dim ** -0.5)
-    num_blocks = -(-window // block_size)
-    kv_cache = backend.allocate_kv_cache(model.num_layers, num_blocks, block_size, model.num_kv_heads,
-                                         model.head_dim, dtype=torch.float32, device=torch.device("cpu"))
-    out = []
-    for start in range(0, len(token_ids), window):
-        chunk = token_ids[start:start + window]
-        n = len(chunk)
+class WindowRunner:
+    """Runs a CPU paged model on one sequence of up to `window` tokens from scratch: the logits of
+    every position."""
+
+    def __init__(self, model: torch.nn.Module, window: int = 256, block_size: int = 16):
+        self.model, self.block_size = model, block_size
+        self.backend = select_backend("torch", torch.device("cpu"), torch.float32, model.head_dim ** -0.5)
+        self.num_blocks = -(-window // block_size)
+        self.kv_cache = self.backend.allocate_kv_cache(model.num_layers, self.num_blocks, block_size,
+                                                       model.num_kv_heads, model.head_dim, dtype=torch.float32,
+                                                       device=torch.device("cpu"))
+
+    @torch.inference_mode()
+    def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        n = len(token_ids)
         positions = torch.arange(n)
-        inputs = ModelInputs(torch.tensor(chunk), positions, positions.clone(), [0, n], [n], [0],
-                             [list(range(num_blocks))], 0, block_size, positions.clone(), [], [], [])
-        out.append(model(inputs.input_ids, inputs.positions, kv_cache, backend, backend.build_metadata(inputs),
-                         inputs.sample_indices))
-    return torch.cat(out)
+        inputs = ModelInputs(torch.tensor(token_ids), positions, positions.clone(), [0, n], [n], [0],
+                             [list(range(self.num_blocks))], 0, self.block_size, positions.clone(), [], [], [])
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
+                          self.backend.build_metadata(inputs), inputs.sample_indices)
+
+
+def position_logits(model: torch.nn.Module, token_ids: list[int], window: int = 256) -> torch.Tensor:
+    """(len(token_ids), vocab) logits of a paged model, each position given the tokens before it in its window."""
+    run = WindowRunner(model, window)
+    return torch.cat([run(token_ids[start:start + window]) for start in range(0, len(token_ids), window)])
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,14 @@ class Quality:
     @property
     def perplexity_increase(self) -> float:
         return self.perplexity / self.reference_perplexity - 1
+
+    @property
+    def passes(self) -> bool:
+        return self.top1_agreement >= MIN_TOP1_AGREEMENT and abs(self.perplexity_increase) <= MAX_PERPLEXITY_INCREASE
+
+    def __str__(self) -> str:
+        return (f"top-1 agreement with fp32 {self.top1_agreement:.1%}, perplexity {self.perplexity:.2f} "
+                f"({self.perplexity_increase:+.1%})")
 
 
 def compare(reference: torch.Tensor, logits: torch.Tensor, token_ids: list[int], window: int = 256,

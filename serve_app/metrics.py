@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from engine.metrics import ModelReport
+
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 
@@ -96,20 +98,29 @@ class ReplicaMetrics:
     """Engine load as seen by a replica, and per-request latencies tagged by priority class
     (from the engine's own RequestMetrics: TTFT counts from the request's arrival at the router)."""
 
-    def __init__(self, enabled: bool, replica_id: str, execution: Mapping[str, str] | None = None,
+    def __init__(self, enabled: bool, replica_id: str, model: ModelReport | None = None,
                  objectives: Mapping[tuple[int, str], float] | None = None):
-        """`execution`: how the engine computes (quantization, dtype, device), exported as the
-        labels of `cbserve_engine_info` (value 1), so dashboards can split any figure by mode.
-        `objectives`: (priority, objective) -> seconds, the app's SLO, exported so that alert rules
-        and dashboards compare latencies with it."""
+        """`model`: the engine's ModelReport, how it computes: quantization, dtype and device are
+        the labels of `cbserve_engine_info` (value 1), so dashboards can split any figure by mode;
+        its numbers are the `cbserve_model_*` gauges. `objectives`: (priority, objective) ->
+        seconds, the app's SLO, exported so that alert rules and dashboards compare latencies with it."""
         gauge, hist, counter = _make(enabled)
         self._objectives = dict(objectives or {})
         self._gauge = gauge
         self._engine_gauges: dict[str, Any] = {}
         self.tags = {"replica": replica_id}
-        self._execution = {"replica": replica_id, **(execution or {})}
+        labels = {} if model is None else {"quantization": model.quantization, "dtype": model.dtype,
+                                           "device": model.device}
+        self._execution = {"replica": replica_id, **labels}
         self.engine_info = gauge("cbserve_engine_info", "1, labelled with how the engine computes.",
                                  tuple(self._execution))
+        figures = {"weight_bytes_per_token": "Matmul weight bytes one decode step reads.",
+                   "top1_agreement": "Teacher-forced top-1 agreement of the quantized model with fp32 "
+                                     "(engine/quality.py).",
+                   "perplexity_increase": "Perplexity of the quantized model over fp32's, minus 1."}
+        self._model_figures = [(gauge(f"cbserve_model_{name}", desc, ("replica",)), getattr(model, name))
+                               for name, desc in figures.items()
+                               if model is not None and getattr(model, name) is not None]
         self.num_waiting = gauge("cbserve_replica_num_waiting", "Engine waiting queue.", ("replica",))
         self.num_running = gauge("cbserve_replica_num_running", "Engine running batch.", ("replica",))
         self.kv_usage = gauge("cbserve_replica_kv_usage", "KV cache usage 0..1.", ("replica",))
@@ -145,6 +156,8 @@ class ReplicaMetrics:
         self.kv_usage.set(stats.kv_usage, tags=self.tags)
         self.ready.set(int(stats.ready), tags=self.tags)
         self.engine_info.set(1, tags=self._execution)
+        for figure, value in self._model_figures:
+            figure.set(value, tags=self.tags)
         for (priority, objective), seconds in self._objectives.items():
             self.slo_objective.set(seconds, tags={**self.tags, "priority": str(priority), "objective": objective})
         for name, value in engine_stats.as_dict().items():

@@ -68,11 +68,9 @@ class EngineReplica:
         self.engine: EngineClient = engine_cls.from_config(bind_draft_app(config.engine_config),
                                                            config.engine_process)
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]
-        model = config.engine_config.model
         self.slo = SLOTracker(slo or {})
         self.metrics = ReplicaMetrics(
-            metrics_enabled, self.replica_id,
-            {"quantization": model.quantization, "dtype": model.resolved_dtype, "device": model.device},
+            metrics_enabled, self.replica_id, self.engine.model_report,
             {(priority, name): seconds for priority, target in self.slo.targets.items()
              for name, seconds in target.objectives().items()})
         self._router = router

@@ -11,6 +11,9 @@ checkpoint's own blocks (Q4_1, Q8_0) as stored, so no re-quantization error
 bits, so the decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp):
 llama.cpp's 8-bit activations cost SmolLM2-135M ~3% of top-1 agreement with fp32 (per-tensor
 int8, fbgemm's, 49%); 15 bits cost nothing measurable, for two byte products per block.
+
+`w8a16` / `w4a16`: torch's weight-only kernels on bf16 activations, for CPUs with bf16 dot
+products (AVX512-BF16, AMX); on AVX2 they beat fp32 only on a few rows (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -115,32 +118,95 @@ class BlockQuantLinear(nn.Module):
         return _plus(residual, F.linear(quantize_activations(prologue(x, norm, swiglu)), self.weight, self.bias))
 
 
+class WeightOnlyLinear(nn.Module):
+    """A matmul on int8 or int4 weights with bf16 activations, by torch's weight-only CPU kernels:
+    8 bits, one scale per output channel (`_weight_int8pack_mm`); 4 bits, a scale and an offset
+    per block of 32 like GGUF's Q4_1 (`_weight_int4pack_mm_for_cpu`). Scales are rounded to
+    bf16 before the weights are rounded to them, so the kernel computes with the grid the weights
+    were fitted to. The prologue and the residual stay fp32."""
+
+    def __init__(self, bits: int, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.bits = bits
+        w = weight.detach().float()
+        if bits == 8:
+            scale = _bf16(w.abs().amax(1) / 127)
+            self.register_buffer("packed", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scales", scale.bfloat16())
+        else:
+            rows, cols = w.shape
+            blocks = w.view(rows, cols // BLOCK, BLOCK)
+            low = blocks.amin(-1)
+            scale = _bf16((blocks.amax(-1) - low) / 15)
+            zero = (low + 8 * scale).bfloat16().float()  # the kernel computes (q - 8) * scale + zero
+            q = torch.round((blocks - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.view(rows, cols), 1))
+            self.register_buffer("scales", torch.stack([scale.t(), zero.t()], -1).bfloat16().contiguous())
+        self.register_buffer("bias", bias.detach() if bias is not None else None)
+        self.weight_bytes = self.packed.numel() + 2 * self.scales.numel()
+
+    @staticmethod
+    def fits(bits: int, weight: torch.Tensor) -> bool:
+        """The kernels' shape rules: rows of whole blocks; int4 packs 16 output channels at a time."""
+        rows, cols = weight.shape
+        return cols % BLOCK == 0 and (bits == 8 or rows % 16 == 0)
+
+    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        a = prologue(x, norm, swiglu).to(torch.bfloat16)
+        if self.bits == 8:
+            out = torch._weight_int8pack_mm(a, self.packed, self.scales)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(a, self.packed, BLOCK, self.scales)
+        out = out.float()
+        if self.bias is not None:
+            out += self.bias
+        return _plus(residual, out)
+
+
+def _bf16(scale: torch.Tensor) -> torch.Tensor:
+    """A positive scale as bf16 represents it, in fp32 (an all-equal block gets the smallest)."""
+    return scale.clamp_min(torch.finfo(torch.bfloat16).tiny).bfloat16().float()
+
+
+WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4}
+
+
 def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> nn.Module:
-    """Replaces the Linears of `model` by the mode's implementation, in place. `int8`: every
-    matmul whose input width is a multiple of 32 (others stay fp32). `gguf`: `stored_blocks`,
-    {module name: (GGML type, blocks)} from the checkpoint (engine/models/gguf_blocks.py)."""
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    """Replaces the Linears of `model` by the mode's implementation, in place. `int8`, `w8a16`,
+    `w4a16`: every matmul whose shape the kernel takes (input width a multiple of 32; others stay
+    fp32), except that the weight-only modes keep the LM head fp32, as GPTQ and AWQ checkpoints
+    do (4-bit, the LM head alone takes SmolLM2-135M's top-1 agreement from 98.4% to 85.0%).
+    `gguf`: `stored_blocks`, {module name: (GGML type, blocks)} from the checkpoint
+    (engine/models/gguf_blocks.py)."""
+    if mode not in QUANTIZATION_MODES or mode == "auto":  # auto is resolved before (engine/quantization_check.py)
+        raise ValueError(f"quantize takes one of {QUANTIZATION_MODES[:-1]}, got {mode!r}")
     if mode == "none":
         return model
     from engine.cpu_kernels import load_cpu_kernels
 
-    kernels = load_cpu_kernels()
+    kernels = load_cpu_kernels() if mode in ("int8", "gguf") else None
     for name, dense in list(model.named_modules()):
         if not isinstance(dense, Linear):
             continue
-        if mode == "gguf":
-            qtype, blocks = stored_blocks[name]
+        if mode in WEIGHT_ONLY_BITS:
+            bits = WEIGHT_ONLY_BITS[mode]
+            if name == "lm_head" or not WeightOnlyLinear.fits(bits, dense.weight):
+                continue
+            replacement = WeightOnlyLinear(bits, dense.weight, dense.bias)
+        elif mode == "gguf":
+            replacement = BlockQuantLinear(*stored_blocks[name], dense.bias, kernels)
         elif dense.weight.shape[1] % BLOCK == 0:
             qtype = GGMLQuantizationType.Q8_0
-            blocks = quantize_blocks(dense.weight.detach().float().numpy(), qtype)
+            replacement = BlockQuantLinear(qtype, quantize_blocks(dense.weight.detach().float().numpy(), qtype),
+                                           dense.bias, kernels)
         else:
             continue
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, BlockQuantLinear(qtype, blocks, dense.bias, kernels))
+        setattr(model.get_submodule(parent), attr, replacement)
     return model
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Bytes of matmul weights one decode step reads (embeddings are a row lookup)."""
-    return sum(m.weight_bytes for m in model.modules() if isinstance(m, (Linear, BlockQuantLinear)))
+    return sum(m.weight_bytes for m in model.modules() if isinstance(m, (Linear, BlockQuantLinear, WeightOnlyLinear)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.metrics import EngineStats
+from engine.metrics import EngineStats, ModelReport
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -62,6 +62,7 @@ class FakeAsyncEngine(EngineClient):
     vocab_size = VOCAB
     is_ready = True
     tokenizer = FakeTokenizer()
+    model_report = ModelReport("none", "float32", "cpu", 0, 1.0, 0.0)
 
     def __init__(self) -> None:
         self._waiting: list[str] = []
@@ -84,6 +85,8 @@ class FakeAsyncEngine(EngineClient):
         engine.num_blocks = config.cache.num_blocks or cls.num_blocks
         engine.block_size = config.cache.block_size
         engine.max_model_len = config.model.max_model_len or cls.max_model_len
+        model = config.model
+        engine.model_report = ModelReport(model.quantization, model.resolved_dtype, model.device, 0, 1.0, 0.0)
         return engine
 
     def stats(self) -> EngineStats:

@@ -1,0 +1,155 @@
+"""A quantized mode's start-up check against fp32, and `auto`'s choice among the modes.
+
+When a quantized mode loads, it is scored against the fp32 model it came from on the shipped
+English text (engine/quality.py): the figures are logged, travel with the loaded model to the
+serve app's metrics, and are cached per model file, mode and code (engine/cache_dir.py), so later
+starts read them instead of scoring again. `auto` scores every mode the checkpoint can run, times
+each against fp32 on a one-token forward (a decode step alone) and a 64-token one (a full batch's
+matmul shapes), and keeps the fastest on the mean of the two time ratios among those that pass the
+quality bar; fp32 always qualifies. On CUDA, `auto` is fp32: the quantized kernels are CPU code.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.cache_dir import cache_dir
+from engine.config import ModelConfig
+from engine.models.linear import quantize
+from engine.quality import TEXT_PATH, Quality, WindowRunner, compare, eval_tokens, position_logits
+
+logger = logging.getLogger(__name__)
+
+AUTO_CANDIDATES = ("gguf", "int8", "w4a16", "w8a16")
+PROBE_TOKENS = (1, 64)
+PROBE_REPEATS = 7
+# the code whose arithmetic the figures measure: a change to any of these scores again
+_SCORED_CODE = ("models/linear.py", "models/llama.py", "csrc/block_quant_linear.cpp", "quality.py")
+
+
+@dataclass(frozen=True)
+class Checked:
+    model: nn.Module
+    mode: str  # the mode it runs (`auto` resolved)
+    quality: Quality | None  # against fp32; None for fp32 itself, or when the check is off
+
+
+def check_quantization(fp32_model: nn.Module, config: ModelConfig, model_path: str, tokenizer,
+                       stored_blocks) -> Checked:
+    """`fp32_model` quantized as `config.quantization` says, with its figures. `stored_blocks`:
+    a callable giving a GGUF's blocks (engine/models/gguf_blocks.py), or None for other files.
+    The fp32 model is quantized in place unless `auto` needs it to compare against."""
+    mode = config.quantization
+    if mode == "none" or (mode == "auto" and config.device != "cpu"):
+        return Checked(fp32_model, "none", None)
+    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path)
+    if mode != "auto":
+        if config.quality_check_tokens:
+            scorer.reference_if_uncached(mode)
+        model = quantize(fp32_model, mode, stored_blocks() if mode == "gguf" else None)
+        quality = scorer.quality(model, mode) if config.quality_check_tokens else None
+        if quality is not None:
+            log = logger.info if quality.passes else logger.warning
+            log("quantization %s: %s on %d tokens of %s%s", mode, quality, config.quality_check_tokens,
+                TEXT_PATH.name, "" if quality.passes else ": below the bar (top-1 >= 97%, perplexity within 3%)")
+        return Checked(model, mode, quality)
+    return _choose(fp32_model, scorer, stored_blocks)
+
+
+def _choose(fp32_model: nn.Module, scorer: _Scorer, stored_blocks) -> Checked:
+    best, best_ratio = Checked(fp32_model, "none", None), 1.0
+    for mode in AUTO_CANDIDATES:
+        if mode == "gguf" and stored_blocks is None:
+            continue
+        try:
+            model = quantize(copy.deepcopy(fp32_model), mode, stored_blocks() if mode == "gguf" else None)
+        except ValueError as e:  # e.g. a GGUF whose block types the kernel does not read
+            logger.info("quantization auto: %s does not apply: %s", mode, e)
+            continue
+        quality = scorer.quality(model, mode)
+        ratios = _time_ratios(model, fp32_model, scorer.tokens[:max(PROBE_TOKENS)])
+        ratio = statistics.fmean(ratios)
+        verdict = "passes" if quality.passes else "fails the bar"
+        logger.info("quantization auto: %s %s, %s; step time vs fp32 %s", mode, verdict, quality,
+                    " / ".join(f"{r:.2f}x at {n} tokens" for r, n in zip(ratios, PROBE_TOKENS)))
+        if quality.passes and ratio < best_ratio:
+            best, best_ratio = Checked(model, mode, quality), ratio
+    logger.info("quantization auto chose %s (mean step time %.2fx fp32's)", best.mode, best_ratio)
+    return best
+
+
+def _time_ratios(model: nn.Module, fp32_model: nn.Module, token_ids: list[int]) -> list[float]:
+    """For each PROBE_TOKENS length, the median over PROBE_REPEATS of the model's forward time over
+    fp32's, the two timed alternately so that the machine's drift hits both alike."""
+    runs = (WindowRunner(model, max(PROBE_TOKENS)), WindowRunner(fp32_model, max(PROBE_TOKENS)))
+    out = []
+    for n in PROBE_TOKENS:
+        for run in runs:
+            run(token_ids[:n])  # warm-up
+        ratios = []
+        for _ in range(PROBE_REPEATS):
+            seconds = []
+            for run in runs:
+                start = time.perf_counter()
+                run(token_ids[:n])
+                seconds.append(time.perf_counter() - start)
+            ratios.append(seconds[0] / seconds[1])
+        out.append(statistics.median(ratios))
+    return out
+
+
+class _Scorer:
+    """Scores models against the fp32 one, its logits computed at most once; figures cached on disk."""
+
+    def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str):
+        self.fp32_model, self.num_tokens, self.model_path = fp32_model, num_tokens, model_path
+        self.tokens = eval_tokens(tokenizer, num_tokens) if num_tokens else []
+        self._reference: torch.Tensor | None = None
+
+    def reference_if_uncached(self, mode: str) -> None:
+        """Computes the fp32 logits now if `mode`'s figures are not cached (before the fp32 model
+        is quantized in place)."""
+        if not self._path(mode).is_file():
+            self._reference_logits()
+
+    def quality(self, model: nn.Module, mode: str) -> Quality:
+        path = self._path(mode)
+        if path.is_file():
+            return Quality(**json.loads(path.read_text()))
+        quality = compare(self._reference_logits(), position_logits(model, self.tokens), self.tokens)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        partial.write_text(json.dumps(asdict(quality)))
+        partial.replace(path)
+        return quality
+
+    def _reference_logits(self) -> torch.Tensor:
+        if self._reference is None:
+            self._reference = position_logits(self.fp32_model, self.tokens)
+        return self._reference
+
+    def _path(self, mode: str) -> Path:
+        key = hashlib.sha256("|".join([_identity(self.model_path), mode, str(self.num_tokens), torch.__version__,
+                                       *(_code_digest(f) for f in _SCORED_CODE)]).encode())
+        return cache_dir("quality") / f"{Path(self.model_path).name}-{mode}-{key.hexdigest()[:16]}.json"
+
+
+def _identity(path: str) -> str:
+    """A checkpoint file or directory by its path, sizes and modification times."""
+    p = Path(path).resolve()
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    return ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+def _code_digest(relative: str) -> str:
+    return hashlib.sha256((Path(__file__).parent / relative).read_bytes()).hexdigest()
