@@ -10,27 +10,39 @@ teacher-forced quality against fp32 on the shipped text (each engine's start-up 
 engine/quantization_check.py). Each measurement is
 taken --repeats times with the modes alternating, and the medians are printed with each run's
 process cpu/wall (2 threads: ~2.0 means nothing else took the cores) and the cores' worth of CPU
-other processes used meanwhile. Optional bar chart.
+other processes used meanwhile. Optional bar chart. With a llama.cpp `llama-server` binary
+(--llama-server, $LLAMA_SERVER or PATH; build it from the llama-cpp-python sdist's vendored
+llama.cpp, out of tree), its server on the same GGUF is measured the same way in the same rounds.
 
-    .venv/bin/python benchmarks/quantization.py [--repeats 3] [--json OUT] [--plot OUT.png]
+    .venv/bin/python benchmarks/quantization.py [--repeats 3] [--llama-server BIN] [--json OUT] [--plot OUT.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workload import Stopwatch, make_workload, random_prompt  # noqa: E402
+from benchmarks.workload import Stopwatch, default_model_path, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 MODES = ("none", "int8", "gguf", "w8a16", "w4a16")
+LLAMA = "llama.cpp"
 
 
 def cpu_features() -> str:
@@ -68,10 +80,71 @@ def workload(llm: LLM) -> tuple[float, Stopwatch]:
     return wl.num_output_tokens / sw.wall_s, sw
 
 
+class LlamaServer:
+    """llama.cpp's server on the same GGUF file: 16 slots, 2 threads, no prompt cache, greedy,
+    token-id prompts through its /completion API. Decode and prefill rates are the server's own
+    timings (generation after the first token; prompt processing); the workload is timed at the
+    client, as the engine's is. Stopwatch's `others` counts the server process here."""
+
+    def __init__(self, binary: str, model_path: str, slots: int = 16, context_per_slot: int = 1024):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([binary, "-m", model_path, "-t", "2", "-tb", "2", "-np", str(slots),
+                                      "-c", str(slots * context_per_slot), "--host", "127.0.0.1", "--port", str(port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start; its log: {self.log.name}")
+            time.sleep(0.5)
+
+    def complete(self, prompt: list[int], max_tokens: int) -> dict:
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+        request = urllib.request.Request(f"{self.url}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            out = json.loads(r.read())
+        if out["tokens_predicted"] != max_tokens:
+            raise RuntimeError(f"llama-server predicted {out['tokens_predicted']} tokens, asked {max_tokens}")
+        return out
+
+    def single_stream(self) -> tuple[float, Stopwatch]:
+        with Stopwatch() as sw:
+            out = self.complete(random_prompt(128, seed=5), 128)
+        return out["timings"]["predicted_per_second"], sw
+
+    def prefill(self) -> tuple[float, Stopwatch]:
+        with Stopwatch() as sw:
+            out = self.complete(random_prompt(512, seed=6), 1)
+        return out["timings"]["prompt_per_second"], sw
+
+    def workload(self) -> tuple[float, Stopwatch]:
+        wl = make_workload(64, seed=0)
+        with Stopwatch() as sw, ThreadPoolExecutor(len(wl.prompts)) as pool:
+            list(pool.map(self.complete, wl.prompts, wl.output_lens))
+        return wl.num_output_tokens / sw.wall_s, sw
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quality-tokens", type=int, default=6000)
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
+                        help="a llama.cpp server binary to measure beside the engine (default: $LLAMA_SERVER, "
+                             "else llama-server on PATH; none found: the engine only)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
@@ -82,38 +155,52 @@ def main() -> None:
                for mode in MODES}
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate([random_prompt(64)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-    measures = {"decode_tok_s": single_stream, "prefill_tok_s": prefill, "workload_tok_s": workload}
-    runs: dict = {mode: {m: [] for m in measures} for mode in MODES}
-    for r in range(args.repeats):
-        for name, fn in measures.items():
-            for mode in MODES if r % 2 == 0 else reversed(MODES):
-                value, sw = fn(engines[mode])
-                runs[mode][name].append(value)
-                others = "n/a" if sw.others is None else f"{sw.others:.2f}"
-                print(f"run {r} {mode:5} {name:15} {value:8.1f}  cpu/wall {sw.cpu_util:.2f}  others {others}",
-                      flush=True)
+    systems = {mode: {"decode_tok_s": partial(single_stream, llm), "prefill_tok_s": partial(prefill, llm),
+                      "workload_tok_s": partial(workload, llm)} for mode, llm in engines.items()}
+    server = None
+    if args.llama_server:
+        server = LlamaServer(args.llama_server, default_model_path())
+        server.complete(random_prompt(64), 8)  # warm-up
+        systems[LLAMA] = {"decode_tok_s": server.single_stream, "prefill_tok_s": server.prefill,
+                          "workload_tok_s": server.workload}
+    names = list(systems)
+    runs: dict = {name: {m: [] for m in systems[name]} for name in names}
+    try:
+        for r in range(args.repeats):
+            for measure in runs[names[0]]:
+                for name in names if r % 2 == 0 else reversed(names):
+                    value, sw = systems[name][measure]()
+                    runs[name][measure].append(value)
+                    others = "n/a" if sw.others is None else f"{sw.others:.2f}"
+                    print(f"run {r} {name:9} {measure:15} {value:8.1f}  cpu/wall {sw.cpu_util:.2f}  others {others}",
+                          flush=True)
+    finally:
+        if server is not None:
+            server.close()
 
     results: dict = {"cpu": cpu_features(), "modes": {}}
-    loaded = {mode: engines[mode].engine.loaded for mode in MODES}
-    for mode in MODES:  # the figures each engine's start-up check measured (engine/quantization_check.py)
-        quality = loaded[mode].quality
-        results["modes"][mode] = {
-            **{name: statistics.median(values) for name, values in runs[mode].items()},
-            "weight_mb_per_decode_step": loaded[mode].weight_bytes_per_token / 1e6,
-            "top1_agreement": 1.0 if quality is None else quality.top1_agreement,
-            "perplexity_increase": 0.0 if quality is None else quality.perplexity_increase,
+    for name in names:  # quality: the figures each engine's start-up check measured (engine/quantization_check.py)
+        loaded = engines[name].engine.loaded if name in engines else None
+        quality = None if loaded is None else loaded.quality
+        results["modes"][name] = {
+            **{measure: statistics.median(values) for measure, values in runs[name].items()},
+            "weight_mb_per_decode_step": None if loaded is None else loaded.weight_bytes_per_token / 1e6,
+            "top1_agreement": None if loaded is None else 1.0 if quality is None else quality.top1_agreement,
+            "perplexity_increase": None if loaded is None else 0.0 if quality is None else quality.perplexity_increase,
         }
-    base = results["modes"]["none"]
     print(f"\nmedians of {args.repeats}; quality on {args.quality_tokens} tokens of engine/data/english.txt")
-    print(f"{'mode':5} {'decode tok/s':>12} {'prefill tok/s':>13} {'64-req tok/s':>12} {'MB/step':>8} "
+    print(f"{'mode':9} {'decode tok/s':>12} {'prefill tok/s':>13} {'64-req tok/s':>12} {'MB/step':>8} "
           f"{'top-1 agree':>11} {'ppl vs fp32':>11}")
-    for mode, m in results["modes"].items():
-        print(f"{mode:5} {m['decode_tok_s']:12.1f} {m['prefill_tok_s']:13.1f} {m['workload_tok_s']:12.1f} "
-              f"{m['weight_mb_per_decode_step']:8.0f} {m['top1_agreement']:11.4f} {m['perplexity_increase']:+11.2%}")
-    for mode, m in results["modes"].items():
-        ratios = {k: m[k] / base[k] for k in ("decode_tok_s", "prefill_tok_s", "workload_tok_s")}
-        print(f"{mode}/none: decode x{ratios['decode_tok_s']:.2f}, prefill x{ratios['prefill_tok_s']:.2f}, "
-              f"64-req x{ratios['workload_tok_s']:.2f}")
+    for name, m in results["modes"].items():
+        quality = "" if m["top1_agreement"] is None else \
+            f"{m['weight_mb_per_decode_step']:8.0f} {m['top1_agreement']:11.4f} {m['perplexity_increase']:+11.2%}"
+        print(f"{name:9} {m['decode_tok_s']:12.1f} {m['prefill_tok_s']:13.1f} {m['workload_tok_s']:12.1f} {quality}")
+    for reference in ("none", LLAMA) if LLAMA in results["modes"] else ("none",):
+        base = results["modes"][reference]
+        for name, m in results["modes"].items():
+            ratios = {k: m[k] / base[k] for k in ("decode_tok_s", "prefill_tok_s", "workload_tok_s")}
+            print(f"{name}/{reference}: decode x{ratios['decode_tok_s']:.2f}, prefill x{ratios['prefill_tok_s']:.2f}, "
+                  f"64-req x{ratios['workload_tok_s']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:
@@ -124,11 +211,11 @@ def main() -> None:
 
         labels = ["single stream decode", "64-request workload"]
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for i, mode in enumerate(MODES):
-            m = results["modes"][mode]
-            width = 0.8 / len(MODES)
-            ax.bar([x + width * i for x in range(2)], [m["decode_tok_s"], m["workload_tok_s"]], width, label=mode)
-        ax.set_xticks([x + 0.4 - 0.4 / len(MODES) for x in range(2)], labels)
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            m = results["modes"][name]
+            ax.bar([x + width * i for x in range(2)], [m["decode_tok_s"], m["workload_tok_s"]], width, label=name)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(2)], labels)
         ax.set_ylabel("output tokens/s")
         ax.set_title("SmolLM2-135M on 2 CPU cores, by quantization mode")
         ax.legend()

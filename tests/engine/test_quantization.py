@@ -240,14 +240,26 @@ def test_start_up_figures_are_the_measured_quality_and_later_starts_read_them(ti
     assert unchecked.quantization == "w8a16" and unchecked.quality is None
 
 
-def test_auto_keeps_fp32_when_no_quantized_mode_passes(tiny_llama, tmp_path, monkeypatch):
-    """A random model's logits are nearly flat, so every mode's top-1 agreement falls below 97%
-    (the figures say so) and fp32, which always qualifies, stays."""
+@pytest.mark.parametrize("w4a16_ratio,scored", [(0.7, {"w8a16", "w4a16"}), (1.1, {"w8a16"})])
+def test_auto_scores_faster_modes_first_and_keeps_fp32_when_none_passes(tiny_llama, tmp_path, monkeypatch,
+                                                                         w4a16_ratio, scored):
+    """The step-time ratios are set here (the tiny model's matmuls are too small to time apart);
+    the rest is the real path. A random model's logits are nearly flat, so every mode's top-1
+    agreement falls below 97% (the figures say so): fp32, which always qualifies, stays. A mode
+    slower than fp32 is never scored."""
     monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(quantization_check, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no kernels to compile
+    ratio_by_bits = {8: 0.5, 4: w4a16_ratio}
+
+    def time_ratios(model, fp32_model, token_ids):
+        bits = next(m.bits for m in model.modules() if isinstance(m, WeightOnlyLinear))
+        return [ratio_by_bits[bits]] * 2
+
+    monkeypatch.setattr(quantization_check, "_time_ratios", time_ratios)
     loaded = load_model(ModelConfig(model=tiny_llama, quantization="auto", quality_check_tokens=2048))
-    figures = [Quality(**json.loads(f.read_text())) for f in (tmp_path / "quality").glob("*.json")]
-    assert len(figures) == 2 and not any(q.passes for q in figures), figures
+    files = list((tmp_path / "quality").glob("*.json"))
+    assert {mode for mode in ("w8a16", "w4a16") for f in files if f"-{mode}-" in f.name} == scored
+    assert not any(Quality(**json.loads(f.read_text())).passes for f in files)
     assert loaded.quantization == "none" and loaded.quality is None
     assert all(type(m) is Linear for m in loaded.model.modules() if isinstance(m, (Linear, WeightOnlyLinear)))
 
