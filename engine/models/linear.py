@@ -130,14 +130,14 @@ class WeightOnlyLinear(nn.Module):
         self.bits = bits
         w = weight.detach().float()
         if bits == 8:
-            scale = _bf16(w.abs().amax(1) / 127)
+            scale = _bf16_scale(w.abs().amax(1) / 127)
             self.register_buffer("packed", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
             self.register_buffer("scales", scale.bfloat16())
         else:
             rows, cols = w.shape
             blocks = w.view(rows, cols // BLOCK, BLOCK)
             low = blocks.amin(-1)
-            scale = _bf16((blocks.amax(-1) - low) / 15)
+            scale = _bf16_scale((blocks.amax(-1) - low) / 15)
             zero = (low + 8 * scale).bfloat16().float()  # the kernel computes (q - 8) * scale + zero
             q = torch.round((blocks - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.view(rows, cols), 1))
@@ -164,7 +164,7 @@ class WeightOnlyLinear(nn.Module):
         return _plus(residual, out)
 
 
-def _bf16(scale: torch.Tensor) -> torch.Tensor:
+def _bf16_scale(scale: torch.Tensor) -> torch.Tensor:
     """A positive scale as bf16 represents it, in fp32 (an all-equal block gets the smallest)."""
     return scale.clamp_min(torch.finfo(torch.bfloat16).tiny).bfloat16().float()
 
