@@ -26,7 +26,7 @@ from torch import nn
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.linear import quantize
-from engine.quality import TEXT_PATH, Quality, WindowRunner, compare, eval_tokens, position_logits
+from engine.quality import TEXT_PATH, Quality, TokenScores, WindowRunner, compare, eval_tokens, token_scores
 
 logger = logging.getLogger(__name__)
 
@@ -120,33 +120,33 @@ def _time_ratios(model: nn.Module, fp32_model: nn.Module, token_ids: list[int]) 
 
 
 class _Scorer:
-    """Scores models against the fp32 one, its logits computed at most once; figures cached on disk."""
+    """Scores models against the fp32 one, scored at most once; figures cached on disk."""
 
     def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str):
         self.fp32_model, self.num_tokens, self.model_path = fp32_model, num_tokens, model_path
         self.tokens = eval_tokens(tokenizer, num_tokens) if num_tokens else []
-        self._reference: torch.Tensor | None = None
+        self._reference: TokenScores | None = None
 
     def reference_if_uncached(self, mode: str) -> None:
-        """Computes the fp32 logits now if `mode`'s figures are not cached (before the fp32 model
-        is quantized in place)."""
+        """Scores the fp32 model now if `mode`'s figures are not cached (before the fp32 model is
+        quantized in place)."""
         if not self._path(mode).is_file():
-            self._reference_logits()
+            self._reference_scores()
 
     def quality(self, model: nn.Module, mode: str) -> Quality:
         path = self._path(mode)
         if path.is_file():
             return Quality(**json.loads(path.read_text()))
-        quality = compare(self._reference_logits(), position_logits(model, self.tokens), self.tokens)
+        quality = compare(self._reference_scores(), token_scores(model, self.tokens))
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
         partial.write_text(json.dumps(asdict(quality)))
         partial.replace(path)
         return quality
 
-    def _reference_logits(self) -> torch.Tensor:
+    def _reference_scores(self) -> TokenScores:
         if self._reference is None:
-            self._reference = position_logits(self.fp32_model, self.tokens)
+            self._reference = token_scores(self.fp32_model, self.tokens)
         return self._reference
 
     def _path(self, mode: str) -> Path:

@@ -27,7 +27,7 @@ from engine.models.linear import (
     prologue,
     quantize_activations,
 )
-from engine.quality import Quality, compare, eval_tokens, position_logits
+from engine.quality import Quality, compare, eval_tokens, token_scores
 from tests.engine.test_parity import _prompts
 
 QTYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1]
@@ -191,7 +191,7 @@ def _quality(model: str, mode: str, num_tokens: int, min_margin: float):
     quant = load_model(EngineConfig.from_kwargs(model=model, quantization=mode, quality_check_tokens=0).model)
     assert quant.weight_bytes_per_token < 0.3 * ref.weight_bytes_per_token
     ids = eval_tokens(ref.tokenizer, num_tokens)
-    return compare(position_logits(ref.model, ids), position_logits(quant.model, ids), ids, min_margin=min_margin)
+    return compare(token_scores(ref.model, ids), token_scores(quant.model, ids), min_margin=min_margin)
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
@@ -231,7 +231,7 @@ def test_start_up_figures_are_the_measured_quality_and_later_starts_read_them(ti
     first = load_model(ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=2048))
     ref = load_model(ModelConfig(model=tiny_llama))
     ids = eval_tokens(ref.tokenizer, 2048)
-    assert first.quality == compare(position_logits(ref.model, ids), position_logits(first.model, ids), ids)
+    assert first.quality == compare(token_scores(ref.model, ids), token_scores(first.model, ids))
     [cached] = (tmp_path / "quality").glob("*w8a16*.json")
     cached.write_text(json.dumps({**json.loads(cached.read_text()), "top1_agreement": 0.5}))
     assert load_model(ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=2048)
