@@ -96,7 +96,8 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
     deadline = time.time() + 60
     want = ["ray_cbserve_ttft_s", "ray_cbserve_router_queue_depth", "ray_cbserve_replica_kv_usage",
             "ray_cbserve_generation_tokens_total", 'ray_cbserve_slo_requests_total{', "ray_cbserve_slo_attainment{",
-            "ray_cbserve_goodput_rps{", "ray_cbserve_engine_info{"]
+            "ray_cbserve_goodput_rps{", "ray_cbserve_engine_info{", "ray_cbserve_model_weight_bytes_per_token{",
+            "ray_cbserve_model_top1_agreement{", "ray_cbserve_model_perplexity_increase{"]
     text = ""
     while time.time() < deadline:
         text = metrics_of_every_node()
