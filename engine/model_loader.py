@@ -128,7 +128,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
     path = config.model or default_model_path()
     stored_blocks = (lambda: read_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
-    checked = check_quantization(model, config, path, tokenizer, stored_blocks)
+    checked = check_quantization(model, config, path, tokenizer, stored_blocks, max_model_len)
     weight_bytes = weight_bytes_per_token(checked.model)
     logger.info("model loaded: %s, quantization %s, %.0f MB of matmul weights per decode step%s",
                 config.resolved_dtype, checked.mode, weight_bytes / 1e6,

@@ -19,6 +19,7 @@ from engine.runner.inputs import ModelInputs
 TEXT_PATH = Path(__file__).parent / "data" / "english.txt"
 MIN_TOP1_AGREEMENT = 0.97
 MAX_PERPLEXITY_INCREASE = 0.03
+WINDOW = 256  # tokens scored from scratch together
 
 
 def eval_tokens(tokenizer, num_tokens: int = 6000) -> list[int]:
@@ -32,7 +33,7 @@ class WindowRunner:
     """Runs a CPU paged model on one sequence of up to `window` tokens from scratch: the logits of
     every position."""
 
-    def __init__(self, model: torch.nn.Module, window: int = 256, block_size: int = 16):
+    def __init__(self, model: torch.nn.Module, window: int = WINDOW, block_size: int = 16):
         self.model, self.block_size = model, block_size
         self.backend = select_backend("torch", torch.device("cpu"), torch.float32, model.head_dim ** -0.5)
         self.num_blocks = -(-window // block_size)
@@ -59,7 +60,7 @@ class TokenScores:
     nll: torch.Tensor  # (T,) -log p(the true next token); 0 at a window's last position, which is not scored
 
 
-def token_scores(model: torch.nn.Module, token_ids: list[int], window: int = 256) -> TokenScores:
+def token_scores(model: torch.nn.Module, token_ids: list[int], window: int = WINDOW) -> TokenScores:
     """A paged model's scores, each position given the tokens before it in its window."""
     run = WindowRunner(model, window)
     parts = []
@@ -92,7 +93,7 @@ class Quality:
                 f"({self.perplexity_increase:+.1%})")
 
 
-def compare(reference: TokenScores, scores: TokenScores, window: int = 256, min_margin: float = 0.0) -> Quality:
+def compare(reference: TokenScores, scores: TokenScores, window: int = WINDOW, min_margin: float = 0.0) -> Quality:
     """Scores the positions that predict a token inside their window (a window's last position
     predicts the next window's first token from a context that restarts there, so it is left
     out). `min_margin`: top-1 agreement counts only positions where the reference's best logit

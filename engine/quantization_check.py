@@ -26,7 +26,7 @@ from torch import nn
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.linear import quantize
-from engine.quality import TEXT_PATH, Quality, TokenScores, WindowRunner, compare, eval_tokens, token_scores
+from engine.quality import TEXT_PATH, WINDOW, Quality, TokenScores, WindowRunner, compare, eval_tokens, token_scores
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +45,15 @@ class Checked:
 
 
 def check_quantization(fp32_model: nn.Module, config: ModelConfig, model_path: str, tokenizer,
-                       stored_blocks) -> Checked:
+                       stored_blocks, max_model_len: int) -> Checked:
     """`fp32_model` quantized as `config.quantization` says, with its figures. `stored_blocks`:
     a callable giving a GGUF's blocks (engine/models/gguf_blocks.py), or None for other files.
+    `max_model_len`: the positions the model's RoPE tables cover (windows stay within them).
     The fp32 model is quantized in place unless `auto` needs it to compare against."""
     mode = config.quantization
     if mode == "none" or (mode == "auto" and config.device != "cpu"):
         return Checked(fp32_model, "none", None)
-    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path)
+    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path, min(WINDOW, max_model_len))
     if mode != "auto":
         if config.quality_check_tokens:
             scorer.reference_if_uncached(mode)
@@ -73,6 +74,7 @@ def _choose(fp32_model: nn.Module, scorer: _Scorer, stored_blocks) -> Checked:
     def build(mode: str) -> nn.Module:
         return quantize(copy.deepcopy(fp32_model), mode, stored_blocks() if mode == "gguf" else None)
 
+    probes = [scorer.tokens[:min(n, scorer.window)] for n in PROBE_TOKENS]
     timed = []
     for mode in AUTO_CANDIDATES:
         if mode == "gguf" and stored_blocks is None:
@@ -82,9 +84,9 @@ def _choose(fp32_model: nn.Module, scorer: _Scorer, stored_blocks) -> Checked:
         except ValueError as e:  # e.g. a GGUF whose block types the kernel does not read
             logger.info("quantization auto: %s does not apply: %s", mode, e)
             continue
-        ratios = _time_ratios(model, fp32_model, scorer.tokens[:max(PROBE_TOKENS)])
+        ratios = _time_ratios(model, fp32_model, probes)
         logger.info("quantization auto: %s step time vs fp32 %s", mode,
-                    " / ".join(f"{r:.2f}x at {n} tokens" for r, n in zip(ratios, PROBE_TOKENS)))
+                    " / ".join(f"{r:.2f}x at {n} tokens" for r, n in zip(ratios, map(len, probes))))
         timed.append((statistics.fmean(ratios), mode))
     for ratio, mode in sorted(timed):
         if ratio >= 1:
@@ -99,20 +101,21 @@ def _choose(fp32_model: nn.Module, scorer: _Scorer, stored_blocks) -> Checked:
     return Checked(fp32_model, "none", None)
 
 
-def _time_ratios(model: nn.Module, fp32_model: nn.Module, token_ids: list[int]) -> list[float]:
-    """For each PROBE_TOKENS length, the median over PROBE_REPEATS of the model's forward time over
-    fp32's, the two timed alternately so that the machine's drift hits both alike."""
-    runs = (WindowRunner(model, max(PROBE_TOKENS)), WindowRunner(fp32_model, max(PROBE_TOKENS)))
+def _time_ratios(model: nn.Module, fp32_model: nn.Module, probes: list[list[int]]) -> list[float]:
+    """For each probe (a forward of its tokens), the median over PROBE_REPEATS of the model's time
+    over fp32's, the two timed alternately so that the machine's drift hits both alike."""
+    window = max(len(p) for p in probes)
+    runs = (WindowRunner(model, window), WindowRunner(fp32_model, window))
     out = []
-    for n in PROBE_TOKENS:
+    for probe in probes:
         for run in runs:
-            run(token_ids[:n])  # warm-up
+            run(probe)  # warm-up
         ratios = []
         for _ in range(PROBE_REPEATS):
             seconds = []
             for run in runs:
                 start = time.perf_counter()
-                run(token_ids[:n])
+                run(probe)
                 seconds.append(time.perf_counter() - start)
             ratios.append(seconds[0] / seconds[1])
         out.append(statistics.median(ratios))
@@ -122,8 +125,8 @@ def _time_ratios(model: nn.Module, fp32_model: nn.Module, token_ids: list[int]) 
 class _Scorer:
     """Scores models against the fp32 one, scored at most once; figures cached on disk."""
 
-    def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str):
-        self.fp32_model, self.num_tokens, self.model_path = fp32_model, num_tokens, model_path
+    def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str, window: int):
+        self.fp32_model, self.num_tokens, self.model_path, self.window = fp32_model, num_tokens, model_path, window
         self.tokens = eval_tokens(tokenizer, num_tokens) if num_tokens else []
         self._reference: TokenScores | None = None
 
@@ -137,7 +140,7 @@ class _Scorer:
         path = self._path(mode)
         if path.is_file():
             return Quality(**json.loads(path.read_text()))
-        quality = compare(self._reference_scores(), token_scores(model, self.tokens))
+        quality = compare(self._reference_scores(), token_scores(model, self.tokens, self.window), self.window)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
         partial.write_text(json.dumps(asdict(quality)))
@@ -146,11 +149,12 @@ class _Scorer:
 
     def _reference_scores(self) -> TokenScores:
         if self._reference is None:
-            self._reference = token_scores(self.fp32_model, self.tokens)
+            self._reference = token_scores(self.fp32_model, self.tokens, self.window)
         return self._reference
 
     def _path(self, mode: str) -> Path:
-        key = hashlib.sha256("|".join([_identity(self.model_path), mode, str(self.num_tokens), torch.__version__,
+        key = hashlib.sha256("|".join([_identity(self.model_path), mode, str(self.num_tokens), str(self.window),
+                                       torch.__version__,
                                        *(_code_digest(f) for f in _SCORED_CODE)]).encode())
         return cache_dir("quality") / f"{Path(self.model_path).name}-{mode}-{key.hexdigest()[:16]}.json"
 

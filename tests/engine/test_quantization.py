@@ -251,7 +251,7 @@ def test_auto_scores_faster_modes_first_and_keeps_fp32_when_none_passes(tiny_lla
     monkeypatch.setattr(quantization_check, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no kernels to compile
     ratio_by_bits = {8: 0.5, 4: w4a16_ratio}
 
-    def time_ratios(model, fp32_model, token_ids):
+    def time_ratios(model, fp32_model, probes):
         bits = next(m.bits for m in model.modules() if isinstance(m, WeightOnlyLinear))
         return [ratio_by_bits[bits]] * 2
 
@@ -262,6 +262,19 @@ def test_auto_scores_faster_modes_first_and_keeps_fp32_when_none_passes(tiny_lla
     assert not any(Quality(**json.loads(f.read_text())).passes for f in files)
     assert loaded.quantization == "none" and loaded.quality is None
     assert all(type(m) is Linear for m in loaded.model.modules() if isinstance(m, (Linear, WeightOnlyLinear)))
+
+
+def test_the_check_and_autos_timing_stay_within_a_short_max_model_len(tiny_llama, tmp_path, monkeypatch):
+    """Windows and probes shorter than the RoPE tables: 48 positions, where the default window is
+    256 tokens and the timing probe 64."""
+    monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(quantization_check, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no kernels to compile
+    short = dict(model=tiny_llama, max_model_len=48, quality_check_tokens=512)
+    checked = load_model(ModelConfig(quantization="w8a16", **short))
+    ref = load_model(ModelConfig(model=tiny_llama, max_model_len=48))
+    ids = eval_tokens(ref.tokenizer, 512)
+    assert checked.quality == compare(token_scores(ref.model, ids, 48), token_scores(checked.model, ids, 48), 48)
+    assert load_model(ModelConfig(quantization="auto", **short)).quantization == "none"  # flat logits: none passes
 
 
 @pytest.mark.slow
