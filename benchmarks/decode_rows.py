@@ -82,14 +82,11 @@ def main() -> None:
 
 def compare_on_workload(quantization: str, limits: list[int], repeats: int) -> None:
     """The 64-request workload's useful tok/s with each kernel row limit, interleaved."""
-    from benchmarks.quantization import workload
-    from engine import LLM
+    from benchmarks.quantization import bench_engine, workload
 
     llms = {}
     for limit in limits:
-        # the engines of benchmarks/quantization.py
-        llms[limit] = LLM(quantization=quantization, max_num_seqs=64, max_num_batched_tokens=512, num_threads=2,
-                          enable_prefix_caching=False)
+        llms[limit] = bench_engine(quantization)
         for module in llms[limit].engine.runner.model.modules():
             if isinstance(module, BlockQuantLinear):
                 module.DECODE_ROWS = limit  # this engine's own limit (the class default elsewhere)

@@ -56,6 +56,13 @@ def cpu_features() -> str:
         " ".join(f for f in wanted if f in flags)
 
 
+def bench_engine(mode: str, quality_tokens: int = 6000) -> LLM:
+    """The engine each mode is measured with (no prefix caching: repeats send the same prompts,
+    and each must be computed again)."""
+    return LLM(quantization=mode, max_num_seqs=64, max_num_batched_tokens=512, num_threads=2,
+               enable_prefix_caching=False, quality_check_tokens=quality_tokens)
+
+
 def single_stream(llm: LLM) -> tuple[float, Stopwatch]:
     """(decode tok/s after the first token, the run's Stopwatch)."""
     prompt = random_prompt(128, seed=5)
@@ -149,10 +156,7 @@ def main() -> None:
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     print(cpu_features())
-    # no prefix caching: repeats send the same prompts, and each must be computed again
-    engines = {mode: LLM(quantization=mode, max_num_seqs=64, max_num_batched_tokens=512, num_threads=2,
-                         enable_prefix_caching=False, quality_check_tokens=args.quality_tokens)
-               for mode in MODES}
+    engines = {mode: bench_engine(mode, args.quality_tokens) for mode in MODES}
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate([random_prompt(64)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     systems = {mode: {"decode_tok_s": partial(single_stream, llm), "prefill_tok_s": partial(prefill, llm),

@@ -88,6 +88,8 @@ class Quality:
     def passes(self) -> bool:
         return self.top1_agreement >= MIN_TOP1_AGREEMENT and abs(self.perplexity_increase) <= MAX_PERPLEXITY_INCREASE
 
+    BAR = f"top-1 agreement >= {MIN_TOP1_AGREEMENT:.0%}, perplexity within {MAX_PERPLEXITY_INCREASE:.0%}"
+
     def __str__(self) -> str:
         return (f"top-1 agreement with fp32 {self.top1_agreement:.1%}, perplexity {self.perplexity:.2f} "
                 f"({self.perplexity_increase:+.1%})")

@@ -62,7 +62,7 @@ def check_quantization(fp32_model: nn.Module, config: ModelConfig, model_path: s
         if quality is not None:
             log = logger.info if quality.passes else logger.warning
             log("quantization %s: %s on %d tokens of %s%s", mode, quality, config.quality_check_tokens,
-                TEXT_PATH.name, "" if quality.passes else ": below the bar (top-1 >= 97%, perplexity within 3%)")
+                TEXT_PATH.name, "" if quality.passes else f": below the bar ({Quality.BAR})")
         return Checked(model, mode, quality)
     return _choose(fp32_model, scorer, stored_blocks)
 
@@ -126,9 +126,12 @@ class _Scorer:
     """Scores models against the fp32 one, scored at most once; figures cached on disk."""
 
     def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str, window: int):
-        self.fp32_model, self.num_tokens, self.model_path, self.window = fp32_model, num_tokens, model_path, window
+        self.fp32_model, self.model_path, self.window = fp32_model, model_path, window
         self.tokens = eval_tokens(tokenizer, num_tokens) if num_tokens else []
         self._reference: TokenScores | None = None
+        # what the figures depend on besides the mode: the checkpoint, the text, torch and our code
+        self._key = "|".join([_identity(model_path), str(num_tokens), str(window), torch.__version__,
+                              *(_code_digest(f) for f in _SCORED_CODE)])
 
     def reference_if_uncached(self, mode: str) -> None:
         """Scores the fp32 model now if `mode`'s figures are not cached (before the fp32 model is
@@ -153,9 +156,7 @@ class _Scorer:
         return self._reference
 
     def _path(self, mode: str) -> Path:
-        key = hashlib.sha256("|".join([_identity(self.model_path), mode, str(self.num_tokens), str(self.window),
-                                       torch.__version__,
-                                       *(_code_digest(f) for f in _SCORED_CODE)]).encode())
+        key = hashlib.sha256(f"{mode}|{self._key}".encode())
         return cache_dir("quality") / f"{Path(self.model_path).name}-{mode}-{key.hexdigest()[:16]}.json"
 
 
