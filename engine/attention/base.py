@@ -35,6 +35,12 @@ class AttentionBackend(ABC):
         """q (T, num_heads, head_dim), k/v (T, num_kv_heads, head_dim) for the step's tokens.
         Writes k/v into their slots, returns attention output (T, num_heads * head_dim)."""
 
+    def decode_stack_args(self, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+        """(slot_mapping, block_tables, seq_lens, scale) when every token of the step is a
+        single-token decode that the C++ CPU kernels can take (engine/csrc/decode_stack.cpp runs
+        the whole stack then); None otherwise, and for backends without them."""
+        return None
+
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -146,6 +146,12 @@ class TorchAttentionBackend(AttentionBackend):
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return out.reshape(q.shape[0], -1)
 
+    def decode_stack_args(self, metadata: TorchAttentionMetadata):
+        batch = metadata.kernel_decodes
+        if batch is None or metadata.prefills or batch.num_tokens != metadata.slot_mapping.numel():
+            return None
+        return metadata.slot_mapping, batch.block_tables, batch.seq_lens, self.scale
+
     def _decode(self, q, layer_cache, bucket: DecodeBucket) -> torch.Tensor:
         num_kv_heads, head_dim = layer_cache.shape[1], layer_cache.shape[-1]
         num_requests = bucket.block_tables.shape[0]

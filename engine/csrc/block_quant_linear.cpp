@@ -1,16 +1,20 @@
 // Matmul on GGUF block-quantized weights for decode-sized batches. As in llama.cpp, each row of x
 // is quantized per block of 32 and every block's dot product is an integer sum scaled once; but to
 // 15 bits (d = max |x| / 16256), not llama.cpp's 8: int8 activations cost SmolLM2-135M 3% of
-// top-1 agreement with fp32, 15 bits nothing measurable. q = 128 * hi + lo with hi in [-127, 127]
-// and lo in [0, 127], two int8 halves, so each block takes two byte dot products (maddubs). A decode step is bound by the bytes of weights it reads: Q4_1
-// reads 5 bits per weight, Q8_0 8.5, fp32 32; the integer dots (maddubs) keep the arithmetic
-// below the memory time. torch has no kernel for these formats on CPU: its int8 paths want
-// AVX-512 VNNI (fbgemm, oneDNN) or bf16 activations, and quantize activations per tensor.
+// top-1 agreement with fp32, 15 bits nothing measurable. The weights are widened to 16 bits and
+// each block takes two 16-bit dot products (madd). A decode step is bound by the bytes of weights
+// it reads (Q4_1 5 bits per weight, Q8_0 8.5, fp32 32) and by the instructions per block: four
+// blocks' sums are reduced together and scaled by one vector multiply, and the scales of a row are
+// stored apart from its quantized values, so they load and convert four at a time. torch has no
+// kernel for these formats on CPU: its int8 paths want AVX-512 VNNI (fbgemm, oneDNN) or bf16
+// activations, and quantize activations per tensor.
 //
-// Formats, one block of 32 weights as stored in a GGUF file (little-endian, unaligned):
+// Formats, one block of 32 weights as a GGUF file stores it (little-endian, unaligned):
 //   Q8_0: fp16 d, int8 q[32]              w = d * q
 //   Q4_1: fp16 d, fp16 m, uint8 nibbles[16] w = d * q + m; weight i < 16 is the low nibble of
 //         byte i, weight i >= 16 the high nibble of byte i - 16
+// The kernel reads each weight row regrouped (engine/models/linear.py, `regroup_rows`), the same
+// bytes: the nb blocks' quantized values, then their nb scales d, then (Q4_1) their nb offsets m.
 #include "kernels.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,6 +32,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int32_t kLevels = 127 * 128;  // activations in [-kLevels, kLevels] * d (engine/models/linear.py)
 constexpr int64_t kRowsPerPass = 4;  // rows of x sharing one read of a weight block
+constexpr int64_t kGroup = 4;  // blocks whose sums are scaled together
 enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1 };
 
 inline int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 34 : 20; }
@@ -42,12 +47,14 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-// x's rows quantized per block: q = 128 * hi + lo (M, K), d (M, K / 32) scales, s (M, K / 32) =
-// d * sum(q), which Q4_1's offset m multiplies. The same IEEE arithmetic as engine/models/linear.py's
-// quantize_activations, so the GEMM path sees the same values: compiled without -ffast-math,
-// which would fold 1 / (amax / 127) into 127 / amax and round some ties the other way.
+// x's rows quantized per block: q (M, K) int16, d (M, nbp) scales, s (M, nbp) = d * sum(q), which
+// Q4_1's offset m multiplies; nbp = nb rounded up to whole groups, the padding zero. The same IEEE
+// arithmetic as engine/models/linear.py's quantize_activations, so the GEMM path sees the same
+// values: compiled without -ffast-math, which would fold 1 / (amax / 127) into 127 / amax and
+// round some ties the other way.
 struct QuantizedX {
-  std::vector<int8_t> hi, lo;
+  int64_t nbp;
+  std::vector<int16_t> q;
   std::vector<float> d, s;
 };
 
@@ -55,107 +62,170 @@ struct QuantizedX {
 #pragma GCC optimize("no-fast-math")
 
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock;
-  QuantizedX out{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-                 std::vector<float>(M * nb)};
-  for (int64_t b = 0; b < M * nb; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
-      out.hi[b * kBlock + i] = static_cast<int8_t>(v >> 7);  // floor(v / 128)
-      out.lo[b * kBlock + i] = static_cast<int8_t>(v & 127);
-      sum += v;
+  const int64_t nb = K / kBlock, nbp = (nb + kGroup - 1) / kGroup * kGroup;
+  QuantizedX out{nbp, std::vector<int16_t>(M * K), std::vector<float>(M * nbp), std::vector<float>(M * nbp)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      int16_t* qb = out.q.data() + m * K + b * kBlock;
+      float amax = 0.f;
+      int32_t sum = 0;
+#if defined(__AVX2__)
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t i = 0; i < kBlock; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, vmax);
+      for (float v : lanes) amax = std::max(amax, v);
+      const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
+      __m256i vsum = _mm256_setzero_si256();
+      for (int64_t i = 0; i < kBlock; i += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(id)),
+                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), _mm256_set1_ps(id)),
+                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        vsum = _mm256_add_epi32(vsum, _mm256_add_epi32(a, c));
+        // packs interleaves the 128-bit halves: put them back in order
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8));
+      }
+      int32_t parts[8];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts), vsum);
+      for (int32_t v : parts) sum += v;
+#else
+      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
+        qb[i] = static_cast<int16_t>(v);
+        sum += v;
+      }
+#endif
+      out.d[m * nbp + b] = d;
+      out.s[m * nbp + b] = d * static_cast<float>(sum);
     }
-    out.d[b] = d;
-    out.s[b] = d * static_cast<float>(sum);
   }
   return out;
 }
 #pragma GCC pop_options
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+// A regrouped weight row of nb blocks: quantized values, fp16 scales, fp16 offsets (Q4_1).
+template <int64_t Format>
+struct Row {
+  static constexpr int64_t kQuantBytes = Format == kQ8_0 ? 32 : 16;
+  const uint8_t* quants;
+  const uint8_t* scales;
+  const uint8_t* offsets;
+  Row(const uint8_t* row, int64_t nb)
+      : quants(row), scales(row + nb * kQuantBytes), offsets(scales + 2 * nb) {}
+};
 
-#if defined(__AVX2__) && defined(__FMA__)
-// acc[i] += weight block blk . block b of row m0 + i of x (scaled), for i < MB.
-template <int64_t Format, int64_t MB>
-__attribute__((always_inline)) inline void block_step(const uint8_t* blk, int64_t b, int64_t nb, const QuantizedX& qx,
-                                                      int64_t m0, __m256* acc, float* offsets) {
-  const float dw = half_at(blk), mw = Format == kQ4_1 ? half_at(blk + 2) : 0.f;  // scale, Q4_1 offset
-  __m256i wq;  // Q8_0: the signed weights; Q4_1: the nibbles as bytes 0-15
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Block b's 32 weights widened to 16 bits, in x's order: lo = weights 0-15, hi = 16-31.
+template <int64_t Format>
+__attribute__((always_inline)) inline void widen(const Row<Format>& row, int64_t b, __m256i& lo, __m256i& hi) {
+  const uint8_t* q = row.quants + b * Row<Format>::kQuantBytes;
   if constexpr (Format == kQ8_0) {
-    wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+    hi = _mm256_srli_epi16(bytes, 4);
   }
-  // maddubs multiplies unsigned by signed bytes: Q8_0 passes |w| and moves w's sign onto x
-  const __m256i wu = Format == kQ8_0 ? _mm256_sign_epi8(wq, wq) : wq;
-  for (int64_t i = 0; i < MB; ++i) {
-    const int64_t xb = (m0 + i) * nb + b;
-    __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.hi.data() + xb * kBlock));
-    __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.lo.data() + xb * kBlock));
-    if constexpr (Format == kQ8_0) {
-      hi = _mm256_sign_epi8(hi, wq);
-      lo = _mm256_sign_epi8(lo, wq);
-    }
-    const __m256i dot_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, hi), _mm256_set1_epi16(128));
-    const __m256i dot_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, lo), _mm256_set1_epi16(1));
-    const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(dot_hi, dot_lo));
-    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * qx.d[xb]), dot, acc[i]);
-    if constexpr (Format == kQ4_1) offsets[i] += mw * qx.s[xb];
-  }
+}
+
+// Eight int32 lanes whose sum is block b's integer dot product with the quantized row xq.
+__attribute__((always_inline)) inline __m256i block_dot(__m256i lo, __m256i hi, const int16_t* xq, int64_t b) {
+  const int16_t* xb = xq + b * kBlock;
+  return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+                          _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_ps(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+
+// Two blocks' lane sums folded pairwise: hadd keeps each block's lanes apart.
+template <int64_t Format, int64_t MB>
+__attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int64_t b, const int16_t* const* xq,
+                                                     __m256i* pairs) {
+  __m256i lo0, hi0, lo1, hi1;
+  widen<Format>(row, b, lo0, hi0);
+  widen<Format>(row, b + 1, lo1, hi1);
+  for (int64_t i = 0; i < MB; ++i)
+    pairs[i] = _mm256_hadd_epi32(block_dot(lo0, hi0, xq[i], b), block_dot(lo1, hi1, xq[i], b + 1));
 }
 #endif
 
-// sums[i] = row n of the weight (its nb blocks at w) . row m0 + i of x, for i < MB. Each weight
-// block is decoded once for the MB rows; Format and MB are template arguments so the block
-// layout is fixed and the accumulators stay in registers.
+// sums[i] = weight row (nb blocks) . row m0 + i of x, for i < MB. Each weight block is widened
+// once for the MB rows; Format and MB are template arguments so the layout is fixed and the
+// accumulators stay in registers. Each row's arithmetic is the same whatever MB is.
 template <int64_t Format, int64_t MB>
 inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t m0, float* sums) {
-  constexpr int64_t bytes = Format == kQ8_0 ? 34 : 20;
-  float offsets[MB] = {};  // Q4_1: sum over blocks of m * d_x * sum(q_x)
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 even[MB], odd[MB];  // two FMA chains per row hide the FMA latency
-  for (int64_t i = 0; i < MB; ++i) even[i] = odd[i] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    block_step<Format, MB>(w + b * bytes, b, nb, qx, m0, even, offsets);
-    block_step<Format, MB>(w + (b + 1) * bytes, b + 1, nb, qx, m0, odd, offsets);
+  const Row<Format> row(w, nb);
+  const int16_t* xq[MB];
+  const float* xd[MB];
+  const float* xs[MB];
+  for (int64_t i = 0; i < MB; ++i) {
+    xq[i] = qx.q.data() + (m0 + i) * nb * kBlock;
+    xd[i] = qx.d.data() + (m0 + i) * qx.nbp;
+    xs[i] = qx.s.data() + (m0 + i) * qx.nbp;
   }
-  if (b < nb) block_step<Format, MB>(w + b * bytes, b, nb, qx, m0, even, offsets);
-  for (int64_t i = 0; i < MB; ++i) sums[i] = hsum(_mm256_add_ps(even[i], odd[i])) + offsets[i];
-#else
-  float acc[MB] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * bytes;
-    const float dw = half_at(blk), mw = Format == kQ4_1 ? half_at(blk + 2) : 0.f;
+  float tail[MB] = {}, offsets[MB] = {};
+  int64_t b = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m128 acc[MB], offset_acc[MB];
+  for (int64_t i = 0; i < MB; ++i) acc[i] = offset_acc[i] = _mm_setzero_ps();
+  for (; b + kGroup <= nb; b += kGroup) {
+    __m256i first[MB], second[MB];
+    pair_dots<Format, MB>(row, b, xq, first);
+    pair_dots<Format, MB>(row, b + 2, xq, second);
+    const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.scales + 2 * b)));
+    __m128 mw;
+    if constexpr (Format == kQ4_1) mw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.offsets + 2 * b)));
     for (int64_t i = 0; i < MB; ++i) {
-      const int64_t xb = (m0 + i) * nb + b;
-      const int8_t* hi = qx.hi.data() + xb * kBlock;
-      const int8_t* lo = qx.lo.data() + xb * kBlock;
-      int32_t dot = 0;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const int32_t wj = Format == kQ8_0 ? static_cast<int8_t>(blk[2 + j])
-                                           : (j < 16 ? blk[4 + j] & 0x0f : blk[4 + j - 16] >> 4);
-        dot += wj * (128 * hi[j] + lo[j]);
-      }
-      acc[i] += dw * qx.d[xb] * static_cast<float>(dot);
-      if constexpr (Format == kQ4_1) offsets[i] += mw * qx.s[xb];
+      const __m256i four = _mm256_hadd_epi32(first[i], second[i]);  // lanes: blocks b..b+3, per half
+      const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1));
+      acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b)), acc[i]);
+      if constexpr (Format == kQ4_1) offset_acc[i] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[i] + b), offset_acc[i]);
     }
   }
-  for (int64_t i = 0; i < MB; ++i) sums[i] = acc[i] + offsets[i];
+  for (; b < nb; ++b) {
+    __m256i lo, hi;
+    widen<Format>(row, b, lo, hi);
+    const float dw = half_at(row.scales + 2 * b), mw = Format == kQ4_1 ? half_at(row.offsets + 2 * b) : 0.f;
+    for (int64_t i = 0; i < MB; ++i) {
+      tail[i] += dw * xd[i][b] * static_cast<float>(hsum_epi32(block_dot(lo, hi, xq[i], b)));
+      if constexpr (Format == kQ4_1) offsets[i] += mw * xs[i][b];
+    }
+  }
+  for (int64_t i = 0; i < MB; ++i) sums[i] = hsum_ps(acc[i]) + tail[i] + (hsum_ps(offset_acc[i]) + offsets[i]);
+#else
+  for (; b < nb; ++b) {
+    const uint8_t* q = row.quants + b * Row<Format>::kQuantBytes;
+    const float dw = half_at(row.scales + 2 * b), mw = Format == kQ4_1 ? half_at(row.offsets + 2 * b) : 0.f;
+    for (int64_t i = 0; i < MB; ++i) {
+      const int16_t* xb = xq[i] + b * kBlock;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int32_t wj = Format == kQ8_0 ? static_cast<int8_t>(q[j]) : (j < 16 ? q[j] & 0x0f : q[j - 16] >> 4);
+        dot += wj * xb[j];
+      }
+      tail[i] += dw * xd[i][b] * static_cast<float>(dot);
+      if constexpr (Format == kQ4_1) offsets[i] += mw * xs[i][b];
+    }
+  }
+  for (int64_t i = 0; i < MB; ++i) sums[i] = tail[i] + offsets[i];
 #endif
 }
 

@@ -10,7 +10,7 @@ checkpoint's own blocks (Q4_1, Q8_0) as stored, so no re-quantization error
 (engine/models/gguf_blocks.py). Both quantized modes quantize activations per block of 32 to 15
 bits, so the decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp):
 llama.cpp's 8-bit activations cost SmolLM2-135M ~3% of top-1 agreement with fp32 (per-tensor
-int8, fbgemm's, 49%); 15 bits cost nothing measurable, for two byte products per block.
+int8, fbgemm's, 49%); 15 bits cost nothing measurable, with 16-bit products (madd) per block.
 
 `w8a16` / `w4a16`: torch's weight-only kernels on bf16 activations, for CPUs with bf16 dot
 products (AVX512-BF16, AMX); on AVX2 they beat fp32 only on a few rows (BENCHMARKS.md).
@@ -81,6 +81,17 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
 
+def regroup_rows(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """GGUF blocks (N, K / 32 * block bytes) as the kernel reads them, the same bytes per row: the
+    row's quantized values, then its fp16 scales, then (Q4_1) its fp16 offsets, so the kernel
+    loads a run of scales at once instead of one per block."""
+    fields = {GGMLQuantizationType.Q8_0: (2, 32), GGMLQuantizationType.Q4_1: (2, 2, 16)}[qtype]
+    per_block = blocks.reshape(blocks.shape[0], -1, sum(fields))
+    starts = np.cumsum((0,) + fields)
+    parts = [per_block[:, :, start:start + size] for start, size in zip(starts, fields)]
+    return np.ascontiguousarray(np.concatenate([p.reshape(blocks.shape[0], -1) for p in parts[-1:] + parts[:-1]], axis=1))
+
+
 class BlockQuantLinear(nn.Module):
     """A matmul on GGUF block-quantized weights with block-quantized activations. Up to
     DECODE_ROWS rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks;
@@ -93,11 +104,11 @@ class BlockQuantLinear(nn.Module):
     def __init__(self, qtype: GGMLQuantizationType, blocks: np.ndarray, bias: torch.Tensor | None, kernels):
         super().__init__()
         self.qtype, self.format = qtype, KERNEL_FORMATS[qtype]
-        self.register_buffer("blocks", torch.from_numpy(np.ascontiguousarray(blocks)))  # (N, K / 32 * bytes) uint8
+        self.register_buffer("rows", torch.from_numpy(regroup_rows(blocks, qtype)))  # (N, K / 32 * bytes) uint8
         self.register_buffer("weight", torch.from_numpy(dequantize(blocks, qtype)))  # (N, K) fp32
         self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
-        self.weight_bytes = self.blocks.numel()  # what a decode step reads
+        self.weight_bytes = self.rows.numel()  # what a decode step reads
 
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +120,7 @@ class BlockQuantLinear(nn.Module):
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """The C++ kernel on the blocks, prologue and residual fused (needs the kernels)."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
-        return self._kernels.block_quant_linear(x.contiguous(), self.blocks, self.format, self.bias, norm_weight, eps,
+        return self._kernels.block_quant_linear(x.contiguous(), self.rows, self.format, self.bias, norm_weight, eps,
                                                 swiglu, residual)
 
     def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
@@ -204,6 +215,8 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
             continue
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, replacement)
+    if kernels is not None:
+        model.fuse_decode_stack(kernels)
     return model
 
 

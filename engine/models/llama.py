@@ -9,12 +9,14 @@ reproduced exactly. Logits are computed only at sampled positions.
 """
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.models.linear import Linear, rms_norm
+from engine.models.linear import BlockQuantLinear, Linear, rms_norm
 
 
 class LlamaLayer(nn.Module):
@@ -67,6 +69,19 @@ class LlamaForPagedAttention(nn.Module):
         cos, sin = _rope_tables(body.rotary_emb, max_model_len, self.head_dim)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.decode_stack = None  # set by fuse_decode_stack
+
+    def fuse_decode_stack(self, kernels) -> None:
+        """With every layer's matmuls block-quantized, decode steps of up to DECODE_ROWS tokens
+        run the whole stack in one C++ call (engine/csrc/decode_stack.cpp), the same kernels
+        without the per-op overhead of the layers' Python."""
+        matmuls = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if not all(isinstance(m, BlockQuantLinear) for m in matmuls):
+            return
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        self.decode_stack = kernels.DecodeStack([m.rows for m in matmuls], [m.format for m in matmuls],
+                                                [m.bias for m in matmuls], norms, self.num_heads,
+                                                self.num_kv_heads, self.head_dim, self.eps)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata, sample_indices,
@@ -74,9 +89,15 @@ class LlamaForPagedAttention(nn.Module):
         """Returns logits (R, vocab) for the tokens at sample_indices; `num_layers`: through the
         first layers only (a self-draft), then the final norm and LM head."""
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (T, 1, d)
-        for layer, layer_cache in zip(self.layers[:num_layers], kv_cache):
-            hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, d)
+        stack_args = None
+        if self.decode_stack is not None and input_ids.shape[0] <= BlockQuantLinear.DECODE_ROWS:
+            stack_args = backend.decode_stack_args(metadata)
+        if stack_args is not None:
+            hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, *stack_args, num_layers or self.num_layers)
+        else:
+            for layer, layer_cache in zip(islice(self.layers, num_layers), kv_cache):
+                hidden = layer.forward(hidden, cos[:, None], sin[:, None], layer_cache, backend, metadata)
         hidden = rms_norm(hidden[sample_indices], self.norm, self.eps)
         return self.lm_head(hidden)
 

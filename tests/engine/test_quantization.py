@@ -40,7 +40,7 @@ def _layer(qtype, rows: int, cols: int, with_bias: bool) -> BlockQuantLinear:
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("cols", [64, 96])
+@pytest.mark.parametrize("cols", [96, 160, 256])  # blocks: a tail only, groups of 4 and a tail, groups only
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_activations(qtype, cols, with_bias):
     torch.manual_seed(0)
@@ -142,6 +142,7 @@ def test_int8_keeps_matmuls_whose_width_is_not_a_multiple_of_the_block_in_fp32(t
     kinds = {name.split(".")[-1]: type(m) for name, m in loaded.model.named_modules()
              if isinstance(m, (Linear, BlockQuantLinear))}
     assert kinds == {"qkv": Linear, "o": Linear, "gate_up": Linear, "down": BlockQuantLinear, "lm_head": Linear}
+    assert loaded.model.decode_stack is None  # the fused decode stack needs every layer matmul in blocks
 
 
 def test_gguf_runs_the_files_own_blocks_which_are_the_fp32_models_weights():
@@ -316,3 +317,35 @@ def test_greedy_is_the_same_alone_and_in_a_batch_under_every_scheduler_feature(t
 ])
 def test_gguf_greedy_is_the_same_alone_and_in_a_batch_on_the_embedded_model(engine_args):
     _same_alone_and_in_a_batch(None, "gguf", engine_args, num_prompts=10, max_tokens=12)
+
+
+class _CountingStack:
+    """Delegates to the model's compiled decode stack and counts the steps it takes."""
+
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])  # qwen2: biased q/k/v
+def test_decode_steps_run_the_fused_stack_and_compute_what_the_layers_compute(model_fixture, request):
+    """The same requests through the fused stack (decode steps) and through the layers' own
+    modules (every step): the same kernels and roundings, so the same tokens and log-probabilities
+    bit for bit."""
+    model = request.getfixturevalue(model_fixture)
+    prompts = _prompts(6, seed=3)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3)
+    runs = {}
+    for fused in (True, False):
+        llm = LLM(model=model, quantization="int8", max_num_seqs=4, max_num_batched_tokens=32)
+        paged = llm.engine.loaded.model
+        assert paged.decode_stack is not None
+        counting = paged.decode_stack = _CountingStack(paged.decode_stack) if fused else None
+        runs[fused] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if fused:
+            assert counting.calls >= 19  # at least every decode step of the last request alone
+    assert [(o.token_ids, o.logprobs) for o in runs[True]] == [(o.token_ids, o.logprobs) for o in runs[False]]
+

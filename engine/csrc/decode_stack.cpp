@@ -1,0 +1,85 @@
+// A decode step through a Llama-family stack of block-quantized layers in one call: per layer,
+// RMSNorm + qkv (block_quant_linear), RoPE on q and k, k and v written to their cache slots, paged
+// attention (paged_decode_attention), o + residual, RMSNorm + gate/up, SwiGLU + down + residual:
+// engine/models/llama.py's LlamaLayer.forward, with the same kernels and the same arithmetic. At
+// one token the Python path's per-op overhead (about twenty torch ops and module calls per layer)
+// costs as much as the matmuls; here a step makes one call.
+#include "kernels.h"
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+// out = x * cos + roll(x, D / 2) * sin rounded as torch rounds llama.py's mul and addcmul (the
+// product x * cos, then one fused multiply-add), so the stack's k and v are bit for bit the layers'.
+__attribute__((optimize("no-fast-math", "fp-contract=off"))) void rope(const float* x, const float* cos,
+                                                                         const float* sin, int64_t D, float* out) {
+  for (int64_t i = 0; i < D; ++i) out[i] = std::fma(x[(i + D / 2) % D], sin[i], x[i] * cos[i]);
+}
+
+}  // namespace
+
+DecodeStack::DecodeStack(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
+                         std::vector<c10::optional<torch::Tensor>> biases, std::vector<torch::Tensor> norms,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+    : rows_(std::move(rows)), formats_(std::move(formats)), biases_(std::move(biases)), norms_(std::move(norms)),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {
+  TORCH_CHECK(rows_.size() % kMatmuls == 0 && formats_.size() == rows_.size() && biases_.size() == rows_.size() &&
+                  norms_.size() == rows_.size() / kMatmuls * 2,
+              "per layer: four matmuls (qkv, o, gate_up, down) and two norms (input, post-attention)");
+}
+
+int64_t DecodeStack::num_layers() const { return static_cast<int64_t>(rows_.size()) / kMatmuls; }
+
+torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                                   int64_t num_layers) const {
+  const int64_t T = hidden.size(0), D = head_dim_, H = num_heads_, KVH = num_kv_heads_, QK = H + KVH;
+  TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers: at most the stack's");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D && cos.is_contiguous() &&
+                  sin.is_contiguous(), "cos, sin: contiguous (T, head_dim)");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(2) == KVH && kv_cache.size(5) == D,
+              "kv_cache: contiguous (layers, 2, kv_heads, blocks, block_size, head_dim)");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
+              "slot_mapping: int64 (T)");
+  const int64_t slots = kv_cache.size(3) * kv_cache.size(4);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot out of the cache");
+  hidden = hidden.contiguous();
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const torch::Tensor* w = rows_.data() + l * kMatmuls;
+    const int64_t* f = formats_.data() + l * kMatmuls;
+    const c10::optional<torch::Tensor>* b = biases_.data() + l * kMatmuls;
+    const torch::Tensor layer_cache = kv_cache[l];
+    const torch::Tensor qkv = block_quant_linear(hidden, w[0], f[0], b[0], norms_[2 * l], eps_, false, c10::nullopt);
+    // RoPE as llama.py's _rope: x * cos + roll(x, D / 2) * sin, sin's first half negated
+    torch::Tensor q = torch::empty({T, H, D}, hidden.options());
+    float* qkvp = qkv.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    float* kp = layer_cache.data_ptr<float>();
+    float* vp = kp + KVH * slots * D;
+    at::parallel_for(0, T * QK, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t t = item / QK, head = item % QK;
+        const float* x = qkvp + (t * (QK + KVH) + head) * D;
+        const float* c = cp + t * D;
+        const float* s = sp + t * D;
+        float* out = head < H ? qp + (t * H + head) * D : kp + ((head - H) * slots + slot[t]) * D;
+        rope(x, c, s, D, out);
+        if (head >= H) {  // this k head's v
+          const float* v = qkvp + (t * (QK + KVH) + QK + head - H) * D;
+          std::copy(v, v + D, vp + ((head - H) * slots + slot[t]) * D);
+        }
+      }
+    });
+    const torch::Tensor attn = paged_decode_attention(q, layer_cache, block_tables, seq_lens, scale).view({T, H * D});
+    hidden = block_quant_linear(attn, w[1], f[1], b[1], c10::nullopt, 0.0, false, hidden);
+    const torch::Tensor gate_up = block_quant_linear(hidden, w[2], f[2], b[2], norms_[2 * l + 1], eps_, false,
+                                                     c10::nullopt);
+    hidden = block_quant_linear(gate_up, w[3], f[3], b[3], c10::nullopt, 0.0, true, hidden);
+  }
+  return hidden;
+}
