@@ -14,7 +14,8 @@ other processes used meanwhile. Optional bar chart. With a llama.cpp `llama-serv
 (--llama-server, $LLAMA_SERVER or PATH; build it from the llama-cpp-python sdist's vendored
 llama.cpp, out of tree), its server on the same GGUF is measured the same way in the same rounds.
 
-    .venv/bin/python benchmarks/quantization.py [--repeats 3] [--llama-server BIN] [--json OUT] [--plot OUT.png]
+    .venv/bin/python benchmarks/quantization.py [--repeats 3] [--modes none,int8,gguf] [--llama-server BIN]
+        [--json OUT] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -152,11 +153,15 @@ def main() -> None:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
                         help="a llama.cpp server binary to measure beside the engine (default: $LLAMA_SERVER, "
                              "else llama-server on PATH; none found: the engine only)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     print(cpu_features())
-    engines = {mode: bench_engine(mode, args.quality_tokens) for mode in MODES}
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    engines = {mode: bench_engine(mode, args.quality_tokens) for mode in modes}
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate([random_prompt(64)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     systems = {mode: {"decode_tok_s": partial(single_stream, llm), "prefill_tok_s": partial(prefill, llm),

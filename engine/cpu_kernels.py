@@ -2,13 +2,15 @@
 
 `paged_decode_attention` reads K/V blocks in place through the block table, where the pure-torch
 path first gathers them into a padded copy; `block_quant_linear` multiplies activations by GGUF
-block-quantized weights (Q8_0, Q4_1) for decode-sized batches (engine/models/linear.py);
-`DecodeStack` runs a decode step through all of a block-quantized model's layers with those two
-in one call (engine/models/llama.py). They are compiled for the CPU's vector width (torch's cpp_extension and ninja, tens of seconds). `make install` builds them
-(`python -m engine.cpu_kernels`) into a cache keyed by the sources, the flags, torch's version
-and the CPU capability, so an engine's start-up only loads the library; if it is missing there,
-the first engine builds it (its start-up, and so a replica's readiness, waits for that). If it
-cannot be built the engine runs pure-torch paths that compute the same results.
+block-quantized weights (Q8_0, Q4_1) for decode-sized batches, and `quantize_activations` rounds
+larger batches' activations the same way (engine/models/linear.py); `DecodeStack` runs a decode
+step through all of a block-quantized model's layers in one call (engine/models/llama.py). They
+are compiled for the CPU's vector width (torch's cpp_extension and ninja, tens of seconds).
+`make install` builds them (`python -m engine.cpu_kernels`) into a cache keyed by the sources,
+the flags, torch's version and the CPU capability, so an engine's start-up only loads the
+library; if it is missing there, the first engine builds it (its start-up, and so a replica's
+readiness, waits for that). If it cannot be built the engine runs pure-torch paths that compute
+the same results.
 """
 from __future__ import annotations
 

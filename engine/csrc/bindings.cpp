@@ -6,6 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_linear", &block_quant_linear, "residual + prologue(x) (M, K) fp32 @ dequantized GGUF blocks (N, K)^T + bias",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_activations", &quantize_activations, "x (M, K) rounded per block of 32 to 15 bits",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step through block-quantized Llama layers in one call")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>())

@@ -64,47 +64,49 @@ struct QuantizedX {
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock, nbp = (nb + kGroup - 1) / kGroup * kGroup;
   QuantizedX out{nbp, std::vector<int16_t>(M * K), std::vector<float>(M * nbp), std::vector<float>(M * nbp)};
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * kBlock;
-      int16_t* qb = out.q.data() + m * K + b * kBlock;
-      float amax = 0.f;
-      int32_t sum = 0;
+  at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + m * K + b * kBlock;
+        int16_t* qb = out.q.data() + m * K + b * kBlock;
+        float amax = 0.f;
+        int32_t sum = 0;
 #if defined(__AVX2__)
-      const __m256 sign = _mm256_set1_ps(-0.f);
-      __m256 vmax = _mm256_setzero_ps();
-      for (int64_t i = 0; i < kBlock; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-      float lanes[8];
-      _mm256_storeu_ps(lanes, vmax);
-      for (float v : lanes) amax = std::max(amax, v);
-      const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
-      __m256i vsum = _mm256_setzero_si256();
-      for (int64_t i = 0; i < kBlock; i += 16) {
-        const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(id)),
-                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), _mm256_set1_ps(id)),
-                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        vsum = _mm256_add_epi32(vsum, _mm256_add_epi32(a, c));
-        // packs interleaves the 128-bit halves: put them back in order
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8));
-      }
-      int32_t parts[8];
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts), vsum);
-      for (int32_t v : parts) sum += v;
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t i = 0; i < kBlock; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (float v : lanes) amax = std::max(amax, v);
+        const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
+        __m256i vsum = _mm256_setzero_si256();
+        for (int64_t i = 0; i < kBlock; i += 16) {
+          const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(id)),
+                                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          const __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), _mm256_set1_ps(id)),
+                                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          vsum = _mm256_add_epi32(vsum, _mm256_add_epi32(a, c));
+          // packs interleaves the 128-bit halves: put them back in order
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i),
+                              _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8));
+        }
+        int32_t parts[8];
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts), vsum);
+        for (int32_t v : parts) sum += v;
 #else
-      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
-        qb[i] = static_cast<int16_t>(v);
-        sum += v;
-      }
+        for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * id));
+          qb[i] = static_cast<int16_t>(v);
+          sum += v;
+        }
 #endif
-      out.d[m * nbp + b] = d;
-      out.s[m * nbp + b] = d * static_cast<float>(sum);
+        out.d[m * nbp + b] = d;
+        out.s[m * nbp + b] = d * static_cast<float>(sum);
+      }
     }
-  }
+  });
   return out;
 }
 #pragma GCC pop_options
@@ -260,6 +262,20 @@ std::vector<float> prologue(const float* x, int64_t M, int64_t K, const float* n
 }
 
 }  // namespace
+
+torch::Tensor quantize_activations(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "x: contiguous fp32 (M, K), K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  const QuantizedX qx = quantize_x(x.data_ptr<float>(), M, K);
+  auto out = torch::empty({M, K}, x.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = 0; k < K; ++k) op[m * K + k] = static_cast<float>(qx.q[m * K + k]) * qx.d[m * qx.nbp + k / kBlock];
+  });
+  return out;
+}
 
 torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
                                  const c10::optional<torch::Tensor>& bias,

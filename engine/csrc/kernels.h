@@ -14,6 +14,10 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
                                  const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
                                  const c10::optional<torch::Tensor>& residual);
 
+// block_quant_linear.cpp: x (M, K) rounded per block of 32 as the kernel rounds it (q * d), for
+// the fp32 GEMM path of larger batches.
+torch::Tensor quantize_activations(const torch::Tensor& x);
+
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
 // Llama layers, each layer's four matmuls (qkv, o, gate_up, down: block_quant_linear's rows,
 // formats and biases) and two RMSNorm weights (input, post-attention) held from construction.

@@ -133,6 +133,17 @@ def test_activation_rounding_error_is_half_a_step():
     assert ((quantize_activations(x) - x).view(5, 4, BLOCK).abs() <= step / 2 * (1 + 1e-6)).all()
 
 
+def test_the_compiled_rounding_is_the_torch_rounding_bit_for_bit():
+    """The GEMM path rounds with the compiled kernels: ties, all-zero blocks and 70 rows (more
+    than one thread's share) give exactly quantize_activations' values."""
+    torch.manual_seed(4)
+    x = torch.randn(70, 6 * BLOCK) * torch.logspace(-4, 4, 6 * BLOCK)
+    x[0, :BLOCK] = torch.arange(BLOCK) * 97 + 0.5  # ties: the block's max is LEVELS, so its step is 1
+    x[0, 0] = ACTIVATION_LEVELS
+    x[1, :BLOCK] = 0
+    assert torch.equal(load_cpu_kernels().quantize_activations(x), quantize_activations(x))
+
+
 def test_int8_keeps_matmuls_whose_width_is_not_a_multiple_of_the_block_in_fp32(tmp_path):
     from tests.conftest import save_tiny_model
 
