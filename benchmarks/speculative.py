@@ -1,5 +1,6 @@
-"""Speculative decoding on the embedded model: plain decoding vs n-gram drafts and self-drafts (the
-target's first quarter of layers), each with a fixed k and with adaptive k, same run.
+"""Speculative decoding on the embedded model: plain decoding vs n-gram drafts, self-drafts (the
+target's first quarter of layers) and the model's own GGUF blocks as a draft model of the fp32
+target (`gguf_draft`), each with a fixed k and with adaptive k, same run.
 
 `self_draft_actor` runs the self-draft in the DraftModel Ray Serve deployment (placement `actor`,
 its own process and KV cache, one call per step) on a local Ray cluster the benchmark starts; the
@@ -12,7 +13,8 @@ drafts per verifying step. Outputs are checked identical (greedy). Each engine l
 whole run, as a server would, so the adaptive one measures its step cost as it goes.
 
     python benchmarks/speculative.py [--batch-sizes 1,4,16,64] [--repeats 3] [--k 4] [--plot speedup.png]
-        [--modes plain,ngram,ngram_adaptive,self_draft,self_draft_adaptive,self_draft_actor]
+        [--modes plain,ngram,ngram_adaptive,self_draft,self_draft_adaptive,self_draft_actor,gguf_draft,
+                 gguf_draft_adaptive]
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from benchmarks.workload import Stopwatch  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_loader import default_model_path  # noqa: E402
 
 PASSAGES = [
     "Continuous batching keeps the accelerator busy by adding new requests to the running batch at every "
@@ -53,7 +56,12 @@ MODES = {"plain": None,
          "self_draft": {"method": "self_draft", "adaptive": False},
          "self_draft_adaptive": {"method": "self_draft", "adaptive": True},
          # the placement is measured, not the deadline: one well above the draft's own time
-         "self_draft_actor": {"method": "self_draft", "adaptive": False, "placement": "actor", "deadline_s": 5.0}}
+         "self_draft_actor": {"method": "self_draft", "adaptive": False, "placement": "actor", "deadline_s": 5.0},
+         # the fp32 target drafted by its own GGUF blocks (the embedded file, quantization gguf)
+         "gguf_draft": {"method": "draft_model", "model": default_model_path(), "quantization": "gguf",
+                        "adaptive": False},
+         "gguf_draft_adaptive": {"method": "draft_model", "model": default_model_path(), "quantization": "gguf",
+                                 "adaptive": True}}
 DRAFT_APP = "bench-drafts"
 
 

@@ -136,6 +136,9 @@ class SpeculativeConfig:
     num_layers: int | None = _opt(None, "self_draft: how many of the target's first layers draft "
                                         "(default: a quarter of them)")
     model: str | None = _opt(None, "draft_model: HF directory or .gguf file of the draft model")
+    quantization: str | None = _opt(None, "draft_model: the draft's matmuls, a ModelConfig quantization mode "
+                                          "(default 'none'; e.g. the target's own .gguf as a 'gguf' draft of an "
+                                          "fp32 target); self_draft runs the target's own")
     placement: str = _opt("local", "draft_model/self_draft: 'local' (in the engine process) or 'actor' (the "
                                    "DraftModel Ray Serve deployment of `draft_app`, one batched call per step)")
     draft_app: str | None = _opt(None, "actor: the Serve application holding the DraftModel deployment "
@@ -152,6 +155,11 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative `model` (the draft model) is required with method 'draft_model' "
                              "and only there")
+        if self.quantization is not None and (self.method != "draft_model" or self.quantization == "auto"
+                                              or self.quantization not in QUANTIZATION_MODES):
+            raise ValueError(f"speculative `quantization` sets a draft_model's mode: one of "
+                             f"{[m for m in QUANTIZATION_MODES if m != 'auto']}, got {self.quantization!r} "
+                             f"with method {self.method!r}")
         if self.placement not in DRAFT_PLACEMENTS:
             raise ValueError(f"placement must be one of {DRAFT_PLACEMENTS}, got {self.placement!r}")
         if self.placement == "actor" and self.method == "ngram":

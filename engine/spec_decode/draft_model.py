@@ -213,14 +213,17 @@ class DraftModelDrafter:
 def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int | None, block_size: int,
                       kv_cache_memory_bytes: int, max_num_blocks: int | None = None,
                       target_vocabulary: tuple[Any, int] | None = None) -> DraftWorker:
-    """The worker of `spec`: the draft model (`draft_model`, its weights in fp32, refused unless it
-    has the target's vocabulary: `target_vocabulary` (tokenizer, logits) when the caller has the
-    target loaded) or the target's first layers (`self_draft`). Positions up to `max_model_len`
-    (None: the target's setting, else the draft's own); KV blocks in `kv_cache_memory_bytes`, at
-    most `max_num_blocks` (a local draft holds as many tokens as the target, no more)."""
+    """The worker of `spec`: the draft model (`draft_model`, its matmuls in `spec.quantization`,
+    fp32 by default; refused unless it has the target's vocabulary: `target_vocabulary`
+    (tokenizer, logits) when the caller has the target loaded) or the target's first layers
+    (`self_draft`). Positions up to `max_model_len` (None: the target's setting, else the draft's
+    own); KV blocks in `kv_cache_memory_bytes`, at most `max_num_blocks` (a local draft holds as
+    many tokens as the target, no more)."""
     draft = dataclasses.replace(target, max_model_len=max_model_len or target.max_model_len)
     if spec.method == "draft_model":
-        draft = dataclasses.replace(draft, model=spec.model, quantization="none")
+        # the draft's quality is the acceptance rate: no start-up check against its own fp32
+        draft = dataclasses.replace(draft, model=spec.model, quantization=spec.quantization or "none",
+                                    quality_check_tokens=0)
     loaded = load_model(draft)
     num_layers = None
     if spec.method == "self_draft":
