@@ -334,10 +334,11 @@ class _CountingStack:
     """Delegates to the model's compiled decode stack and counts the steps it takes."""
 
     def __init__(self, stack):
-        self.stack, self.calls = stack, 0
+        self.stack, self.calls, self.depths = stack, 0, set()
 
     def forward(self, *args):
         self.calls += 1
+        self.depths.add(args[-1])  # num_layers
         return self.stack.forward(*args)
 
 
@@ -360,3 +361,17 @@ def test_decode_steps_run_the_fused_stack_and_compute_what_the_layers_compute(mo
             assert counting.calls >= 19  # at least every decode step of the last request alone
     assert [(o.token_ids, o.logprobs) for o in runs[True]] == [(o.token_ids, o.logprobs) for o in runs[False]]
 
+
+def test_a_self_draft_of_a_quantized_target_drafts_through_the_stacks_first_layers(tiny_llama):
+    """Self-draft passes are decode steps through the first layers: the stack runs them too, and
+    the output is the target's own (int8 without speculation)."""
+    prompts = _prompts(4, seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = LLM(model=tiny_llama, quantization="int8")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=tiny_llama, quantization="int8",
+              speculative_config={"method": "self_draft", "num_layers": 1, "adaptive": False})
+    paged = llm.engine.loaded.model
+    counting = paged.decode_stack = _CountingStack(paged.decode_stack)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert 1 in counting.depths and llm.engine.get_stats().num_spec_proposed_tokens > 0
