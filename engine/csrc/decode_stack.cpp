@@ -39,6 +39,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
   TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers: at most the stack's");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D && cos.is_contiguous() &&
                   sin.is_contiguous(), "cos, sin: contiguous (T, head_dim)");
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat &&
+                  cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "fp32 only");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(2) == KVH && kv_cache.size(5) == D,
               "kv_cache: contiguous (layers, 2, kv_heads, blocks, block_size, head_dim)");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
