@@ -10,7 +10,7 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]]  # request id -> its new tokens (accepted drafts, then one sampled)
     logprobs: dict[str, list[dict[int, float]]]  # request id -> logprobs of each new token, when asked
     errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why sampling it failed
-    draft_passes: int = 0  # draft-model passes run to fill this step's drafts
+    draft_passes: int = 0  # draft-model passes that draft_seconds prices (0: none, or a prompt catch-up)
     draft_seconds: float = 0.0  # the time they took (with the call to a remote draft model)
     drafts_unfilled: bool = False  # drafts were reserved and the draft model gave none (late, down, no room)
 

@@ -183,7 +183,10 @@ class DraftModelDrafter:
     def fill(self, scheduled: list[ScheduledRequest], kv_cache=None, backend=None) -> int:
         """Replaces each speculating request's reserved drafts with the worker's; fewer or none
         where the worker gave fewer (the scheduler releases the slots left over). Returns the
-        number of passes asked of the worker."""
+        number of passes asked of the worker, the step's draft time being their price; or 0 when
+        the call also brings the worker a request it does not hold, whose whole prompt it then
+        computes: that one-time cost is no pass's price, and counted as one it kept a draft model
+        that pays from ever being tried again."""
         active = [item for item in scheduled if item.draft_token_ids]
         if not active:
             return 0
@@ -207,6 +210,8 @@ class DraftModelDrafter:
             item.draft_token_ids = drafts
             sampled = reply.sampled[i] if reply is not None else None
             item.sampled_drafts = sampled[:len(drafts)] if sampled is not None and drafts else None
+        if any(query.num_kept == 0 for query in queries):
+            return 0
         return max(query.num_drafts for query in queries)
 
 

@@ -147,6 +147,34 @@ def test_a_draft_worker_that_misses_calls_means_plain_steps_with_the_same_output
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
+def test_a_draft_pass_is_priced_without_the_prompts_the_draft_catches_up_on(reference, draft_dir):
+    """The call that brings the worker new requests also computes their prompts: it prices no pass
+    (a one-time cost, which would price passes far above what they cost for the rest of a
+    request); the pass price comes from the other calls."""
+    model_dir, prompts, expected = reference
+    engine = LLMEngine.from_engine_args(model_dir, speculative_config={"method": "draft_model", "model": draft_dir,
+                                                                       "adaptive": False})
+    scheduler, observed = engine.scheduler, []
+    observe_step = scheduler.observe_step
+
+    def recording(num_tokens, seconds, num_draft_passes=0, draft_seconds=0.0):
+        observed.append((num_draft_passes, draft_seconds))
+        observe_step(num_tokens, seconds, num_draft_passes, draft_seconds)
+
+    scheduler.observe_step = recording
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, temperature=0))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).extend(event.outputs[0].token_ids)
+    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    drafted = [(passes, seconds) for passes, seconds in observed if seconds > 0]
+    assert drafted[0][0] == 0  # every request's first call to the worker: its prompt
+    per_pass = [seconds / passes for passes, seconds in drafted if passes]
+    assert len(per_pass) > 5 and min(per_pass) <= scheduler.draft_pass_s <= max(per_pass)
+
+
 def test_a_draft_of_another_vocabulary_or_with_no_draft_model_is_refused(tiny_llama, tiny_llama_words):
     with pytest.raises(ValueError, match="different vocabulary"):
         LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama_words})
