@@ -80,6 +80,19 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def _step_through(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of `prompts`, stepping the engine by hand and checking the block accounting
+    after every step."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, temperature=0))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).extend(event.outputs[0].token_ids)
+        engine.kv.check_integrity()
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
 def test_the_target_as_its_own_draft_model_has_every_draft_accepted(reference):
     model_dir, prompts, expected = reference
     llm = LLM(model_dir, speculative_config={"method": "draft_model", "model": model_dir, "adaptive": False},
@@ -133,14 +146,7 @@ def test_a_draft_worker_that_misses_calls_means_plain_steps_with_the_same_output
         return worker_propose(call) if len(calls) % 2 else None
 
     drafter.transport = flaky
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, temperature=0))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for event in engine.step():
-            outputs.setdefault(event.request_id, []).extend(event.outputs[0].token_ids)
-        engine.kv.check_integrity()
-    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    assert _step_through(engine, prompts) == expected
     stats = engine.get_stats()
     assert len(calls) > 4 and 0 < stats.num_spec_accepted_tokens
     assert stats.num_spec_unfilled_steps == len(calls) // 2  # the calls without a reply, counted
@@ -162,13 +168,7 @@ def test_a_draft_pass_is_priced_without_the_prompts_the_draft_catches_up_on(refe
         observe_step(num_tokens, seconds, num_draft_passes, draft_seconds)
 
     scheduler.observe_step = recording
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24, temperature=0))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for event in engine.step():
-            outputs.setdefault(event.request_id, []).extend(event.outputs[0].token_ids)
-    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    assert _step_through(engine, prompts) == expected
     drafted = [(passes, seconds) for passes, seconds in observed if seconds > 0]
     assert drafted[0][0] == 0  # every request's first call to the worker: its prompt
     per_pass = [seconds / passes for passes, seconds in drafted if passes]
