@@ -51,17 +51,15 @@ def workload(name: str, batch: int) -> list[list[dict]]:
     return [[{"role": "user", "content": items[i % len(items)]}] for i in range(batch)]
 
 
+# the fp32 target drafted by its own GGUF blocks (the embedded file, quantization gguf)
+GGUF_DRAFT = {"method": "draft_model", "model": default_model_path(), "quantization": "gguf"}
 MODES = {"plain": None,
          "ngram": {"method": "ngram", "adaptive": False}, "ngram_adaptive": {"method": "ngram", "adaptive": True},
          "self_draft": {"method": "self_draft", "adaptive": False},
          "self_draft_adaptive": {"method": "self_draft", "adaptive": True},
          # the placement is measured, not the deadline: one well above the draft's own time
          "self_draft_actor": {"method": "self_draft", "adaptive": False, "placement": "actor", "deadline_s": 5.0},
-         # the fp32 target drafted by its own GGUF blocks (the embedded file, quantization gguf)
-         "gguf_draft": {"method": "draft_model", "model": default_model_path(), "quantization": "gguf",
-                        "adaptive": False},
-         "gguf_draft_adaptive": {"method": "draft_model", "model": default_model_path(), "quantization": "gguf",
-                                 "adaptive": True}}
+         "gguf_draft": {**GGUF_DRAFT, "adaptive": False}, "gguf_draft_adaptive": {**GGUF_DRAFT, "adaptive": True}}
 DRAFT_APP = "bench-drafts"
 
 
