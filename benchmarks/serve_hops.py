@@ -63,6 +63,9 @@ class SyntheticEngine:
         return SimpleNamespace(num_waiting=0, num_running=len(self._live), num_free_blocks=1 << 16,
                                num_total_blocks=1 << 16, kv_usage=0.0, num_queued_tokens=0)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._live
+
     def abort(self, request_id: str) -> None:
         self._live.pop(request_id, None)
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -61,7 +61,8 @@ class AsyncEngine(EngineClient):
         self._restart: concurrent.futures.Future | None = None
         self._core = self._start_core()
         self._info = self._core.info
-        self._stats: EngineStats = self._info.stats
+        self._num_sent = 0  # AddRequests sent to the live core
+        self._snapshot: tuple[EngineStats, int] = (self._info.stats, 0)  # the core's stats, AddRequests it applied
 
     @classmethod
     def from_config(cls, config: EngineConfig, engine_process: bool = False) -> AsyncEngine:
@@ -102,8 +103,13 @@ class AsyncEngine(EngineClient):
         return self._core is not None and self._dead is None and not self._stopped
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step."""
-        return self._stats
+        """The snapshot taken after the latest step, with requests sent since counted as waiting."""
+        stats, num_applied = self._snapshot
+        in_flight = self._num_sent - num_applied
+        return replace(stats, num_waiting=stats.num_waiting + in_flight) if in_flight > 0 else stats
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     def check_health(self) -> None:
         if self._stopped:
@@ -140,6 +146,7 @@ class AsyncEngine(EngineClient):
                     if request_id in self._streams:
                         raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
                     self._streams[request_id] = stream
+                    self._num_sent += 1
                     self._core.send(command)
                     return
                 restart = self._restart
@@ -162,7 +169,7 @@ class AsyncEngine(EngineClient):
 
     # ---- called on the loop's side (engine thread, or the process reader thread) ---------
     def _on_outputs(self, outputs: CoreOutputs) -> None:
-        self._stats = outputs.stats
+        self._snapshot = (outputs.stats, outputs.num_added)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for event in outputs.events:
             stream = self._streams.get(event.request_id)
@@ -177,6 +184,7 @@ class AsyncEngine(EngineClient):
         now = time.monotonic()
         with self._lock:
             self._core = None
+            self._num_sent = 0  # the next core counts from zero
             failed = list(self._streams)
             self._exits.append(now)
             while self._exits and now - self._exits[0] > 60:
@@ -189,7 +197,8 @@ class AsyncEngine(EngineClient):
             elif not self._stopped:
                 self._dead = EngineDeadError(f"{error}; it died {len(self._exits)} times within a minute")
         logger.error("%s; %s", error, "restarting it" if restart else "not restarting it")
-        self._on_outputs(CoreOutputs([RequestError(rid, EngineDeadError(str(error))) for rid in failed], self._stats))
+        self._on_outputs(CoreOutputs([RequestError(rid, EngineDeadError(str(error))) for rid in failed],
+                                     self._snapshot[0], 0))
 
     def _restart_core(self, done: concurrent.futures.Future) -> None:
         t0 = time.monotonic()

@@ -21,7 +21,10 @@ class EngineClient(ABC):
       request that fails while running raises RequestFailedError; an engine whose step loop
       died raises EngineDeadError. Leaving the iteration early aborts the request.
     - `abort` frees the request's KV blocks at once; unknown ids are ignored.
-    - `stats` is the snapshot taken after the latest step (cheap).
+    - `stats` is the snapshot taken after the latest step (cheap); a request the engine has
+      been handed since counts as waiting.
+    - `has_request` is True from when `generate` has handed the request to the engine until
+      its stream ends: from then on `stats` counts it, so a load report may list it.
     - `is_ready` is False while the engine cannot take requests (its step loop restarting);
       `check_health` raises EngineDeadError once it never will again.
     """
@@ -65,6 +68,9 @@ class EngineClient(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def has_request(self, request_id: str) -> bool: ...
 
     @abstractmethod
     def check_health(self) -> None: ...

@@ -60,6 +60,7 @@ class CoreOutputs:
     """One loop iteration's events (deltas and errors, in order) and the stats after it."""
     events: list[Event]
     stats: EngineStats
+    num_added: int  # AddRequests this loop has applied so far, refused ones included
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ class StepLoop:
 
     def __init__(self, engine: LLMEngine, emit: Emit):
         self.engine, self.emit = engine, emit
+        self.num_added = 0
 
     def run(self, receive: Callable[[float], list[Command] | None]) -> None:
         """`receive(timeout)`: the commands that arrived within `timeout` s, or None to stop."""
@@ -107,11 +109,12 @@ class StepLoop:
                     logger.exception("engine step failed")
                     events += self.engine.fail_all(e)
             if events or commands:
-                self.emit(CoreOutputs(events, self.engine.get_stats()))
+                self.emit(CoreOutputs(events, self.engine.get_stats(), self.num_added))
 
     def _apply(self, command: Command) -> list[Event]:
         match command:
             case AddRequest(request_id, prompt, params, priority, waited_s):
+                self.num_added += 1
                 try:
                     self.engine.add_request(request_id, prompt, params, priority, waited_s)
                 except ValueError as e:

@@ -75,7 +75,8 @@ class EngineReplica:
              for name, seconds in target.objectives().items()})
         self._router = router
         self._num_received = 0
-        self._received_ids: list[str] = []  # since the last load report
+        self._unreported: dict[str, None] = {}  # received, not yet listed in a load report (ordered set)
+        self._live: set[str] = set()  # requests inside `generate`
         self.num_misrouted = 0
         self._report_now: asyncio.Event | None = None
         self._report_task: asyncio.Task | None = None
@@ -88,12 +89,15 @@ class EngineReplica:
                          self.engine.vocab_size, self.engine.tokenizer)
 
     def stats(self) -> ReplicaStats:
+        """Lists a received request only once the engine's stats count it (or it has ended), so
+        the router never drops its pending admission before the load shows it."""
+        received = tuple(r for r in self._unreported if r not in self._live or self.engine.has_request(r))
         s = self.engine.stats()
         return ReplicaStats(
             replica_id=self.replica_id, ready=self.engine.is_ready, num_waiting=s.num_waiting,
             num_running=s.num_running, num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             kv_usage=s.kv_usage, num_queued_tokens=s.num_queued_tokens, block_size=self.engine.block_size,
-            received_ids=tuple(self._received_ids), reported_at=time.monotonic())
+            received_ids=received, reported_at=time.monotonic())
 
     async def generate(self, request: EngineRequest, replica_hint: str | None = None
                        ) -> AsyncIterator[StreamChunk]:
@@ -101,7 +105,8 @@ class EngineReplica:
         `error`. `replica_hint` is read by the pinning request router in the caller."""
         self._maybe_start_reporting()
         self._num_received += 1
-        self._received_ids.append(request.request_id)
+        self._unreported[request.request_id] = None
+        self._live.add(request.request_id)
         if replica_hint is not None and replica_hint != self.replica_id:
             self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
         coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
@@ -119,6 +124,7 @@ class EngineReplica:
                 logger.warning("request %s failed: %r", request.request_id, e)
             yield StreamChunk(error=error_info(e), finished=True)
         finally:
+            self._live.discard(request.request_id)
             self.metrics.record_request(request.priority, coalescer.metrics, coalescer.num_messages,
                                         coalescer.num_output_tokens, len(request.prompt_token_ids))
             if coalescer.finished or failed:  # a client that left, or bad input, is no verdict on the service
@@ -178,7 +184,8 @@ class EngineReplica:
                        stats.num_queued_tokens)
                 due = time.monotonic() - last_sent >= self.config.stats_heartbeat_s
                 if key != last_key or stats.received_ids or due:
-                    del self._received_ids[: len(stats.received_ids)]
+                    for request_id in stats.received_ids:
+                        self._unreported.pop(request_id, None)
                     self.metrics.record_load(stats, self.engine.stats())
                     self.metrics.record_slo_window(self.slo.window())
                     await self._router.report.remote(stats)

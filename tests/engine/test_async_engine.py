@@ -81,6 +81,48 @@ def test_invalid_request_raises_before_streaming(engine):
     assert len(tokens) == 20 and last.finished
 
 
+class _HeldCore:
+    """Stands in front of a core and holds its commands until released: a request in flight."""
+
+    def __init__(self, core):
+        self.core, self.held = core, []
+
+    def send(self, command):
+        self.held.append(command)
+
+    def release(self):
+        for command in self.held:
+            self.core.send(command)
+        self.held = []
+
+
+def test_stats_count_a_request_in_flight_to_the_step_loop_once(engine):
+    """1. A request is handed to the engine but its command has not reached the step loop: it
+    already counts as waiting. 2. Once the loop has applied it, the snapshot counts it and the
+    in-flight count is gone: counted once, as waiting or running."""
+    core = engine._core
+    held = engine._core = _HeldCore(core)
+
+    async def main():
+        stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "in-flight")
+        first = asyncio.ensure_future(stream.__anext__())
+        while not engine.has_request("in-flight"):
+            await asyncio.sleep(0.001)
+        assert engine.stats().num_waiting == 1 and engine.stats().num_running == 0 and held.held
+        held.release()
+        await first
+        stats = engine.stats()
+        assert stats.num_waiting + stats.num_running == 1
+        await stream.aclose()
+        assert not engine.has_request("in-flight")
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine._core = core
+    _wait_idle(engine)
+
+
 def test_engine_process_death_fails_streams_then_the_engine_heals(tiny_llama):
     """1. A stream runs in the child process; the child is killed. 2. The stream raises
     EngineDeadError instead of hanging. 3. A request sent while the child restarts waits for it

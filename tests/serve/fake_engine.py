@@ -100,6 +100,9 @@ class FakeAsyncEngine(EngineClient):
             num_blocks_swapped_out=0, num_blocks_swapped_in=0, num_recomputed_tokens=0, num_prompt_tokens=0,
             num_generation_tokens=0, num_failed_requests=0)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._waiting or request_id in self._running
+
     def abort(self, request_id: str) -> None:
         live = self._running.get(request_id)
         if live is not None:

@@ -83,6 +83,28 @@ def test_cancelling_the_consumer_aborts_in_engine():
     run(go())
 
 
+def test_a_report_lists_a_request_only_once_the_engine_counts_it():
+    """The replica has acknowledged a request, but the engine has not been handed it yet: the
+    report must not list it, or the router would drop its pending admission while the load it
+    sees leaves the request out. Once the engine holds it, the report lists it and counts it."""
+    async def go():
+        replica = make(step_delay_s=0.01, max_num_seqs=1)
+        gen = replica.generate(request("q", max_tokens=100))
+        assert (await gen.__anext__()).accepted
+        before = replica.stats()
+        assert before.received_ids == () and before.num_waiting == 0
+        task = asyncio.ensure_future(gen.__anext__())
+        while not replica.engine.has_request("q"):
+            await asyncio.sleep(0.001)
+        after = replica.stats()
+        assert after.received_ids == ("q",) and after.num_waiting + after.num_running == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()
+
+    run(go())
+
+
 class _Recorder:
     """Stands in for the router handle: records every report."""
 
