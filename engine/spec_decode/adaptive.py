@@ -18,10 +18,13 @@ could keep it from ever running.
 
 A request's prior is 0.5, or what the engine's drafts have earned lately over all requests where
 that is less: where drafts are rarely right (a draft model that does not predict this target,
-n-gram lookup on free chat) new requests do not each pay to learn it again. A request that gets no
-drafts learns nothing, so its counts decay toward that prior each step it is denied one, and the
-engine-wide estimate drifts back toward 0.5 in steps where drafts were offered and none was taken:
-speculation is retried now and then (rarely where it never pays), and resumes when the load falls.
+n-gram lookup on free chat) new requests do not each pay to learn it again. Where the engine's
+drafts have earned more (a draft model that predicts any text), a new request starts from that:
+its estimate is seeded with counts at the earned rate, which decay like its own, so a request
+that turns out otherwise soon shows it. A request that gets no drafts learns nothing, so its
+counts decay toward the prior each step it is denied one, and the engine-wide estimate drifts
+back toward 0.5 in steps where drafts were offered and none was taken: speculation is retried now
+and then (rarely where it never pays), and resumes when the load falls.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 
 from engine.scheduler.step_time import StepTimeModel
 
-PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # the highest prior a request starts from, and its weight
+PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # the highest prior a request drifts back to, and its weight
+SEED_TRIALS = 4.0  # weight of the engine's earned acceptance, where above the prior, in a new request
 DECAY = 0.8  # weight of a request's past verifications per new one (and per step denied drafts)
 ENGINE_DECAY = 0.98  # the same for the engine-wide estimate (per verification, per step denied drafts)
 
@@ -62,12 +66,19 @@ class AdaptiveSpeculation:
     def prior(self) -> float:
         return min(PRIOR_ALPHA, self._engine.alpha(PRIOR_ALPHA))
 
-    def alpha(self, request_id: str) -> float:
+    def _estimate(self, request_id: str) -> AcceptanceEstimate:
         estimate = self._estimates.get(request_id)
-        return estimate.alpha(self.prior) if estimate is not None else self.prior
+        if estimate is None:
+            earned = self._engine.alpha(PRIOR_ALPHA)
+            seed = SEED_TRIALS if earned > PRIOR_ALPHA else 0.0
+            estimate = self._estimates[request_id] = AcceptanceEstimate(seed * earned, seed)
+        return estimate
+
+    def alpha(self, request_id: str) -> float:
+        return self._estimate(request_id).alpha(self.prior)
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        self._estimates.setdefault(request_id, AcceptanceEstimate()).observe(num_proposed, num_accepted)
+        self._estimate(request_id).observe(num_proposed, num_accepted)
         self._engine.observe(num_proposed, num_accepted, ENGINE_DECAY)
 
     def forget(self, request_id: str) -> None:
@@ -112,5 +123,5 @@ class AdaptiveSpeculation:
             self._engine.decay(ENGINE_DECAY)
         for request_id, d, count in zip(request_ids, drafts, counts):
             if d and count == 0:
-                self._estimates.setdefault(request_id, AcceptanceEstimate()).decay()
+                self._estimate(request_id).decay()
         return [d[:count] for d, count in zip(drafts, counts)]

@@ -157,6 +157,23 @@ def test_draft_model_passes_are_priced_on_top_of_the_verifying_step():
     assert adaptive.trim(["sure"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[7, 8, 9, 10]]
 
 
+def test_a_new_request_starts_from_what_the_engines_drafts_have_earned():
+    """Draft passes at 60% of a step, batch 1: at the 0.5 a fresh engine starts from, a draft does
+    not pay. 1. Where earlier requests' drafts were all accepted (a draft model that predicts any
+    text), a new request drafts from its first step. 2. Its own rejections soon take that back."""
+    cost = _cost_model(0.050, 0.0005)
+    assert AdaptiveSpeculation().trim(["first"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    adaptive = AdaptiveSpeculation()
+    for i in range(10):
+        adaptive.observe(f"earlier{i}", K, K)
+        adaptive.forget(f"earlier{i}")
+    assert adaptive.prior == 0.5 < 0.8 < adaptive.alpha("new")
+    assert adaptive.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) != [[]]
+    adaptive.observe("new", 1, 0)
+    adaptive.observe("new", 1, 0)
+    assert adaptive.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+
+
 def test_a_larger_step_measured_faster_than_the_plain_one_is_not_taken_for_free_drafts():
     """16 decodes; step 17 happened to be measured 1% faster than step 16 (noise): a draft that is
     right one time in five is still not worth a token's share of the step."""
