@@ -70,7 +70,8 @@ class Scheduler:
         self.speculative = speculative
         self.proposer = (None if speculative is None else PendingDrafts() if speculative.method != "ngram"
                          else NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max))
-        self.adaptive = AdaptiveSpeculation() if speculative is not None and speculative.adaptive else None
+        self.adaptive = (AdaptiveSpeculation(seed_from_engine=speculative.method != "ngram")
+                         if speculative is not None and speculative.adaptive else None)
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids

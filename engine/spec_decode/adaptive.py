@@ -18,13 +18,17 @@ could keep it from ever running.
 
 A request's prior is 0.5, or what the engine's drafts have earned lately over all requests where
 that is less: where drafts are rarely right (a draft model that does not predict this target,
-n-gram lookup on free chat) new requests do not each pay to learn it again. Where the engine's
-drafts have earned more (a draft model that predicts any text), a new request starts from that:
-its estimate is seeded with counts at the earned rate, which decay like its own, so a request
-that turns out otherwise soon shows it. A request that gets no drafts learns nothing, so its
-counts decay toward the prior each step it is denied one, and the engine-wide estimate drifts
-back toward 0.5 in steps where drafts were offered and none was taken: speculation is retried now
-and then (rarely where it never pays), and resumes when the load falls.
+n-gram lookup on free chat) new requests do not each pay to learn it again. A draft model's
+acceptance is a property of the pair of models more than of the text, so where its drafts have
+earned more, a new request starts from that: its estimate is seeded with counts at the earned
+rate, which decay like its own, so a request that turns out otherwise soon shows it. (N-gram
+lookup's acceptance is the text's own: an extraction request says nothing of the chat request
+beside it, so there new requests start from 0.5 at most.) A request that gets no drafts learns
+nothing, so its counts decay toward the prior each step it is denied one; and where the engine's
+estimate is below 0.5, it drifts back up toward 0.5 in steps where drafts were offered and none
+was taken: speculation is retried now and then (rarely where it never pays), and resumes when the
+load falls. Steps that take no drafts say nothing against a draft model that earned more, so
+they leave that estimate as it is.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from engine.scheduler.step_time import StepTimeModel
 
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # the highest prior a request drifts back to, and its weight
-SEED_TRIALS = 4.0  # weight of the engine's earned acceptance, where above the prior, in a new request
+SEED_TRIALS = 4.0  # weight of a draft model's earned acceptance, where above the prior, in a new request
 DECAY = 0.8  # weight of a request's past verifications per new one (and per step denied drafts)
 ENGINE_DECAY = 0.98  # the same for the engine-wide estimate (per verification, per step denied drafts)
 
@@ -58,9 +62,10 @@ class AcceptanceEstimate:
 class AdaptiveSpeculation:
     """Per-request acceptance estimates and the choice of how many drafts each request verifies."""
 
-    def __init__(self):
+    def __init__(self, seed_from_engine: bool = False):
         self._estimates: dict[str, AcceptanceEstimate] = {}
         self._engine = AcceptanceEstimate()  # every request's verifications
+        self.seed_from_engine = seed_from_engine  # drafts from a model: new requests start from what it earned
 
     @property
     def prior(self) -> float:
@@ -70,7 +75,7 @@ class AdaptiveSpeculation:
         estimate = self._estimates.get(request_id)
         if estimate is None:
             earned = self._engine.alpha(PRIOR_ALPHA)
-            seed = SEED_TRIALS if earned > PRIOR_ALPHA else 0.0
+            seed = SEED_TRIALS if self.seed_from_engine and earned > PRIOR_ALPHA else 0.0
             estimate = self._estimates[request_id] = AcceptanceEstimate(seed * earned, seed)
         return estimate
 
@@ -119,7 +124,7 @@ class AdaptiveSpeculation:
         counts = [0] * len(drafts)
         for _, i, _ in candidates[:best_m]:
             counts[i] += 1
-        if candidates and best_m == 0:
+        if candidates and best_m == 0 and self._engine.alpha(PRIOR_ALPHA) < PRIOR_ALPHA:
             self._engine.decay(ENGINE_DECAY)
         for request_id, d, count in zip(request_ids, drafts, counts):
             if d and count == 0:

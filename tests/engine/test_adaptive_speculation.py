@@ -157,21 +157,31 @@ def test_draft_model_passes_are_priced_on_top_of_the_verifying_step():
     assert adaptive.trim(["sure"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[7, 8, 9, 10]]
 
 
-def test_a_new_request_starts_from_what_the_engines_drafts_have_earned():
+def test_a_new_request_starts_from_what_a_draft_models_drafts_have_earned():
     """Draft passes at 60% of a step, batch 1: at the 0.5 a fresh engine starts from, a draft does
     not pay. 1. Where earlier requests' drafts were all accepted (a draft model that predicts any
-    text), a new request drafts from its first step. 2. Its own rejections soon take that back."""
-    cost = _cost_model(0.050, 0.0005)
-    assert AdaptiveSpeculation().trim(["first"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
-    adaptive = AdaptiveSpeculation()
-    for i in range(10):
-        adaptive.observe(f"earlier{i}", K, K)
-        adaptive.forget(f"earlier{i}")
-    assert adaptive.prior == 0.5 < 0.8 < adaptive.alpha("new")
-    assert adaptive.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) != [[]]
-    adaptive.observe("new", 1, 0)
-    adaptive.observe("new", 1, 0)
-    assert adaptive.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    text), a new request drafts from its first step, and still does after many steps in which no
+    draft paid (a full batch). 2. Its own rejections soon take that back. 3. N-gram drafts, whose
+    acceptance is each text's own, give a new request no such start."""
+    cost, full_batch = _cost_model(0.050, 0.0005), _cost_model(0.010, 0.010)
+    assert AdaptiveSpeculation(True).trim(["first"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    model, ngram = AdaptiveSpeculation(seed_from_engine=True), AdaptiveSpeculation(seed_from_engine=False)
+    for adaptive in (model, ngram):
+        for i in range(10):
+            adaptive.observe(f"earlier{i}", K, K)
+            adaptive.forget(f"earlier{i}")
+        ids = [f"busy{i}" for i in range(16)]
+        for _ in range(200):
+            assert adaptive.trim(ids, [[3]] * 16, full_batch, 16) == [[]] * 16
+    assert model.prior == ngram.prior == ngram.alpha("new") == 0.5 < 0.8 < model.alpha("new")
+    assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) != [[]]
+    assert ngram.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    model.observe("new", 1, 0)
+    model.observe("new", 1, 0)
+    assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    for method, seeds in (("ngram", False), ("self_draft", True)):  # the scheduler's choice by method
+        speculative = SpeculativeConfig(method=method, num_speculative_tokens=K)
+        assert make_scheduler(num_blocks=64, block_size=4, speculative=speculative).adaptive.seed_from_engine == seeds
 
 
 def test_a_larger_step_measured_faster_than_the_plain_one_is_not_taken_for_free_drafts():
