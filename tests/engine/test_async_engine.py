@@ -113,6 +113,7 @@ def test_stats_count_a_request_in_flight_to_the_step_loop_once(engine):
         await first
         stats = engine.stats()
         assert stats.num_waiting + stats.num_running == 1
+        engine._core = core  # so that the abort reaches the loop
         await stream.aclose()
         assert not engine.has_request("in-flight")
 
