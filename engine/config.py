@@ -162,7 +162,7 @@ class SpeculativeConfig:
                              f"with method {self.method!r}")
         if self.placement not in DRAFT_PLACEMENTS:
             raise ValueError(f"placement must be one of {DRAFT_PLACEMENTS}, got {self.placement!r}")
-        if self.placement == "actor" and self.method == "ngram":
+        if self.placement == "actor" and not self.uses_draft_model:
             raise ValueError("placement 'actor' runs a draft model: method 'draft_model' or 'self_draft'")
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
@@ -171,6 +171,11 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Drafts come from a model (draft_model, or the target's first layers), not from lookup."""
+        return self.method != "ngram"
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -77,7 +77,7 @@ class LLMEngine:
         """What fills the drafts the scheduler reserves (n-gram drafts need nothing): the target's
         own first layers, or a draft model here or in the DraftModel deployment."""
         spec, block_size = self.config.speculative, self.config.cache.block_size
-        if spec is None or spec.method == "ngram":
+        if spec is None or not spec.uses_draft_model:
             return None
         if spec.placement == "actor":
             if spec.draft_app is None:

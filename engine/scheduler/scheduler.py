@@ -68,9 +68,9 @@ class Scheduler:
         """`speculative`: decoding requests get draft tokens to verify in the same forward."""
         self.config = config
         self.speculative = speculative
-        self.proposer = (None if speculative is None else PendingDrafts() if speculative.method != "ngram"
+        self.proposer = (None if speculative is None else PendingDrafts() if speculative.uses_draft_model
                          else NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max))
-        self.adaptive = (AdaptiveSpeculation(seed_from_engine=speculative.method != "ngram")
+        self.adaptive = (AdaptiveSpeculation(seed_from_engine=speculative.uses_draft_model)
                          if speculative is not None and speculative.adaptive else None)
         self.kv = kv
         self.max_model_len = max_model_len

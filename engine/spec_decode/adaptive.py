@@ -111,7 +111,8 @@ class AdaptiveSpeculation:
             estimate = measured if measured is not None else fixed + per_token * tokens
             return max(estimate, base + per_token * (tokens - num_decodes))
 
-        alphas = [self.alpha(request_id) for request_id in request_ids]
+        prior = self.prior  # once per step, not per request
+        alphas = [self._estimate(request_id).alpha(prior) for request_id in request_ids]
         candidates = sorted(((alphas[i] ** j, i, j) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
         best_m, best_rate, tokens, depth = 0, num_decodes / base, float(num_decodes), 0
