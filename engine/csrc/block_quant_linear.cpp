@@ -33,6 +33,9 @@ constexpr int64_t kBlock = 32;
 constexpr int32_t kLevels = 127 * 128;  // activations in [-kLevels, kLevels] * d (engine/models/linear.py)
 constexpr int64_t kRowsPerPass = 4;  // rows of x sharing one read of a weight block
 constexpr int64_t kGroup = 4;  // blocks whose sums are scaled together
+// How far ahead of the block in hand to ask for weight bytes: the hardware prefetcher alone kept two
+// threads' streams to ~10-17 GB/s; requesting lines 2 KiB ahead measured 1.1-1.4x on the step's matmuls.
+constexpr int64_t kPrefetchBytes = 2048;
 enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1 };
 
 inline int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 34 : 20; }
@@ -189,6 +192,9 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
   __m128 acc[MB], offset_acc[MB];
   for (int64_t i = 0; i < MB; ++i) acc[i] = offset_acc[i] = _mm_setzero_ps();
   for (; b + kGroup <= nb; b += kGroup) {
+    for (int64_t line = 0; line < kGroup * Row<Format>::kQuantBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row.quants + b * Row<Format>::kQuantBytes + line + kPrefetchBytes),
+                   _MM_HINT_T0);
     __m256i first[MB], second[MB];
     pair_dots<Format, MB>(row, b, xq, first);
     pair_dots<Format, MB>(row, b + 2, xq, second);

@@ -1,22 +1,25 @@
 """Attention backends agree with a dense reference on a mixed ragged batch (decodes of different
-context lengths + prefill chunks with and without cached context), with GQA."""
+context lengths + prefill chunks with and without cached context), with GQA, and on decodes whose
+contexts span several of the CPU kernel's chunks."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine.attention.base import select_backend
+from engine.cpu_kernels import load_cpu_kernels
 from engine.runner.inputs import build_inputs
 from engine.scheduler.output import ScheduledRequest
 from tests.engine.helpers import make_request
 
-KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 6, 16, 4, 64
+KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 6, 16, 4, 160
+MIXED = [(13, 1), (2, 1), (30, 1), (7, 1), (0, 9), (10, 6)]  # (start_pos, num_new): 4 decodes, 2 prefills
+LONG_DECODES = [(199, 1), (63, 1), (64, 1), (127, 1), (0, 3)]  # contexts of 1-3 chunks of 64 tokens
 
 
-def _batch(seed: int):
-    """(start_pos, num_new) per request: 4 decodes, a fresh prefill, a continued prefill chunk."""
+def _batch(seed: int, shapes: list[tuple[int, int]]):
+    """A request per (start_pos, num_new), each with blocks of its own."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(13, 1), (2, 1), (30, 1), (7, 1), (0, 9), (10, 6)]
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     scheduled = []
     for start, n in shapes:
@@ -36,10 +39,11 @@ def _reference(q, keys, values, start, n):
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
+@pytest.mark.parametrize("shapes", [MIXED, LONG_DECODES], ids=["mixed", "long_decodes"])
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_backend_matches_dense_reference(backend_name):
+def test_backend_matches_dense_reference(backend_name, shapes):
     torch.manual_seed(0)
-    scheduled = _batch(1)
+    scheduled = _batch(1, shapes)
     backend = select_backend(backend_name, torch.device("cpu"), torch.float32, HEAD_DIM ** -0.5)
     cache = backend.allocate_kv_cache(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
     history = {}
@@ -63,6 +67,21 @@ def test_backend_matches_dense_reference(backend_name):
         keys, values = history[item.request.request_id]
         expected = _reference(q[t0:t1], keys, values, item.start_pos, t1 - t0)
         torch.testing.assert_close(out[t0:t1], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_decode_attends_alike_alone_and_in_any_batch():
+    """The CPU kernel splits each request's context by its own length, never by the batch: a
+    request's output is the same bits alone and among others of every length."""
+    kernels = load_cpu_kernels()
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM, generator=gen)
+    lens = torch.tensor([128, 1, 64, 65, 33])
+    tables = torch.randperm(NUM_BLOCKS, generator=gen)[:5 * 32].view(5, 32)
+    q = torch.randn(5, HEADS, HEAD_DIM, generator=gen)
+    together = kernels.paged_decode_attention(q, cache, tables, lens, HEAD_DIM ** -0.5)
+    for b in range(5):
+        alone = kernels.paged_decode_attention(q[b:b + 1], cache, tables[b:b + 1], lens[b:b + 1], HEAD_DIM ** -0.5)
+        assert torch.equal(alone[0], together[b])
 
 
 def test_start_up_loads_the_kernel_from_its_cache_and_never_compiles(monkeypatch):
