@@ -10,7 +10,8 @@ teacher-forced quality against fp32 on the shipped text (each engine's start-up 
 engine/quantization_check.py). Each measurement is
 taken --repeats times with the modes alternating, and the medians are printed with each run's
 process cpu/wall (2 threads: ~2.0 means nothing else took the cores) and the cores' worth of CPU
-other processes used meanwhile. Optional bar chart. With a llama.cpp `llama-server` binary
+other processes used meanwhile, then each mode's ratios to fp32 and llama.cpp, on the medians and
+round by round (the JSON keeps the rounds). Optional bar chart (`plot`). With a llama.cpp `llama-server` binary
 (--llama-server, $LLAMA_SERVER or PATH; build it from the llama-cpp-python sdist's vendored
 llama.cpp, out of tree), its server on the same GGUF is measured the same way in the same rounds.
 
@@ -146,6 +147,28 @@ class LlamaServer:
         self.proc.wait(30)
 
 
+def plot(results: dict, path: str) -> None:
+    """Bar chart of single-stream and workload tok/s by system, from main()'s results (or its JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["modes"])
+    labels = ["single stream decode", "64-request workload"]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        m = results["modes"][name]
+        ax.bar([x + width * i for x in range(2)], [m["decode_tok_s"], m["workload_tok_s"]], width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(2)], labels)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("SmolLM2-135M on 2 CPU cores, by quantization mode")
+    ax.legend(ncol=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -204,32 +227,20 @@ def main() -> None:
         quality = "" if m["top1_agreement"] is None else \
             f"{m['weight_mb_per_decode_step']:8.0f} {m['top1_agreement']:11.4f} {m['perplexity_increase']:+11.2%}"
         print(f"{name:9} {m['decode_tok_s']:12.1f} {m['prefill_tok_s']:13.1f} {m['workload_tok_s']:12.1f} {quality}")
-    for reference in ("none", LLAMA) if LLAMA in results["modes"] else ("none",):
+    for reference in [r for r in ("none", LLAMA) if r in results["modes"]]:
         base = results["modes"][reference]
         for name, m in results["modes"].items():
             ratios = {k: m[k] / base[k] for k in ("decode_tok_s", "prefill_tok_s", "workload_tok_s")}
             print(f"{name}/{reference}: decode x{ratios['decode_tok_s']:.2f}, prefill x{ratios['prefill_tok_s']:.2f}, "
                   f"64-req x{ratios['workload_tok_s']:.2f}")
+            for measure, values in runs[name].items():  # the machine drifts: each round against its own baseline
+                by_round = [v / b for v, b in zip(values, runs[reference][measure])]
+                print(f"    {measure} by round: " + " ".join(f"{r:.2f}" for r in by_round))
+    results["rounds"] = runs
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        labels = ["single stream decode", "64-request workload"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            m = results["modes"][name]
-            ax.bar([x + width * i for x in range(2)], [m["decode_tok_s"], m["workload_tok_s"]], width, label=name)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(2)], labels)
-        ax.set_ylabel("output tokens/s")
-        ax.set_title("SmolLM2-135M on 2 CPU cores, by quantization mode")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
