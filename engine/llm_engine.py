@@ -148,6 +148,7 @@ class LLMEngine:
         errors for the requests that failed."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        num_drafting = sum(bool(item.draft_token_ids) for item in out.scheduled)  # before the runner fills them
         t1 = time.perf_counter()
         result = self.runner.execute(out)
         t2 = time.perf_counter()
@@ -159,7 +160,7 @@ class LLMEngine:
             self.scheduler.finish_group(group_id, FinishReason.ERROR)
         t3 = time.perf_counter()
         self.scheduler.observe_step(out.total_num_scheduled_tokens, t3 - t0 - result.draft_seconds,
-                                    result.draft_passes, result.draft_seconds)
+                                    result.draft_passes, result.draft_seconds, num_drafting)
         self._last_step = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, t3 - t0,
                                     (t1 - t0) + (t3 - t2), self._last_step.num_steps + 1)
         return events

@@ -24,7 +24,6 @@ from engine.spec_decode.adaptive import AdaptiveSpeculation
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.self_draft import PendingDrafts
 
-DRAFT_PASS_DECAY = 0.7  # weight of the past draft-pass time per new step that drafted
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
 
 
@@ -86,7 +85,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last schedule(): the runner drops their state
         self._static_batch_open = True
         self.step_time = StepTimeModel()  # fed by the engine; sizes steps and speculation
-        self.draft_pass_s: float | None = None  # recent seconds of one draft-model pass (None: none ran)
+        self.draft_pass_time = StepTimeModel()  # a draft-model pass's seconds by the requests it drafts for
 
     # ---- requests in and out -------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -164,15 +163,25 @@ class Scheduler:
         return out
 
     def observe_step(self, num_tokens: int, seconds: float, num_draft_passes: int = 0,
-                     draft_seconds: float = 0.0) -> None:
+                     draft_seconds: float = 0.0, num_drafting: int = 0) -> None:
         """The engine reports each step's size and wall time without drafting (the step-time
-        model's data), and the draft-model passes that filled its drafts and their time."""
+        model's data), and the draft-model passes that filled its drafts, their time and the
+        number of requests they drafted for."""
         if num_tokens > 0:
             self.step_time.observe(num_tokens, seconds)
         if num_draft_passes > 0:
-            per_pass = draft_seconds / num_draft_passes
-            self.draft_pass_s = per_pass if self.draft_pass_s is None else (
-                DRAFT_PASS_DECAY * self.draft_pass_s + (1 - DRAFT_PASS_DECAY) * per_pass)
+            self.draft_pass_time.observe(num_drafting, draft_seconds / num_draft_passes)
+
+    def draft_pass_seconds(self, num_requests: int) -> float:
+        """A draft-model pass over `num_requests` requests: the recent time of passes that size,
+        else the fitted line. A pass over 64 requests costs several over 4, so one price for all
+        sizes kept a pass seen in a full batch from ever being tried in a small one. 0 before any
+        fit: drafts are tried, and so timed."""
+        measured = self.draft_pass_time.measured(num_requests)
+        if measured is not None:
+            return measured
+        fitted = self.draft_pass_time.fit()
+        return 0.0 if fitted is None else fitted[0] + fitted[1] * num_requests
 
     def token_budget(self) -> int:
         """This step's tokens: `max_num_batched_tokens`, or under `target_step_latency_s` what the
@@ -229,7 +238,7 @@ class Scheduler:
         drafts = self.proposer.propose(decoding, limits)
         if self.adaptive is not None:
             drafts = self.adaptive.trim([r.request_id for r in decoding], drafts, self.step_time, len(decoding),
-                                        self.draft_pass_s or 0.0)
+                                        self.draft_pass_seconds)
         return {r.request_id: d for r, d in zip(decoding, drafts) if d}
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:

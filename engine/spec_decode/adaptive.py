@@ -7,8 +7,9 @@ follows the request). Drafts are accepted while the target agrees, so the j-th d
 token with probability alpha^j. Any set of drafts is best made of the ones with the largest
 alpha^j, so the choice is how many of those to take: m drafts make a step of n + m tokens that
 emits N + (their alpha^j) tokens, and the m with the most tokens per second (the step-time model's
-cost of that step size, measured online, plus, for drafts from a model, one measured draft pass per
-draft depth: the target's step time is measured without them) wins. So one rule covers every
+cost of that step size, measured online, plus, for drafts from a model, one draft pass per draft
+depth, each priced by the number of requests it drafts for, as the scheduler measures passes of each
+size: the target's step time is measured without them) wins. So one rule covers every
 request and every load:
 at batch 1 on a CPU, where a few more tokens cost little beside the step (weights are read once),
 plausible drafts pay; in a full batch each draft costs a full token's compute and few or none do.
@@ -32,6 +33,7 @@ they leave that estimate as it is.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.scheduler.step_time import StepTimeModel
@@ -90,11 +92,11 @@ class AdaptiveSpeculation:
         self._estimates.pop(request_id, None)
 
     def trim(self, request_ids: list[str], drafts: list[list[int]], step_time: StepTimeModel,
-             num_decodes: int, draft_pass_s: float = 0.0) -> list[list[int]]:
+             num_decodes: int, pass_seconds: Callable[[int], float] | None = None) -> list[list[int]]:
         """Each request's drafts cut to the counts that maximise the step's expected tokens per
-        second for `num_decodes` decoding requests, a draft model's passes (`draft_pass_s` each,
-        one per draft depth) counted in; unchanged while no step cost is measured, and none while
-        the plain step of this size is not."""
+        second for `num_decodes` decoding requests, a draft model's passes counted in (one per
+        draft depth, over the requests drafting that deep: `pass_seconds(requests)` each);
+        unchanged while no step cost is measured, and none while the plain step of this size is not."""
         fitted = step_time.fit()  # once per step: it prices the sizes not measured yet
         if fitted is None:
             return drafts
@@ -115,11 +117,18 @@ class AdaptiveSpeculation:
         alphas = [self._estimate(request_id).alpha(prior) for request_id in request_ids]
         candidates = sorted(((alphas[i] ** j, i, j) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
-        best_m, best_rate, tokens, depth = 0, num_decodes / base, float(num_decodes), 0
-        for m, (gain, _, j) in enumerate(candidates, start=1):
+        counts = [0] * len(drafts)
+        drafting = [0] * (max(map(len, drafts), default=0) + 1)  # requests with drafts at each depth
+        best_m, best_rate, tokens, passes = 0, num_decodes / base, float(num_decodes), 0.0
+        for m, (gain, i, _) in enumerate(candidates, start=1):
             tokens += gain
-            depth = max(depth, j)
-            rate = tokens / (seconds(num_decodes + m) + depth * draft_pass_s)
+            counts[i] += 1
+            if pass_seconds is not None:  # the pass at this request's new depth takes one more request
+                depth = counts[i]
+                drafting[depth] += 1
+                passes += pass_seconds(drafting[depth]) - (pass_seconds(drafting[depth] - 1) if drafting[depth] > 1
+                                                           else 0.0)
+            rate = tokens / (seconds(num_decodes + m) + passes)
             if rate > best_rate:
                 best_m, best_rate = m, rate
         counts = [0] * len(drafts)

@@ -2,6 +2,8 @@
 measured cost of a step, through the real scheduler (a fake runner accepts or rejects drafts)."""
 from __future__ import annotations
 
+import pytest
+
 from engine.config import SpeculativeConfig
 from engine.outputs import ModelRunnerOutput
 from engine.request import FinishReason
@@ -18,6 +20,14 @@ def _cost_model(fixed: float, per_token: float) -> StepTimeModel:
     for tokens in [1, 4, 9, 16, 30, 64, 17] * 5:  # the plain steps of 1, 4, 16 and 64 decodes among them
         model.observe(tokens, fixed + per_token * tokens)
     return model
+
+
+def _free_passes(num_requests: int) -> float:
+    return 0.0
+
+
+def _passes_of_30ms(num_requests: int) -> float:
+    return 0.030
 
 
 def test_trim_keeps_drafts_when_tokens_are_nearly_free_and_drops_them_when_they_cost_a_full_share():
@@ -150,11 +160,32 @@ def test_draft_model_passes_are_priced_on_top_of_the_verifying_step():
     request right half the time is better off without them, one nearly always right still drafts."""
     adaptive = AdaptiveSpeculation()
     cost = _cost_model(0.050, 0.0005)
-    assert adaptive.trim(["a"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.0) == [[7, 8, 9, 10]]
-    assert adaptive.trim(["a"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    assert adaptive.trim(["a"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_free_passes) == [[7, 8, 9, 10]]
+    assert adaptive.trim(["a"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[]]
     for _ in range(10):
         adaptive.observe("sure", K, K)
-    assert adaptive.trim(["sure"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[7, 8, 9, 10]]
+    assert adaptive.trim(["sure"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[7, 8, 9, 10]]
+
+
+def test_a_draft_pass_is_priced_by_the_requests_it_drafts_for():
+    """Draft passes over 64 requests measured at 60 ms, over 4 at 6 ms. At batch 4, requests a
+    draft model is always right for draft, at the small pass's price; priced at the full batch's
+    pass (one engine-wide figure did that) they never would, and the small pass, never run again,
+    would keep that price."""
+    sched = make_scheduler(num_blocks=64, block_size=4,
+                           speculative=SpeculativeConfig(method="self_draft", num_speculative_tokens=K))
+    for _ in range(4):
+        sched.observe_step(0, 0.0, K, K * 0.060, 64)
+        sched.observe_step(0, 0.0, K, K * 0.006, 4)
+    assert sched.draft_pass_seconds(64) == pytest.approx(0.060) and sched.draft_pass_seconds(4) == pytest.approx(0.006)
+    assert 0.006 < sched.draft_pass_seconds(16) < 0.060  # a size not timed yet: the fitted line
+    adaptive, ids = AdaptiveSpeculation(seed_from_engine=True), [f"r{i}" for i in range(4)]
+    for request_id in ids:
+        for _ in range(10):
+            adaptive.observe(request_id, K, K)
+    cost = _cost_model(0.050, 0.0005)
+    assert adaptive.trim(ids, [[7, 8, 9, 10]] * 4, cost, 4, sched.draft_pass_seconds) == [[7, 8, 9, 10]] * 4
+    assert adaptive.trim(ids, [[7, 8, 9, 10]] * 4, cost, 4, lambda n: sched.draft_pass_seconds(64)) == [[]] * 4
 
 
 def test_a_new_request_starts_from_what_a_draft_models_drafts_have_earned():
@@ -164,7 +195,7 @@ def test_a_new_request_starts_from_what_a_draft_models_drafts_have_earned():
     draft paid (a full batch). 2. Its own rejections soon take that back. 3. N-gram drafts, whose
     acceptance is each text's own, give a new request no such start."""
     cost, full_batch = _cost_model(0.050, 0.0005), _cost_model(0.010, 0.010)
-    assert AdaptiveSpeculation(True).trim(["first"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    assert AdaptiveSpeculation(True).trim(["first"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[]]
     model, ngram = AdaptiveSpeculation(seed_from_engine=True), AdaptiveSpeculation(seed_from_engine=False)
     for adaptive in (model, ngram):
         for i in range(10):
@@ -174,11 +205,11 @@ def test_a_new_request_starts_from_what_a_draft_models_drafts_have_earned():
         for _ in range(200):
             assert adaptive.trim(ids, [[3]] * 16, full_batch, 16) == [[]] * 16
     assert model.prior == ngram.prior == ngram.alpha("new") == 0.5 < 0.8 < model.alpha("new")
-    assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) != [[]]
-    assert ngram.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) != [[]]
+    assert ngram.trim(["new"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[]]
     model.observe("new", 1, 0)
     model.observe("new", 1, 0)
-    assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, draft_pass_s=0.030) == [[]]
+    assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[]]
     for method, seeds in (("ngram", False), ("self_draft", True)):  # the scheduler's choice by method
         speculative = SpeculativeConfig(method=method, num_speculative_tokens=K)
         assert make_scheduler(num_blocks=64, block_size=4, speculative=speculative).adaptive.seed_from_engine == seeds

@@ -163,16 +163,21 @@ def test_a_draft_pass_is_priced_without_the_prompts_the_draft_catches_up_on(refe
     scheduler, observed = engine.scheduler, []
     observe_step = scheduler.observe_step
 
-    def recording(num_tokens, seconds, num_draft_passes=0, draft_seconds=0.0):
-        observed.append((num_draft_passes, draft_seconds))
-        observe_step(num_tokens, seconds, num_draft_passes, draft_seconds)
+    def recording(num_tokens, seconds, num_draft_passes=0, draft_seconds=0.0, num_drafting=0):
+        observed.append((num_draft_passes, draft_seconds, num_drafting))
+        observe_step(num_tokens, seconds, num_draft_passes, draft_seconds, num_drafting)
 
     scheduler.observe_step = recording
     assert _step_through(engine, prompts) == expected
-    drafted = [(passes, seconds) for passes, seconds in observed if seconds > 0]
+    drafted = [(passes, seconds, requests) for passes, seconds, requests in observed if seconds > 0]
     assert drafted[0][0] == 0  # every request's first call to the worker: its prompt
-    per_pass = [seconds / passes for passes, seconds in drafted if passes]
-    assert len(per_pass) > 5 and min(per_pass) <= scheduler.draft_pass_s <= max(per_pass)
+    per_pass: dict[int, list[float]] = {}  # by the requests a pass drafted for
+    for passes, seconds, requests in drafted:
+        if passes:
+            per_pass.setdefault(requests, []).append(seconds / passes)
+    assert sum(map(len, per_pass.values())) > 5
+    for requests, times in per_pass.items():
+        assert min(times) <= scheduler.draft_pass_seconds(requests) <= max(times)
 
 
 def test_a_draft_of_another_vocabulary_or_with_no_draft_model_is_refused(tiny_llama, tiny_llama_words):
