@@ -8,7 +8,8 @@ Speculative decoding asks what a step of a given size costs (engine.spec_decode.
 time is not linear in tokens at small sizes on a CPU (one row is a matrix-vector product; two rows
 already cost a matrix-matrix product that reads the weights more slowly: 1 token 50 ms, 2 tokens
 93 ms, 5 tokens 105 ms on SmolLM2-135M in fp32 here), so each size seen keeps its own recent
-time (`measured`), and the linear fit prices sizes not seen yet.
+time (`measured`), and the linear fit prices sizes not seen yet. The scheduler keeps a second one
+for a draft model's passes, sized by the requests a pass drafts for.
 """
 from __future__ import annotations
 
