@@ -177,11 +177,8 @@ class Scheduler:
         else the fitted line. A pass over 64 requests costs several over 4, so one price for all
         sizes kept a pass seen in a full batch from ever being tried in a small one. 0 before any
         fit: drafts are tried, and so timed."""
-        measured = self.draft_pass_time.measured(num_requests)
-        if measured is not None:
-            return measured
-        fitted = self.draft_pass_time.fit()
-        return 0.0 if fitted is None else fitted[0] + fitted[1] * num_requests
+        estimate = self.draft_pass_time.estimate(num_requests)
+        return 0.0 if estimate is None else estimate
 
     def token_budget(self) -> int:
         """This step's tokens: `max_num_batched_tokens`, or under `target_step_latency_s` what the

@@ -72,6 +72,15 @@ class StepTimeModel:
         """The recent time of a step of exactly `tokens` tokens; None if no step that size ran."""
         return self._by_size.get(tokens)
 
+    def estimate(self, tokens: int) -> float | None:
+        """A step of `tokens` tokens: its recent measured time, else the fitted line; None with
+        neither."""
+        measured = self._by_size.get(tokens)
+        if measured is not None:
+            return measured
+        fitted = self.fit()
+        return None if fitted is None else fitted[0] + fitted[1] * tokens
+
     def tokens_within(self, seconds: float) -> int | None:
         """Most tokens a step can take and still finish within `seconds`; None while unfitted."""
         fitted = self.fit()

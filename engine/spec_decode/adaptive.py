@@ -33,6 +33,7 @@ they leave that estimate as it is.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,37 +98,38 @@ class AdaptiveSpeculation:
         second for `num_decodes` decoding requests, a draft model's passes counted in (one per
         draft depth, over the requests drafting that deep: `pass_seconds(requests)` each);
         unchanged while no step cost is measured, and none while the plain step of this size is not."""
-        fitted = step_time.fit()  # once per step: it prices the sizes not measured yet
+        fitted = step_time.fit()  # None before enough steps: nothing to price with yet
         if fitted is None:
             return drafts
         base = step_time.measured(num_decodes)
         if base is None:
             return [[] for _ in drafts]
-        fixed, per_token = fitted
+        per_token = fitted[1]
 
         def seconds(tokens: int) -> float:
             """A step's time, never below the plain step's plus the fitted cost of its extra tokens:
             a larger step measured faster is noise, and taking it for free drafts would pay for
             that noise every step."""
-            measured = step_time.measured(tokens)
-            estimate = measured if measured is not None else fixed + per_token * tokens
-            return max(estimate, base + per_token * (tokens - num_decodes))
+            return max(step_time.estimate(tokens), base + per_token * (tokens - num_decodes))
+
+        @functools.cache
+        def pass_price(num_requests: int) -> float:  # each size priced once per step
+            return pass_seconds(num_requests) if num_requests else 0.0
 
         prior = self.prior  # once per step, not per request
         alphas = [self._estimate(request_id).alpha(prior) for request_id in request_ids]
         candidates = sorted(((alphas[i] ** j, i, j) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
-        counts = [0] * len(drafts)
+        depths = [0] * len(drafts)  # each request's drafts taken so far
         drafting = [0] * (max(map(len, drafts), default=0) + 1)  # requests with drafts at each depth
         best_m, best_rate, tokens, passes = 0, num_decodes / base, float(num_decodes), 0.0
         for m, (gain, i, _) in enumerate(candidates, start=1):
             tokens += gain
-            counts[i] += 1
+            depths[i] += 1
             if pass_seconds is not None:  # the pass at this request's new depth takes one more request
-                depth = counts[i]
-                drafting[depth] += 1
-                passes += pass_seconds(drafting[depth]) - (pass_seconds(drafting[depth] - 1) if drafting[depth] > 1
-                                                           else 0.0)
+                drafting[depths[i]] += 1
+                n = drafting[depths[i]]
+                passes += pass_price(n) - pass_price(n - 1)
             rate = tokens / (seconds(num_decodes + m) + passes)
             if rate > best_rate:
                 best_m, best_rate = m, rate
