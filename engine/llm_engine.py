@@ -160,7 +160,8 @@ class LLMEngine:
             self.scheduler.finish_group(group_id, FinishReason.ERROR)
         t3 = time.perf_counter()
         self.scheduler.observe_step(out.total_num_scheduled_tokens, t3 - t0 - result.draft_seconds,
-                                    result.draft_passes, result.draft_seconds, num_drafting)
+                                    result.draft_passes, result.draft_seconds, num_drafting,
+                                    result.draft_catch_up_tokens)
         self._last_step = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, t3 - t0,
                                     (t1 - t0) + (t3 - t2), self._last_step.num_steps + 1)
         return events

@@ -10,9 +10,10 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]]  # request id -> its new tokens (accepted drafts, then one sampled)
     logprobs: dict[str, list[dict[int, float]]]  # request id -> logprobs of each new token, when asked
     errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why sampling it failed
-    draft_passes: int = 0  # draft-model passes that draft_seconds prices (0: none, or a prompt catch-up)
-    draft_seconds: float = 0.0  # the time they took (with the call to a remote draft model)
+    draft_passes: int = 0  # draft-model passes that filled the drafts
+    draft_seconds: float = 0.0  # the time they took (with the call to a remote draft model, and the catch-up)
     drafts_unfilled: bool = False  # drafts were reserved and the draft model gave none (late, down, no room)
+    draft_catch_up_tokens: int = 0  # tokens the draft model computed first, for requests it did not hold
 
 
 @dataclass(slots=True)

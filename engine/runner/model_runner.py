@@ -44,10 +44,10 @@ class ModelRunner:
         self._move_blocks(out)
         if out.is_empty:
             return ModelRunnerOutput({}, {})
-        draft_passes, draft_seconds, unfilled = 0, 0.0, False
+        draft_passes, catch_up_tokens, draft_seconds, unfilled = 0, 0, 0.0, False
         if self.drafter is not None and any(item.draft_token_ids for item in out.scheduled):
             t0 = time.perf_counter()
-            draft_passes = self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
+            draft_passes, catch_up_tokens = self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
             draft_seconds = time.perf_counter() - t0
             unfilled = not any(item.draft_token_ids for item in out.scheduled)
         inputs = build_inputs(out.scheduled, self.block_size, self.device)
@@ -63,7 +63,8 @@ class ModelRunner:
             sampled[request.request_id] = tokens
             if request.params.logprobs is not None:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
-        return ModelRunnerOutput(sampled, logprobs, result.errors, draft_passes, draft_seconds, unfilled)
+        return ModelRunnerOutput(sampled, logprobs, result.errors, draft_passes, draft_seconds, unfilled,
+                                 catch_up_tokens)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies: batched index copies, in that order."""

@@ -18,6 +18,7 @@ from engine.metrics import EngineStats, StepStats
 from engine.outputs import ModelRunnerOutput, SpecCounts
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from engine.scheduler.output_lengths import OutputLengths
 from engine.scheduler.queue import WaitingQueue
 from engine.scheduler.step_time import StepTimeModel
 from engine.spec_decode.adaptive import AdaptiveSpeculation
@@ -25,6 +26,7 @@ from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.self_draft import PendingDrafts
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
+CATCH_UP_DECAY = 0.7  # weight of the past per newly timed draft-model catch-up
 
 
 @dataclass(slots=True)
@@ -86,6 +88,8 @@ class Scheduler:
         self._static_batch_open = True
         self.step_time = StepTimeModel()  # fed by the engine; sizes steps and speculation
         self.draft_pass_time = StepTimeModel()  # a draft-model pass's seconds by the requests it drafts for
+        self.catch_up_seconds_per_token: float | None = None  # a draft model's first pass over a request
+        self.output_lengths = OutputLengths()  # of requests that ended by a stop or at their cap
 
     # ---- requests in and out -------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -121,6 +125,8 @@ class Scheduler:
             self.waiting.remove(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.output_lengths.record(request.num_output_tokens)
         request.finished_time = self.clock()
         self.kv.free(request)
         self.kv.forget(request)
@@ -163,13 +169,22 @@ class Scheduler:
         return out
 
     def observe_step(self, num_tokens: int, seconds: float, num_draft_passes: int = 0,
-                     draft_seconds: float = 0.0, num_drafting: int = 0) -> None:
+                     draft_seconds: float = 0.0, num_drafting: int = 0, num_catch_up_tokens: int = 0) -> None:
         """The engine reports each step's size and wall time without drafting (the step-time
-        model's data), and the draft-model passes that filled its drafts, their time and the
-        number of requests they drafted for."""
+        model's data), and the draft-model passes that filled its drafts, their time, the number
+        of requests they drafted for, and the tokens the draft model computed first for requests
+        it did not hold (its catch-up, whose time is what the call took beyond its passes' price:
+        a one-time cost that would price passes far above what they cost for the rest of a
+        request)."""
         if num_tokens > 0:
             self.step_time.observe(num_tokens, seconds)
-        if num_draft_passes > 0:
+        if num_catch_up_tokens > 0:
+            passes = num_draft_passes * self.draft_pass_seconds(num_drafting)
+            per_token = max(draft_seconds - passes, 0.0) / num_catch_up_tokens
+            previous = self.catch_up_seconds_per_token
+            self.catch_up_seconds_per_token = (per_token if previous is None
+                                               else CATCH_UP_DECAY * previous + (1 - CATCH_UP_DECAY) * per_token)
+        elif num_draft_passes > 0:
             self.draft_pass_time.observe(num_drafting, draft_seconds / num_draft_passes)
 
     def draft_pass_seconds(self, num_requests: int) -> float:
@@ -234,8 +249,13 @@ class Scheduler:
                       self.max_model_len - r.num_tokens - 1) for r in decoding]
         drafts = self.proposer.propose(decoding, limits)
         if self.adaptive is not None:
+            catch_up = remaining = None  # none measured (none run, or drafts need none): tried, and so timed
+            if self.catch_up_seconds_per_token is not None:
+                catch_up = [self.catch_up_seconds_per_token * r.num_tokens for r in decoding]
+                remaining = [self.output_lengths.expected_remaining(r.num_output_tokens, min(
+                    r.params.max_tokens, self.max_model_len - r.num_prompt_tokens)) for r in decoding]
             drafts = self.adaptive.trim([r.request_id for r in decoding], drafts, self.step_time, len(decoding),
-                                        self.draft_pass_seconds)
+                                        self.draft_pass_seconds, catch_up, remaining)
         return {r.request_id: d for r, d in zip(decoding, drafts) if d}
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:

@@ -9,8 +9,10 @@ alpha^j, so the choice is how many of those to take: m drafts make a step of n +
 emits N + (their alpha^j) tokens, and the m with the most tokens per second (the step-time model's
 cost of that step size, measured online, plus, for drafts from a model, one draft pass per draft
 depth, each priced by the number of requests it drafts for, as the scheduler measures passes of each
-size: the target's step time is measured without them) wins. So one rule covers every
-request and every load:
+size: the target's step time is measured without them; and, for a request the draft model has
+not drafted for yet, its catch-up: the draft model computes the request's tokens so far once,
+a cost spread over the tokens the request has left, each token it emits this step paying its
+share) wins. So one rule covers every request and every load:
 at batch 1 on a CPU, where a few more tokens cost little beside the step (weights are read once),
 plausible drafts pay; in a full batch each draft costs a full token's compute and few or none do.
 A size whose cost is not known yet is priced by the linear fit, tried, and then known; but the
@@ -49,6 +51,7 @@ ENGINE_DECAY = 0.98  # the same for the engine-wide estimate (per verification, 
 class AcceptanceEstimate:
     accepted: float = 0.0  # decayed counts of accepted drafts and of drafts tried
     trials: float = 0.0
+    verified: bool = False  # drafts of this request were verified: a draft model holds its tokens
 
     def alpha(self, prior: float) -> float:
         return (self.accepted + PRIOR_TRIALS * prior) / (self.trials + PRIOR_TRIALS)
@@ -56,6 +59,7 @@ class AcceptanceEstimate:
     def observe(self, num_proposed: int, num_accepted: int, decay: float = DECAY) -> None:
         self.accepted = decay * self.accepted + num_accepted
         self.trials = decay * self.trials + num_accepted + (num_accepted < num_proposed)
+        self.verified = True
 
     def decay(self, decay: float = DECAY) -> None:
         self.accepted *= decay
@@ -93,11 +97,15 @@ class AdaptiveSpeculation:
         self._estimates.pop(request_id, None)
 
     def trim(self, request_ids: list[str], drafts: list[list[int]], step_time: StepTimeModel,
-             num_decodes: int, pass_seconds: Callable[[int], float] | None = None) -> list[list[int]]:
+             num_decodes: int, pass_seconds: Callable[[int], float] | None = None,
+             catch_up_seconds: list[float] | None = None, remaining_tokens: list[float] | None = None
+             ) -> list[list[int]]:
         """Each request's drafts cut to the counts that maximise the step's expected tokens per
         second for `num_decodes` decoding requests, a draft model's passes counted in (one per
-        draft depth, over the requests drafting that deep: `pass_seconds(requests)` each);
-        unchanged while no step cost is measured, and none while the plain step of this size is not."""
+        draft depth, over the requests drafting that deep: `pass_seconds(requests)` each), and its
+        catch-up on a request it has not drafted for (`catch_up_seconds`, spread over the request's
+        `remaining_tokens`); unchanged while no step cost is measured, and none while the plain
+        step of this size is not."""
         fitted = step_time.fit()  # None before enough steps: nothing to price with yet
         if fitted is None:
             return drafts
@@ -117,20 +125,27 @@ class AdaptiveSpeculation:
             return pass_seconds(num_requests) if num_requests else 0.0
 
         prior = self.prior  # once per step, not per request
-        alphas = [self._estimate(request_id).alpha(prior) for request_id in request_ids]
+        estimates = [self._estimate(request_id) for request_id in request_ids]
+        alphas = [estimate.alpha(prior) for estimate in estimates]
+        catch_up_per_token = [0.0] * len(drafts)  # each token a request emits pays its share
+        if catch_up_seconds is not None:
+            catch_up_per_token = [0.0 if estimate.verified else seconds / max(remaining, 1)
+                                  for estimate, seconds, remaining in zip(estimates, catch_up_seconds,
+                                                                          remaining_tokens)]
         candidates = sorted(((alphas[i] ** j, i, j) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
         depths = [0] * len(drafts)  # each request's drafts taken so far
         drafting = [0] * (max(map(len, drafts), default=0) + 1)  # requests with drafts at each depth
-        best_m, best_rate, tokens, passes = 0, num_decodes / base, float(num_decodes), 0.0
+        best_m, best_rate, tokens, draft_seconds = 0, num_decodes / base, float(num_decodes), 0.0
         for m, (gain, i, _) in enumerate(candidates, start=1):
             tokens += gain
             depths[i] += 1
             if pass_seconds is not None:  # the pass at this request's new depth takes one more request
                 drafting[depths[i]] += 1
                 n = drafting[depths[i]]
-                passes += pass_price(n) - pass_price(n - 1)
-            rate = tokens / (seconds(num_decodes + m) + passes)
+                draft_seconds += pass_price(n) - pass_price(n - 1)
+            draft_seconds += catch_up_per_token[i] * (gain + (depths[i] == 1))  # its first draft: its own token too
+            rate = tokens / (seconds(num_decodes + m) + draft_seconds)
             if rate > best_rate:
                 best_m, best_rate = m, rate
         counts = [0] * len(drafts)

@@ -180,16 +180,14 @@ class DraftModelDrafter:
             if self._num_sent.pop(request_id, None) is not None:
                 self._finished.append(request_id)
 
-    def fill(self, scheduled: list[ScheduledRequest], kv_cache=None, backend=None) -> int:
+    def fill(self, scheduled: list[ScheduledRequest], kv_cache=None, backend=None) -> tuple[int, int]:
         """Replaces each speculating request's reserved drafts with the worker's; fewer or none
         where the worker gave fewer (the scheduler releases the slots left over). Returns the
-        number of passes asked of the worker, the step's draft time being their price; or 0 when
-        the call also brings the worker a request it does not hold, whose whole prompt it then
-        computes: that one-time cost is no pass's price, and counted as one it kept a draft model
-        that pays from ever being tried again."""
+        number of passes asked of the worker, and the tokens it was sent for requests it did not
+        hold (its catch-up: it computes them first, at a one-time cost)."""
         active = [item for item in scheduled if item.draft_token_ids]
         if not active:
-            return 0
+            return 0, 0
         queries = []
         for item in active:
             request = item.request
@@ -210,9 +208,8 @@ class DraftModelDrafter:
             item.draft_token_ids = drafts
             sampled = reply.sampled[i] if reply is not None else None
             item.sampled_drafts = sampled[:len(drafts)] if sampled is not None and drafts else None
-        if any(query.num_kept == 0 for query in queries):
-            return 0
-        return max(query.num_drafts for query in queries)
+        catch_up = sum(len(query.new_token_ids) for query in queries if query.num_kept == 0)
+        return max(query.num_drafts for query in queries), catch_up
 
 
 def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int | None, block_size: int,

@@ -55,10 +55,10 @@ class SelfDraft:
         """Nothing is kept per request: the drafts' KV is in the target's cache."""
 
     @torch.inference_mode()
-    def fill(self, scheduled: list[ScheduledRequest], kv_cache, backend) -> int:
+    def fill(self, scheduled: list[ScheduledRequest], kv_cache, backend) -> tuple[int, int]:
         """Replaces the reserved drafts of every speculating request with the draft model's tokens:
         pass j feeds each request's token at position start + j (its last token, then its drafts).
-        Returns the number of passes."""
+        Returns the number of passes, and no catch-up (the target's KV is the draft's)."""
         active = [item for item in scheduled if item.draft_token_ids]
         drafts: dict[str, list[int]] = {item.request.request_id: [] for item in active}
         sampled: dict[str, list[SampledDraft | None]] = {item.request.request_id: [] for item in active}
@@ -83,4 +83,4 @@ class SelfDraft:
             item.draft_token_ids = drafts[item.request.request_id]
             mine = sampled[item.request.request_id]
             item.sampled_drafts = mine if all(mine) else None
-        return num_passes
+        return num_passes, 0

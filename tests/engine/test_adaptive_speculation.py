@@ -227,3 +227,53 @@ def test_a_larger_step_measured_faster_than_the_plain_one_is_not_taken_for_free_
     assert adaptive.alpha("chat") < 0.3
     ids = ["chat"] + [f"r{i}" for i in range(15)]
     assert adaptive.trim(ids, [[3]] + [[]] * 15, cost, 16) == [[]] * 16
+
+
+def test_a_draft_models_catch_up_on_a_request_is_priced_once_over_the_tokens_it_has_left():
+    """A draft model computes a request's tokens before its first drafts for it, here 10 ms a
+    token. Two requests the draft model is always right for: the one it already holds drafts with
+    no more tokens left than the new one; the new one, nine tokens left, does not (its 17 tokens'
+    catch-up, spread over nine, costs more than drafts save), unless it has hundreds of tokens
+    left. Before any catch-up is timed, it is free: tried, and so timed."""
+    sched = make_scheduler(num_blocks=1024, block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
+                           speculative=SpeculativeConfig(method="self_draft", num_speculative_tokens=K))
+    held = make_request(prompt=PROMPT, max_tokens=20)
+    sched.add_request(held)
+    _decode_steps(sched, {}, 1)  # the prompt
+    sched.step_time = _cost_model(0.050, 0.0005)
+    for _ in range(4):
+        sched.observe_step(0, 0.0, K, K * 0.002, 1)
+    assert all(d[held.request_id] > 0 for d in _decode_steps(sched, {held.request_id: True}, 2))
+    sched.observe_step(0, 0.0, K, K * 0.002 + 17 * 0.010, 1, num_catch_up_tokens=17)
+    assert sched.catch_up_seconds_per_token == pytest.approx(0.010)
+
+    new, long = make_request(prompt=PROMPT, max_tokens=10), make_request(prompt=PROMPT, max_tokens=400)
+    for request in (new, long):
+        sched.add_request(request)
+    _decode_steps(sched, {held.request_id: True}, 1)  # their prompts; `held` decodes beside them
+    assert held.params.max_tokens - held.num_output_tokens <= new.params.max_tokens - new.num_output_tokens == 9
+    sched.step_time.observe(3, 0.050 + 3 * 0.0005)  # the plain step of three decodes, timed
+    drafted = _decode_steps(sched, {r.request_id: True for r in (held, new, long)}, 1)[0]
+    assert drafted[held.request_id] > 0 and drafted[new.request_id] == 0 and drafted[long.request_id] > 0
+
+
+def test_the_catch_up_is_spread_over_the_tokens_requests_like_it_have_emitted_not_over_its_cap():
+    """Eight requests ended after 5 tokens each; a new one may emit 400 but is expected to emit
+    4 more, too few to pay back its catch-up (170 ms, over 40 ms a token against a 50 ms step):
+    no drafts, where spread over its cap it would cost under 1 ms a token."""
+    sched = make_scheduler(num_blocks=1024, block_size=4, max_num_seqs=8, max_num_batched_tokens=256,
+                           speculative=SpeculativeConfig(method="self_draft", num_speculative_tokens=K))
+    sched.step_time = _cost_model(0.050, 0.0005)
+    short = [make_request(prompt=PROMPT, max_tokens=5) for _ in range(8)]
+    for request in short:
+        sched.add_request(request)
+    _decode_steps(sched, {}, 5)
+    assert not sched.has_unfinished()
+    for _ in range(4):
+        sched.observe_step(0, 0.0, K, K * 0.002, 1)
+    sched.observe_step(0, 0.0, K, K * 0.002 + 17 * 0.010, 1, num_catch_up_tokens=17)
+    late = make_request(prompt=PROMPT, max_tokens=400)
+    sched.add_request(late)
+    _decode_steps(sched, {}, 1)
+    assert sched.output_lengths.expected_remaining(late.num_output_tokens, 400) == pytest.approx(4)
+    assert _decode_steps(sched, {late.request_id: True}, 1)[0][late.request_id] == 0

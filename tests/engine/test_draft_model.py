@@ -154,26 +154,30 @@ def test_a_draft_worker_that_misses_calls_means_plain_steps_with_the_same_output
 
 
 def test_a_draft_pass_is_priced_without_the_prompts_the_draft_catches_up_on(reference, draft_dir):
-    """The call that brings the worker new requests also computes their prompts: it prices no pass
-    (a one-time cost, which would price passes far above what they cost for the rest of a
-    request); the pass price comes from the other calls."""
+    """The call that brings the worker new requests also computes their tokens so far: it reports
+    them, its time beyond its passes prices a catch-up token, and it prices no pass (a one-time
+    cost, which would price passes far above what they cost for the rest of a request); the pass
+    price comes from the other calls."""
     model_dir, prompts, expected = reference
     engine = LLMEngine.from_engine_args(model_dir, speculative_config={"method": "draft_model", "model": draft_dir,
                                                                        "adaptive": False})
     scheduler, observed = engine.scheduler, []
     observe_step = scheduler.observe_step
 
-    def recording(num_tokens, seconds, num_draft_passes=0, draft_seconds=0.0, num_drafting=0):
-        observed.append((num_draft_passes, draft_seconds, num_drafting))
-        observe_step(num_tokens, seconds, num_draft_passes, draft_seconds, num_drafting)
+    def recording(num_tokens, seconds, num_draft_passes=0, draft_seconds=0.0, num_drafting=0, num_catch_up_tokens=0):
+        observed.append((num_draft_passes, draft_seconds, num_drafting, num_catch_up_tokens))
+        observe_step(num_tokens, seconds, num_draft_passes, draft_seconds, num_drafting, num_catch_up_tokens)
 
     scheduler.observe_step = recording
     assert _step_through(engine, prompts) == expected
-    drafted = [(passes, seconds, requests) for passes, seconds, requests in observed if seconds > 0]
-    assert drafted[0][0] == 0  # every request's first call to the worker: its prompt
+    drafted = [call for call in observed if call[1] > 0]
+    caught_up = sum(call[3] for call in drafted)
+    # every request's tokens up to its first drafts: its prompt and the token its prefill sampled
+    assert drafted[0][3] > 0 and caught_up == sum(len(prompt) + 1 for prompt in prompts)
+    assert scheduler.catch_up_seconds_per_token > 0
     per_pass: dict[int, list[float]] = {}  # by the requests a pass drafted for
-    for passes, seconds, requests in drafted:
-        if passes:
+    for passes, seconds, requests, catch_up in drafted:
+        if not catch_up:
             per_pass.setdefault(requests, []).append(seconds / passes)
     assert sum(map(len, per_pass.values())) > 5
     for requests, times in per_pass.items():
