@@ -71,7 +71,7 @@ class Scheduler:
         self.speculative = speculative
         self.proposer = (None if speculative is None else PendingDrafts() if speculative.uses_draft_model
                          else NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max))
-        self.adaptive = (AdaptiveSpeculation(seed_from_engine=speculative.uses_draft_model)
+        self.adaptive = (AdaptiveSpeculation(prior_from_engine=speculative.uses_draft_model)
                          if speculative is not None and speculative.adaptive else None)
         self.kv = kv
         self.max_model_len = max_model_len

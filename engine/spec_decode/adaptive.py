@@ -23,10 +23,11 @@ A request's prior is 0.5, or what the engine's drafts have earned lately over al
 that is less: where drafts are rarely right (a draft model that does not predict this target,
 n-gram lookup on free chat) new requests do not each pay to learn it again. A draft model's
 acceptance is a property of the pair of models more than of the text, so where its drafts have
-earned more, a new request starts from that: its estimate is seeded with counts at the earned
-rate, which decay like its own, so a request that turns out otherwise soon shows it. (N-gram
+earned more, that is the prior: a new request starts from it, its own verifications move it
+from there, and it returns there while denied drafts (weighed with 0.5 instead, a request the
+draft model is always right for would start near 0.8 and pass up drafts that pay). N-gram
 lookup's acceptance is the text's own: an extraction request says nothing of the chat request
-beside it, so there new requests start from 0.5 at most.) A request that gets no drafts learns
+beside it, so there new requests start from 0.5 at most. A request that gets no drafts learns
 nothing, so its counts decay toward the prior each step it is denied one; and where the engine's
 estimate is below 0.5, it drifts back up toward 0.5 in steps where drafts were offered and none
 was taken: speculation is retried now and then (rarely where it never pays), and resumes when the
@@ -41,8 +42,7 @@ from dataclasses import dataclass
 
 from engine.scheduler.step_time import StepTimeModel
 
-PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # the highest prior a request drifts back to, and its weight
-SEED_TRIALS = 4.0  # weight of a draft model's earned acceptance, where above the prior, in a new request
+PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # the prior where drafts have earned no less (n-gram: the highest), its weight
 DECAY = 0.8  # weight of a request's past verifications per new one (and per step denied drafts)
 ENGINE_DECAY = 0.98  # the same for the engine-wide estimate (per verification, per step denied drafts)
 
@@ -69,21 +69,20 @@ class AcceptanceEstimate:
 class AdaptiveSpeculation:
     """Per-request acceptance estimates and the choice of how many drafts each request verifies."""
 
-    def __init__(self, seed_from_engine: bool = False):
+    def __init__(self, prior_from_engine: bool = False):
         self._estimates: dict[str, AcceptanceEstimate] = {}
         self._engine = AcceptanceEstimate()  # every request's verifications
-        self.seed_from_engine = seed_from_engine  # drafts from a model: new requests start from what it earned
+        self.prior_from_engine = prior_from_engine  # drafts from a model: the prior is what its drafts earned
 
     @property
     def prior(self) -> float:
-        return min(PRIOR_ALPHA, self._engine.alpha(PRIOR_ALPHA))
+        earned = self._engine.alpha(PRIOR_ALPHA)
+        return earned if self.prior_from_engine else min(PRIOR_ALPHA, earned)
 
     def _estimate(self, request_id: str) -> AcceptanceEstimate:
         estimate = self._estimates.get(request_id)
         if estimate is None:
-            earned = self._engine.alpha(PRIOR_ALPHA)
-            seed = SEED_TRIALS if self.seed_from_engine and earned > PRIOR_ALPHA else 0.0
-            estimate = self._estimates[request_id] = AcceptanceEstimate(seed * earned, seed)
+            estimate = self._estimates[request_id] = AcceptanceEstimate()
         return estimate
 
     def alpha(self, request_id: str) -> float:

@@ -179,7 +179,7 @@ def test_a_draft_pass_is_priced_by_the_requests_it_drafts_for():
         sched.observe_step(0, 0.0, K, K * 0.006, 4)
     assert sched.draft_pass_seconds(64) == pytest.approx(0.060) and sched.draft_pass_seconds(4) == pytest.approx(0.006)
     assert 0.006 < sched.draft_pass_seconds(16) < 0.060  # a size not timed yet: the fitted line
-    adaptive, ids = AdaptiveSpeculation(seed_from_engine=True), [f"r{i}" for i in range(4)]
+    adaptive, ids = AdaptiveSpeculation(prior_from_engine=True), [f"r{i}" for i in range(4)]
     for request_id in ids:
         for _ in range(10):
             adaptive.observe(request_id, K, K)
@@ -192,27 +192,28 @@ def test_a_new_request_starts_from_what_a_draft_models_drafts_have_earned():
     """Draft passes at 60% of a step, batch 1: at the 0.5 a fresh engine starts from, a draft does
     not pay. 1. Where earlier requests' drafts were all accepted (a draft model that predicts any
     text), a new request drafts from its first step, and still does after many steps in which no
-    draft paid (a full batch). 2. Its own rejections soon take that back. 3. N-gram drafts, whose
-    acceptance is each text's own, give a new request no such start."""
+    draft paid (a full batch, where the draft passes cost more than sure drafts save). 2. Its own
+    rejections soon take that back. 3. N-gram drafts, whose acceptance is each text's own, give a
+    new request no such start."""
     cost, full_batch = _cost_model(0.050, 0.0005), _cost_model(0.010, 0.010)
     assert AdaptiveSpeculation(True).trim(["first"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[]]
-    model, ngram = AdaptiveSpeculation(seed_from_engine=True), AdaptiveSpeculation(seed_from_engine=False)
+    model, ngram = AdaptiveSpeculation(prior_from_engine=True), AdaptiveSpeculation(prior_from_engine=False)
     for adaptive in (model, ngram):
         for i in range(10):
             adaptive.observe(f"earlier{i}", K, K)
             adaptive.forget(f"earlier{i}")
         ids = [f"busy{i}" for i in range(16)]
         for _ in range(200):
-            assert adaptive.trim(ids, [[3]] * 16, full_batch, 16) == [[]] * 16
-    assert model.prior == ngram.prior == ngram.alpha("new") == 0.5 < 0.8 < model.alpha("new")
+            assert adaptive.trim(ids, [[3]] * 16, full_batch, 16, pass_seconds=_passes_of_30ms) == [[]] * 16
+    assert ngram.prior == ngram.alpha("new") == 0.5 < 0.8 < model.prior == model.alpha("new")
     assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) != [[]]
     assert ngram.trim(["new"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[]]
     model.observe("new", 1, 0)
     model.observe("new", 1, 0)
     assert model.trim(["new"], [[7, 8, 9, 10]], cost, 1, pass_seconds=_passes_of_30ms) == [[]]
-    for method, seeds in (("ngram", False), ("self_draft", True)):  # the scheduler's choice by method
+    for method, earned in (("ngram", False), ("self_draft", True)):  # the scheduler's choice by method
         speculative = SpeculativeConfig(method=method, num_speculative_tokens=K)
-        assert make_scheduler(num_blocks=64, block_size=4, speculative=speculative).adaptive.seed_from_engine == seeds
+        assert make_scheduler(num_blocks=64, block_size=4, speculative=speculative).adaptive.prior_from_engine == earned
 
 
 def test_a_larger_step_measured_faster_than_the_plain_one_is_not_taken_for_free_drafts():
