@@ -249,13 +249,13 @@ class Scheduler:
                       self.max_model_len - r.num_tokens - 1) for r in decoding]
         drafts = self.proposer.propose(decoding, limits)
         if self.adaptive is not None:
-            catch_up = remaining = None  # none measured (none run, or drafts need none): tried, and so timed
-            if self.catch_up_seconds_per_token is not None:
-                catch_up = [self.catch_up_seconds_per_token * r.num_tokens for r in decoding]
-                remaining = [self.output_lengths.expected_remaining(r.num_output_tokens, min(
-                    r.params.max_tokens, self.max_model_len - r.num_prompt_tokens)) for r in decoding]
+            catch_up = None  # none timed (none run, or drafts need none): tried, and so timed
+            if self.catch_up_seconds_per_token is not None:  # the request's tokens so far, over those it has left
+                catch_up = [self.catch_up_seconds_per_token * r.num_tokens / self.output_lengths.expected_remaining(
+                    r.num_output_tokens, min(r.params.max_tokens, self.max_model_len - r.num_prompt_tokens))
+                    for r in decoding]
             drafts = self.adaptive.trim([r.request_id for r in decoding], drafts, self.step_time, len(decoding),
-                                        self.draft_pass_seconds, catch_up, remaining)
+                                        self.draft_pass_seconds, catch_up)
         return {r.request_id: d for r, d in zip(decoding, drafts) if d}
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:

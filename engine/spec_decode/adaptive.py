@@ -97,13 +97,12 @@ class AdaptiveSpeculation:
 
     def trim(self, request_ids: list[str], drafts: list[list[int]], step_time: StepTimeModel,
              num_decodes: int, pass_seconds: Callable[[int], float] | None = None,
-             catch_up_seconds: list[float] | None = None, remaining_tokens: list[float] | None = None
-             ) -> list[list[int]]:
+             catch_up_per_token: list[float] | None = None) -> list[list[int]]:
         """Each request's drafts cut to the counts that maximise the step's expected tokens per
         second for `num_decodes` decoding requests, a draft model's passes counted in (one per
         draft depth, over the requests drafting that deep: `pass_seconds(requests)` each), and its
-        catch-up on a request it has not drafted for (`catch_up_seconds`, spread over the request's
-        `remaining_tokens`); unchanged while no step cost is measured, and none while the plain
+        catch-up on a request it has not drafted for (`catch_up_per_token`: its share of each token
+        the request emits); unchanged while no step cost is measured, and none while the plain
         step of this size is not."""
         fitted = step_time.fit()  # None before enough steps: nothing to price with yet
         if fitted is None:
@@ -126,11 +125,8 @@ class AdaptiveSpeculation:
         prior = self.prior  # once per step, not per request
         estimates = [self._estimate(request_id) for request_id in request_ids]
         alphas = [estimate.alpha(prior) for estimate in estimates]
-        catch_up_per_token = [0.0] * len(drafts)  # each token a request emits pays its share
-        if catch_up_seconds is not None:
-            catch_up_per_token = [0.0 if estimate.verified else seconds / max(remaining, 1)
-                                  for estimate, seconds, remaining in zip(estimates, catch_up_seconds,
-                                                                          remaining_tokens)]
+        catch_up = [0.0 if estimate.verified else share  # a request the draft model holds pays none
+                    for estimate, share in zip(estimates, catch_up_per_token or [0.0] * len(drafts))]
         candidates = sorted(((alphas[i] ** j, i, j) for i, d in enumerate(drafts) for j in range(1, len(d) + 1)),
                             reverse=True)
         depths = [0] * len(drafts)  # each request's drafts taken so far
@@ -143,7 +139,7 @@ class AdaptiveSpeculation:
                 drafting[depths[i]] += 1
                 n = drafting[depths[i]]
                 draft_seconds += pass_price(n) - pass_price(n - 1)
-            draft_seconds += catch_up_per_token[i] * (gain + (depths[i] == 1))  # its first draft: its own token too
+            draft_seconds += catch_up[i] * (gain + (depths[i] == 1))  # its first draft: its own token too
             rate = tokens / (seconds(num_decodes + m) + draft_seconds)
             if rate > best_rate:
                 best_m, best_rate = m, rate
