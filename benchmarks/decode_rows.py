@@ -1,5 +1,6 @@
-"""Where the quantized matmul should switch from the C++ block kernel to fp32 GEMM of the
-dequantized weights (`BlockQuantLinear.DECODE_ROWS`): both paths timed on the embedded model's own
+"""Where the quantized matmul should switch from the C++ block kernel to its large-batch path (the
+AMX tile GEMM where the CPU has it, else fp32 GEMM of the dequantized weights; `decode_rows`,
+BlockQuantLinear.DECODE_ROWS / TILED_DECODE_ROWS): both paths timed on the embedded model's own
 matmuls (one layer's q/k/v, o, gate/up and down, plus the LM head), for each number of rows.
 
 Per row count, the matmul time of a whole step: 30 layers' four matmuls plus the LM head, each
@@ -36,7 +37,7 @@ def step_matmuls(model) -> list[tuple[BlockQuantLinear, int]]:
 
 def step_seconds(matmuls: list[tuple[BlockQuantLinear, int]], inputs: list[torch.Tensor], path: str,
                  calls: int = 3) -> float:
-    """One step's matmul time on `path` ('forward_kernel' or 'forward_gemm')."""
+    """One step's matmul time on `path` ('forward_kernel', 'forward_tiles' or 'forward_gemm')."""
     total = 0.0
     for (matmul, per_step), x in zip(matmuls, inputs):
         forward = getattr(matmul, path)
@@ -58,6 +59,7 @@ def main() -> None:
     torch.set_num_threads(2)
     model = load_model(ModelConfig(quantization=args.quantization)).model
     matmuls = step_matmuls(model)
+    batch_path = "forward_tiles" if all(m.tiled for m, _ in matmuls) else "forward_gemm"
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     results = []
@@ -67,15 +69,15 @@ def main() -> None:
             kernel, gemm = [], []
             for _ in range(args.repeats):
                 kernel.append(step_seconds(matmuls, inputs, "forward_kernel"))
-                gemm.append(step_seconds(matmuls, inputs, "forward_gemm"))
+                gemm.append(step_seconds(matmuls, inputs, batch_path))
             row = {"rows": rows, "kernel_ms": round(1e3 * statistics.median(kernel), 2),
                    "gemm_ms": round(1e3 * statistics.median(gemm), 2)}
             row["gemm_over_kernel"] = round(row["gemm_ms"] / row["kernel_ms"], 2)
             results.append(row)
             print(json.dumps(row), flush=True)
     faster = [r["rows"] for r in results if r["kernel_ms"] < r["gemm_ms"]]
-    print(json.dumps({"quantization": args.quantization, "kernel_faster_up_to": max(faster, default=0),
-                      "DECODE_ROWS": BlockQuantLinear.DECODE_ROWS}))
+    print(json.dumps({"quantization": args.quantization, "batch_path": batch_path,
+                      "kernel_faster_up_to": max(faster, default=0), "decode_rows": matmuls[0][0].decode_rows}))
     if args.workload:
         compare_on_workload(args.quantization, [int(v) for v in args.workload.split(",")], args.workload_repeats)
 
@@ -87,9 +89,11 @@ def compare_on_workload(quantization: str, limits: list[int], repeats: int) -> N
     llms = {}
     for limit in limits:
         llms[limit] = bench_engine(quantization)
-        for module in llms[limit].engine.runner.model.modules():
+        model = llms[limit].engine.runner.model
+        model.decode_rows = limit  # this engine's own limit: its decode stack's and each matmul's
+        for module in model.modules():
             if isinstance(module, BlockQuantLinear):
-                module.DECODE_ROWS = limit  # this engine's own limit (the class default elsewhere)
+                module.decode_rows = limit
     speeds: dict[int, list[float]] = {limit: [] for limit in limits}
     for _ in range(repeats):
         for limit, llm in llms.items():

@@ -31,7 +31,7 @@ from engine.cache_dir import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "block_quant_linear.cpp",
-            _CSRC / "decode_stack.cpp"]
+            _CSRC / "block_quant_gemm.cpp", _CSRC / "decode_stack.cpp"]
 
 
 def _flags() -> tuple[str, list[str]]:
@@ -42,10 +42,18 @@ def _flags() -> tuple[str, list[str]]:
     return capability, flags
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux): -march=native builds for exactly these (AMX tiles, say), so
+    a cache shared by machines of one vector width still keys each CPU's build apart."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
+
+
 def _name_and_dir() -> tuple[str, Path]:
     capability, flags = _flags()
     sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))
-    key = hashlib.sha256(sources + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(sources + " ".join(flags + [torch.__version__, _cpu_features()]).encode()).hexdigest()[:12]
     name = f"cbserve_cpu_kernels_{capability.lower()}_{key}"
     return name, cache_dir("kernels") / name
 

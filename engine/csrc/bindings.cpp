@@ -8,6 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quantize_activations", &quantize_activations, "x (M, K) rounded per block of 32 to 15 bits",
         py::call_guard<py::gil_scoped_release>());
+  m.def("block_quant_gemm_available", &block_quant_gemm_available, "whether block_quant_gemm runs here (AMX int8)");
+  m.def("block_quant_gemm", &block_quant_gemm,
+        "residual + x (M, K) fp32 @ block-quantized weights in AMX tile order + bias, for large batches",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step through block-quantized Llama layers in one call")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>())

@@ -32,7 +32,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int32_t kLevels = 127 * 128;  // activations in [-kLevels, kLevels] * d (engine/models/linear.py)
 constexpr int64_t kRowsPerPass = 4;  // rows of x sharing one read of a weight block
-constexpr int64_t kGroup = 4;  // blocks whose sums are scaled together
+constexpr int64_t kGroup = kQuantizedXGroup;  // blocks whose sums are scaled together
 // How far ahead of the block in hand to ask for weight bytes: the hardware prefetcher alone kept two
 // threads' streams to ~10-17 GB/s; lines requested 2 KiB ahead measured 1.15-1.19x on the layers'
 // matmuls and 1.1-1.3x on the LM head (1, 3 and 4 KiB: 2-6% slower than 2).
@@ -51,22 +51,16 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-// x's rows quantized per block: q (M, K) int16, d (M, nbp) scales, s (M, nbp) = d * sum(q), which
-// Q4_1's offset m multiplies; nbp = nb rounded up to whole groups, the padding zero. The same IEEE
-// arithmetic as engine/models/linear.py's quantize_activations, so the GEMM path sees the same
-// values: compiled without -ffast-math, which would fold 1 / (amax / 127) into 127 / amax and
-// round some ties the other way.
-struct QuantizedX {
-  int64_t nbp;
-  std::vector<int16_t> q;
-  std::vector<float> d, s;
-};
+}  // namespace
 
+// quantize_x (kernels.h) is compiled without -ffast-math, which would fold 1 / (amax / 127) into
+// 127 / amax and round some ties the other way: the same IEEE arithmetic as
+// engine/models/linear.py's quantize_activations, so every path sees the same values.
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock, nbp = (nb + kGroup - 1) / kGroup * kGroup;
+  const int64_t nb = K / kBlock, nbp = (nb + kQuantizedXGroup - 1) / kQuantizedXGroup * kQuantizedXGroup;
   QuantizedX out{nbp, std::vector<int16_t>(M * K), std::vector<float>(M * nbp), std::vector<float>(M * nbp)};
   at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -114,6 +108,8 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
   return out;
 }
 #pragma GCC pop_options
+
+namespace {
 
 // A regrouped weight row of nb blocks: quantized values, fp16 scales, fp16 offsets (Q4_1).
 template <int64_t Format>

@@ -18,6 +18,29 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
 // the fp32 GEMM path of larger batches.
 torch::Tensor quantize_activations(const torch::Tensor& x);
 
+// block_quant_gemm.cpp: whether this process may run block_quant_gemm (built with AMX, and the
+// kernel grants the tile state).
+bool block_quant_gemm_available();
+
+// block_quant_gemm.cpp: residual + x (M, K) (quantized per block of 32 inside) times block-quantized
+// weights in AMX tile order + bias: the integer values q (N / 16, K / 32, 512) int8 (block_quant_linear's
+// formats as integers: Q8_0 -127..127, Q4_1 0..15), per-block scales d (K / 32, N) and, for Q4_1,
+// offsets m (K / 32, N), w = d * q + m. The same integer dot product per block as block_quant_linear.
+torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales,
+                               const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
+                               const c10::optional<torch::Tensor>& residual);
+
+// Activations quantized per block of 32 to 15 bits (block_quant_linear.cpp), for the matmul kernels:
+// q (M, K) int16, d (M, nbp) scales, s (M, nbp) = d * sum(q), which Q4_1's offset m multiplies;
+// nbp = K / 32 rounded up to whole groups of kQuantizedXGroup blocks, the padding zero.
+constexpr int64_t kQuantizedXGroup = 4;
+struct QuantizedX {
+  int64_t nbp;
+  std::vector<int16_t> q;
+  std::vector<float> d, s;
+};
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
+
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
 // Llama layers, each layer's four matmuls (qkv, o, gate_up, down: block_quant_linear's rows,
 // formats and biases) and two RMSNorm weights (input, post-attention) held from construction.

@@ -93,14 +93,40 @@ def regroup_rows(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([p.reshape(blocks.shape[0], -1) for p in regrouped], axis=1))
 
 
+def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor | None]:
+    """GGUF blocks (N, K / 32 * block bytes) as the AMX GEMM reads them (engine/csrc/block_quant_gemm.cpp):
+    the integer weights q as bf16 (exact) in tile order (N / 16, K / 32, 512), each 16 columns'
+    block as 16 rows holding each column's weights 2r and 2r + 1; the scales d and (Q4_1) offsets
+    m as (K / 32, N) fp32, so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
+    rows = blocks.shape[0]
+    per_block = blocks.reshape(rows, -1, {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_1: 20}[qtype])
+    num_blocks = per_block.shape[1]
+    scales = per_block[:, :, 0:2].copy().view(np.float16)[..., 0]
+    offsets = None
+    if qtype == GGMLQuantizationType.Q8_0:
+        q = per_block[:, :, 2:].view(np.int8)
+    else:
+        offsets = per_block[:, :, 2:4].copy().view(np.float16)[..., 0]
+        nibbles = per_block[:, :, 4:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weight i < 16: the low nibble
+    tiles = q.reshape(rows // 16, 16, num_blocks, BLOCK // 2, 2).transpose(0, 2, 3, 1, 4)
+    tiles = torch.from_numpy(np.ascontiguousarray(tiles).astype(np.float32)).to(torch.bfloat16)
+    scales_by_block = torch.from_numpy(np.ascontiguousarray(scales.T.astype(np.float32)))
+    offsets_by_block = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets.T.astype(np.float32)))
+    return tiles.reshape(rows // 16, num_blocks, -1), scales_by_block, offsets_by_block
+
+
 class BlockQuantLinear(nn.Module):
     """A matmul on GGUF block-quantized weights with block-quantized activations. Up to
-    DECODE_ROWS rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks;
-    larger inputs (prefill) run fp32 GEMM of the dequantized weights with the same quantized
-    activations: the same values, so the same results to fp32 rounding, whatever the batch.
-    Without the compiled kernels every input takes the GEMM path."""
+    `decode_rows` rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks.
+    Larger inputs (prefill) run, where the CPU has AMX int8 tiles, the tile GEMM on the blocks'
+    integers (the same integer dot products per block), else fp32 GEMM of the dequantized weights
+    on the same quantized activations: the same values either way, so the same results to fp32
+    rounding, whatever the batch. Without the compiled kernels every input takes the fp32 GEMM."""
 
     DECODE_ROWS = 28  # the kernel beats fp32 GEMM by 1.26x here on this model family's shapes (BENCHMARKS.md)
+    TILED_DECODE_ROWS = 8  # with AMX tiles, the tile GEMM beats the kernel from 5-8 rows on (BENCHMARKS.md)
 
     def __init__(self, qtype: GGMLQuantizationType, blocks: np.ndarray, bias: torch.Tensor | None, kernels):
         super().__init__()
@@ -110,12 +136,27 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
         self.weight_bytes = self.rows.numel()  # what a decode step reads
+        self.tiled = kernels is not None and kernels.block_quant_gemm_available() and blocks.shape[0] % 16 == 0
+        self.decode_rows = self.TILED_DECODE_ROWS if self.tiled else self.DECODE_ROWS  # rows the kernel takes
+        tiles, scales, offsets = tile_blocks(blocks, qtype) if self.tiled else (None, None, None)
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("scales", scales)
+        self.register_buffer("offsets", offsets)
 
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self._kernels is not None and x.shape[0] <= self.DECODE_ROWS:
+        if self._kernels is not None and x.shape[0] <= self.decode_rows:
             return self.forward_kernel(x, norm, swiglu, residual)
+        if self.tiled:
+            return self.forward_tiles(x, norm, swiglu, residual)
         return self.forward_gemm(x, norm, swiglu, residual)
+
+    def forward_tiles(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The AMX tile GEMM on the blocks' integers, the residual fused (needs `tiled`)."""
+        return self._kernels.block_quant_gemm(prologue(x, norm, swiglu).contiguous(), self.tiles, self.scales,
+                                              self.offsets, self.bias,
+                                              None if residual is None else residual.contiguous())
 
     def forward_kernel(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                        residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,16 +69,17 @@ class LlamaForPagedAttention(nn.Module):
         cos, sin = _rope_tables(body.rotary_emb, max_model_len, self.head_dim)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.decode_stack = None  # set by fuse_decode_stack
+        self.decode_stack, self.decode_rows = None, 0  # set by fuse_decode_stack
 
     def fuse_decode_stack(self, kernels) -> None:
-        """With every layer's matmuls block-quantized, decode steps of up to DECODE_ROWS tokens
+        """With every layer's matmuls block-quantized, decode steps of up to their `decode_rows` tokens
         run the whole stack in one C++ call (engine/csrc/decode_stack.cpp), the same kernels
         without the per-op overhead of the layers' Python."""
         matmuls = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not all(isinstance(m, BlockQuantLinear) for m in matmuls):
             return
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
+        self.decode_rows = min(m.decode_rows for m in matmuls)
         self.decode_stack = kernels.DecodeStack([m.rows for m in matmuls], [m.format for m in matmuls],
                                                 [m.bias for m in matmuls], norms, self.num_heads,
                                                 self.num_kv_heads, self.head_dim, self.eps)
@@ -91,7 +92,7 @@ class LlamaForPagedAttention(nn.Module):
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
         cos, sin = self.cos[positions], self.sin[positions]  # (T, d)
         stack_args = None
-        if self.decode_stack is not None and input_ids.shape[0] <= BlockQuantLinear.DECODE_ROWS:
+        if self.decode_stack is not None and input_ids.shape[0] <= self.decode_rows:
             stack_args = backend.decode_stack_args(metadata)
         if stack_args is not None:
             hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, *stack_args, num_layers or self.num_layers)

@@ -49,9 +49,43 @@ def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_a
     for rows in range(1, BlockQuantLinear.DECODE_ROWS + 1):
         x = torch.randn(rows, cols)
         want = torch.nn.functional.linear(quantize_activations(x), layer.weight, layer.bias)
-        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # the kernel
-        torch.testing.assert_close(layer(x.t().contiguous().t()), want, rtol=1e-5, atol=1e-5)  # strided input
-        torch.testing.assert_close(layer(x.repeat(2, 1))[:rows], want, rtol=1e-5, atol=1e-5)  # the GEMM path
+        torch.testing.assert_close(layer.forward_kernel(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.forward_kernel(x.t().contiguous().t()), want, rtol=1e-5, atol=1e-5)  # strided
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # whichever path this many rows take
+        torch.testing.assert_close(layer(x.repeat(2, 1))[:rows], want, rtol=1e-5, atol=1e-5)  # the large-batch path
+        torch.testing.assert_close(layer.forward_gemm(x), want, rtol=1e-5, atol=1e-5)  # fp32 GEMM (CPUs without AMX)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [96, 160, 1536])  # blocks: odd (a pass's last block alone), even, the model's down
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_tile_gemm_computes_the_kernels_integer_products_on_cpus_with_amx(qtype, cols, with_bias):
+    """Where the CPU has AMX tiles, large batches run the tile GEMM on the blocks' integers: the
+    same values as fp32 GEMM of the dequantized weights, at any row count (partial tiles of 16
+    rows) and output width (48 = three column groups), and each row's output is the same bits
+    alone and in any batch. Where it has none, the layer keeps fp32 GEMM and the kernel refuses."""
+    torch.manual_seed(5)
+    kernels = load_cpu_kernels()
+    layer = _layer(qtype, 48, cols, with_bias)
+    assert layer.tiled == kernels.block_quant_gemm_available()
+    if not layer.tiled:
+        with pytest.raises(RuntimeError, match="AMX"):
+            kernels.block_quant_gemm(torch.randn(16, cols), torch.zeros(3, cols // BLOCK, 512, dtype=torch.bfloat16),
+                                     torch.zeros(cols // BLOCK, 48), None, None, None)
+        return
+    assert layer.decode_rows == BlockQuantLinear.TILED_DECODE_ROWS
+    batch = torch.randn(70, cols) * torch.logspace(-2, 2, cols)
+    residual = torch.randn(70, 48)
+    whole = layer.forward_tiles(batch, residual=residual)
+    for rows in (1, 5, 16, 17, 33, 70):
+        x = batch[:rows]
+        want = torch.nn.functional.linear(quantize_activations(x), layer.weight, layer.bias)
+        got = layer.forward_tiles(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (cols / 96) ** 0.5)
+        torch.testing.assert_close(got, layer.forward_kernel(x), rtol=1e-5, atol=1e-5 * (cols / 96) ** 0.5)
+        assert torch.equal(layer.forward_tiles(x, residual=residual[:rows]), whole[:rows])
+        assert torch.equal(layer.forward_tiles(batch[rows - 1:rows])[0], got[-1])
+    assert torch.equal(layer(batch[:9]), layer.forward_tiles(batch[:9]))  # past decode_rows: the tiles
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
@@ -60,15 +94,15 @@ def test_the_kernels_fused_prologue_and_residual_compute_what_the_torch_ops_comp
     torch.manual_seed(2)
     layer = _layer(qtype, 48, 64, with_bias=True)
     reference = Linear(layer.weight, layer.bias)  # the fp32 ops on the same (dequantized) weights
-    for rows in (1, 3, BlockQuantLinear.DECODE_ROWS):
+    for rows in (1, 3, layer.decode_rows):
         x = torch.randn(rows, 128 if fusion == "swiglu" else 64) * 3
         kwargs = dict(norm=(torch.rand(64) + 0.5, 1e-5) if "norm" in fusion else None, swiglu=fusion == "swiglu",
                       residual=torch.randn(rows, 48) if "residual" in fusion else None)
         want = reference(quantize_activations(prologue(x, kwargs["norm"], kwargs["swiglu"])),
                          residual=kwargs["residual"])
         torch.testing.assert_close(layer(x, **kwargs), want, rtol=1e-4, atol=1e-4)  # the kernel
-        batch = layer(x.repeat(3, 1), **{**kwargs, "residual": None if kwargs["residual"] is None
-                                          else kwargs["residual"].repeat(3, 1)})  # the GEMM path
+        batch = layer(x.repeat(30, 1), **{**kwargs, "residual": None if kwargs["residual"] is None
+                                           else kwargs["residual"].repeat(30, 1)})  # the large-batch path
         torch.testing.assert_close(batch[:rows], want, rtol=1e-4, atol=1e-4)
 
 
@@ -82,6 +116,7 @@ def test_kernel_and_gemm_round_activation_ties_alike(qtype):
     x = x[None]
     assert torch.equal(quantize_activations(x)[0, 1:4], torch.round(x[0, 1:4]))
     torch.testing.assert_close(layer(x), layer(x.repeat(BlockQuantLinear.DECODE_ROWS + 1, 1))[:1], rtol=1e-6, atol=1e-2)
+    torch.testing.assert_close(layer.forward_kernel(x), layer.forward_gemm(x), rtol=1e-6, atol=1e-2)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
