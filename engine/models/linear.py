@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf.quants import quantize as quantize_blocks
 from torch import nn
@@ -100,7 +100,7 @@ def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.
     block as 16 rows holding each column's weights 2r and 2r + 1; the scales d and (Q4_1) offsets
     m as (K / 32, N) fp32, so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
     rows = blocks.shape[0]
-    per_block = blocks.reshape(rows, -1, {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_1: 20}[qtype])
+    per_block = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])  # (N, K / 32, block bytes)
     num_blocks = per_block.shape[1]
     scales = per_block[:, :, 0:2].copy().view(np.float16)[..., 0]
     offsets = None
@@ -120,7 +120,7 @@ def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.
 class BlockQuantLinear(nn.Module):
     """A matmul on GGUF block-quantized weights with block-quantized activations. Up to
     `decode_rows` rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks.
-    Larger inputs (prefill) run, where the CPU has AMX int8 tiles, the tile GEMM on the blocks'
+    Larger inputs (prefill) run, where the CPU has AMX tiles, the tile GEMM on the blocks'
     integers (the same integer dot products per block), else fp32 GEMM of the dequantized weights
     on the same quantized activations: the same values either way, so the same results to fp32
     rounding, whatever the batch. Without the compiled kernels every input takes the fp32 GEMM."""
