@@ -21,7 +21,7 @@
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <vector>
+#include <memory>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -36,14 +36,6 @@ constexpr int64_t kTileRows = 16;  // rows of x per tile, and output columns per
 constexpr int64_t kTileElements = kBlock * 16;  // one block of 16 columns in tile order (bf16)
 
 #if defined(CBSERVE_AMX)
-// The tile registers in use: two fp32 sum tiles (even and odd blocks, so one block's tile products
-// overlap the previous block's scaling), x's halves, the weights. Macros: GCC's tile intrinsics
-// take the register number as a literal.
-#define TILE_SUM_EVEN 0
-#define TILE_SUM_ODD 1
-#define TILE_XHI 2
-#define TILE_XLO 3
-#define TILE_W 4
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -55,7 +47,7 @@ struct alignas(64) TileConfig {
 
 TileConfig tile_config() {
   TileConfig config;
-  for (int t = TILE_SUM_EVEN; t <= TILE_W; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
   return config;
 }
 
@@ -66,10 +58,11 @@ bool request_tiles() {
 }
 
 // x's quantized rows as bf16 halves 128 * hi and lo, padded with zero rows to whole tiles, in tile
-// order (row tile, block, 16 rows, 32 values): a tile load reads 1 KiB in a row.
+// order (row tile, block, 16 rows, 32 values): a tile load reads 1 KiB in a row. Allocated without
+// zeroing (split writes every element): clearing MBs per call costs more than the copy.
 struct SplitX {
-  std::vector<uint16_t> hi, lo;
-  std::vector<float> d, s;  // (padded M, nb)
+  std::unique_ptr<uint16_t[]> hi, lo;
+  std::unique_ptr<float[]> d, s;  // (padded M, nb)
 };
 
 inline int64_t tile_offset(int64_t m, int64_t k, int64_t nb) {
@@ -81,80 +74,131 @@ inline __m256i as_bf16(__m512i ints) { return _mm512_cvtepi32_epi16(_mm512_srli_
 
 SplitX split(const QuantizedX& qx, int64_t M, int64_t Mp, int64_t K) {
   const int64_t nb = K / kBlock;
-  SplitX out{std::vector<uint16_t>(Mp * K), std::vector<uint16_t>(Mp * K), std::vector<float>(Mp * nb),
-             std::vector<float>(Mp * nb)};
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  SplitX out{std::unique_ptr<uint16_t[]>(new uint16_t[Mp * K]), std::unique_ptr<uint16_t[]>(new uint16_t[Mp * K]),
+             std::unique_ptr<float[]>(new float[Mp * nb]), std::unique_ptr<float[]>(new float[Mp * nb])};
+  at::parallel_for(0, Mp, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
+      if (m >= M) {  // padding: zero rows
+        for (int64_t k = 0; k < K; k += 16) {
+          const int64_t at = tile_offset(m, k, nb);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.hi.get() + at), _mm256_setzero_si256());
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.lo.get() + at), _mm256_setzero_si256());
+        }
+        std::fill_n(out.d.get() + m * nb, nb, 0.0f);
+        std::fill_n(out.s.get() + m * nb, nb, 0.0f);
+        continue;
+      }
       for (int64_t k = 0; k < K; k += 16) {
-        const __m512i q = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q.data() + m * K + k)));
+        const __m512i q = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q.get() + m * K + k)));
         const __m512i hi = _mm512_slli_epi32(_mm512_srai_epi32(q, 7), 7);  // 128 * floor(q / 128)
         const int64_t at = tile_offset(m, k, nb);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.hi.data() + at), as_bf16(hi));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.lo.data() + at), as_bf16(_mm512_sub_epi32(q, hi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.hi.get() + at), as_bf16(hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.lo.get() + at), as_bf16(_mm512_sub_epi32(q, hi)));
       }
-      std::copy_n(qx.d.data() + m * qx.nbp, nb, out.d.data() + m * nb);
-      std::copy_n(qx.s.data() + m * qx.nbp, nb, out.s.data() + m * nb);
+      std::copy_n(qx.d.get() + m * qx.nbp, nb, out.d.get() + m * nb);
+      std::copy_n(qx.s.get() + m * qx.nbp, nb, out.s.get() + m * nb);
     }
   });
   return out;
 }
 
-// Block b's sums for 16 rows of x (from m0) and the 16 columns of group g, into tile Sum.
-#define BLOCK_SUMS(Sum, b)                                                              \
-  _tile_zero(Sum);                                                                      \
-  _tile_loadd(TILE_XHI, x.hi.data() + tile_offset(m0, (b) * kBlock, nb), 64);          \
-  _tile_loadd(TILE_XLO, x.lo.data() + tile_offset(m0, (b) * kBlock, nb), 64);          \
-  _tile_loadd(TILE_W, tiles + (g * nb + (b)) * kTileElements, 64);                      \
-  _tile_dpbf16ps(Sum, TILE_XHI, TILE_W);                                                \
-  _tile_dpbf16ps(Sum, TILE_XLO, TILE_W)
+// One pass computes RT row tiles (16 rows each, from m0) times CG column groups (16 columns each,
+// from group g) over all blocks: per block, RT * CG sum tiles from RT x tiles (each loaded once per
+// half, so it serves CG groups) and CG weight tiles (each serving RT row tiles), stored, then
+// scaled into accumulators in L1. The previous block's scaling runs after this block's tile
+// products are issued, so the vector units work while the tiles do.
+template <bool Offsets, int RT, int CG>
+struct TilePass {
+  static constexpr int kSums = RT * CG;
+  alignas(64) float sums[2][kSums][kTileRows * 16];  // two blocks' stored sums: this one, the last
+  alignas(64) float acc[kSums][kTileRows * 16];
 
-// acc (16 rows) += block b's sums times d_w * d_x, plus m_w * s_x (Q4_1).
-template <bool Offsets>
-__attribute__((always_inline)) inline void scale_block(const SplitX& x, int64_t nb, int64_t m0, int64_t b,
-                                                       const float* sums, const float* scales, const float* offsets,
-                                                       int64_t N, int64_t n0, __m512* acc) {
-  const __m512 dw = _mm512_loadu_ps(scales + b * N + n0);
-  __m512 mw;
-  if constexpr (Offsets) mw = _mm512_loadu_ps(offsets + b * N + n0);
+  // Tile registers: sums (r, c) in r * 2 + c (0-3), x row tile r in 4 + r, weights c in 6 + c.
+  static void load_x(const uint16_t* half, int64_t m0, int64_t b, int64_t nb) {
+    _tile_loadd(4, half + tile_offset(m0, b * kBlock, nb), 64);
+    if constexpr (RT == 2) _tile_loadd(5, half + tile_offset(m0 + kTileRows, b * kBlock, nb), 64);
+  }
+  static void products() {
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CG == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT == 2 && CG == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  void block_sums(const SplitX& x, const uint16_t* tiles, int64_t nb, int64_t m0, int64_t g, int64_t b) {
+    _tile_zero(0);
+    if constexpr (CG == 2) _tile_zero(1);
+    if constexpr (RT == 2) _tile_zero(2);
+    if constexpr (RT == 2 && CG == 2) _tile_zero(3);
+    _tile_loadd(6, tiles + (g * nb + b) * kTileElements, 64);
+    if constexpr (CG == 2) _tile_loadd(7, tiles + ((g + 1) * nb + b) * kTileElements, 64);
+    load_x(x.hi.get(), m0, b, nb);
+    products();
+    load_x(x.lo.get(), m0, b, nb);
+    products();
+    float(*out)[kTileRows * 16] = sums[b & 1];
+    _tile_stored(0, out[0], 64);
+    if constexpr (CG == 2) _tile_stored(1, out[1], 64);
+    if constexpr (RT == 2) _tile_stored(2, out[CG], 64);
+    if constexpr (RT == 2 && CG == 2) _tile_stored(3, out[3], 64);
+  }
+  // acc += block b's sums times d_w * d_x, plus m_w * s_x (Q4_1).
+  void scale(const SplitX& x, int64_t nb, int64_t m0, int64_t b, const float* scales, const float* offsets,
+             int64_t N, int64_t n0) {
+    for (int r = 0; r < RT; ++r) {
+      for (int c = 0; c < CG; ++c) {
+        const float* block = sums[b & 1][r * CG + c];
+        float* a = acc[r * CG + c];
+        const __m512 dw = _mm512_loadu_ps(scales + b * N + n0 + c * 16);
+        __m512 mw;
+        if constexpr (Offsets) mw = _mm512_loadu_ps(offsets + b * N + n0 + c * 16);
 #pragma GCC unroll 16
-  for (int64_t r = 0; r < kTileRows; ++r) {
-    const int64_t row = (m0 + r) * nb + b;
-    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(sums + r * 16), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[row])), acc[r]);
-    if constexpr (Offsets) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[row]), acc[r]);
+        for (int64_t i = 0; i < kTileRows; ++i) {
+          const int64_t row = (m0 + r * kTileRows + i) * nb + b;
+          __m512 v = _mm512_fmadd_ps(_mm512_load_ps(block + i * 16), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[row])),
+                                     _mm512_load_ps(a + i * 16));
+          if constexpr (Offsets) v = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[row]), v);
+          _mm512_store_ps(a + i * 16, v);
+        }
+      }
+    }
+  }
+  // out (the pass's rows < M and columns) = residual + (x's rows times the weights + bias).
+  void run(const SplitX& x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles, const float* scales,
+           const float* offsets, const float* bias, const float* residual, int64_t N, int64_t g, float* out) {
+    const int64_t nb = K / kBlock, n0 = g * 16;
+    std::fill_n(&acc[0][0], kSums * kTileRows * 16, 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      block_sums(x, tiles, nb, m0, g, b);
+      if (b > 0) scale(x, nb, m0, b - 1, scales, offsets, N, n0);
+    }
+    scale(x, nb, m0, nb - 1, scales, offsets, N, n0);
+    for (int r = 0; r < RT; ++r) {
+      for (int c = 0; c < CG; ++c) {
+        const __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + c * 16) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < kTileRows && m0 + r * kTileRows + i < M; ++i) {
+          const int64_t at = (m0 + r * kTileRows + i) * N + n0 + c * 16;
+          const __m512 sum = _mm512_add_ps(_mm512_load_ps(acc[r * CG + c] + i * 16), bv);
+          _mm512_storeu_ps(out + at, residual ? _mm512_add_ps(_mm512_loadu_ps(residual + at), sum) : sum);
+        }
+      }
+    }
+  }
+};
+
+template <bool Offsets>
+void tile_pass(int row_tiles, int groups, const SplitX& x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles,
+               const float* scales, const float* offsets, const float* bias, const float* residual, int64_t N,
+               int64_t g, float* out) {
+  if (row_tiles == 2 && groups == 2) {
+    TilePass<Offsets, 2, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
+  } else if (row_tiles == 2) {
+    TilePass<Offsets, 2, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
+  } else if (groups == 2) {
+    TilePass<Offsets, 1, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
+  } else {
+    TilePass<Offsets, 1, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
   }
 }
-
-// out (16 rows from m0, the 16 columns of group g) = residual + (x's rows times the weights + bias).
-template <bool Offsets>
-void tile_pass(const SplitX& x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles, const float* scales,
-               const float* offsets, const float* bias, const float* residual, int64_t N, int64_t g, float* out) {
-  const int64_t nb = K / kBlock, n0 = g * 16;
-  alignas(64) float even[kTileRows * 16], odd[kTileRows * 16];
-  __m512 acc[kTileRows];
-#pragma GCC unroll 16
-  for (int64_t r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    BLOCK_SUMS(TILE_SUM_EVEN, b);
-    BLOCK_SUMS(TILE_SUM_ODD, b + 1);
-    _tile_stored(TILE_SUM_EVEN, even, 64);
-    _tile_stored(TILE_SUM_ODD, odd, 64);
-    scale_block<Offsets>(x, nb, m0, b, even, scales, offsets, N, n0, acc);
-    scale_block<Offsets>(x, nb, m0, b + 1, odd, scales, offsets, N, n0, acc);
-  }
-  if (b < nb) {
-    BLOCK_SUMS(TILE_SUM_EVEN, b);
-    _tile_stored(TILE_SUM_EVEN, even, 64);
-    scale_block<Offsets>(x, nb, m0, b, even, scales, offsets, N, n0, acc);
-  }
-  const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < kTileRows && m0 + r < M; ++r) {
-    const int64_t at = (m0 + r) * N + n0;
-    const __m512 sum = _mm512_add_ps(acc[r], bv);
-    _mm512_storeu_ps(out + at, residual ? _mm512_add_ps(_mm512_loadu_ps(residual + at), sum) : sum);
-  }
-}
-#undef BLOCK_SUMS
 #endif
 
 }  // namespace
@@ -196,22 +240,25 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  // Work items: (chunk of kChunkTiles row tiles, column group, row tile in the chunk), so a chunk of
-  // x stays in the cache while every column group's weights pass, and each group's weights serve
-  // the chunk's row tiles one after another.
-  constexpr int64_t kChunkTiles = 4;
-  const int64_t chunks = (row_tiles + kChunkTiles - 1) / kChunkTiles;
-  at::parallel_for(0, chunks * groups * kChunkTiles, 1, [&](int64_t begin, int64_t end) {
+  // Work items: (chunk of kChunkPairs pairs of row tiles, pair of column groups, pair in the chunk),
+  // so a chunk of x stays in the cache while every column group's weights pass, and each group
+  // pair's weights serve the chunk's row tiles one after another.
+  const int64_t row_pairs = (row_tiles + 1) / 2, group_pairs = (groups + 1) / 2;
+  const int64_t most_pairs = std::max<int64_t>(1, (int64_t(1) << 20) / (2 * kTileRows * K * 4));  // ~1 MiB of x
+  const int64_t chunks = (row_pairs + most_pairs - 1) / most_pairs;
+  const int64_t kChunkPairs = (row_pairs + chunks - 1) / chunks;
+  at::parallel_for(0, chunks * group_pairs * kChunkPairs, 1, [&](int64_t begin, int64_t end) {
     const TileConfig config = tile_config();
     _tile_loadconfig(&config);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / (groups * kChunkTiles), g = item / kChunkTiles % groups;
-      const int64_t row_tile = chunk * kChunkTiles + item % kChunkTiles, m0 = row_tile * kTileRows;
-      if (row_tile >= row_tiles) continue;  // the last chunk's missing tiles
+      const int64_t chunk = item / (group_pairs * kChunkPairs), gp = item / kChunkPairs % group_pairs;
+      const int64_t pair = chunk * kChunkPairs + item % kChunkPairs;
+      if (pair >= row_pairs) continue;  // the last chunk's missing pairs
+      const int rt = std::min<int64_t>(2, row_tiles - 2 * pair), cg = std::min<int64_t>(2, groups - 2 * gp);
       if (mp) {
-        tile_pass<true>(split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, op);
+        tile_pass<true>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, op);
       } else {
-        tile_pass<false>(split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, op);
+        tile_pass<false>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, op);
       }
     }
     _tile_release();

@@ -61,15 +61,28 @@ inline float half_at(const uint8_t* p) {
 
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock, nbp = (nb + kQuantizedXGroup - 1) / kQuantizedXGroup * kQuantizedXGroup;
-  QuantizedX out{nbp, std::vector<int16_t>(M * K), std::vector<float>(M * nbp), std::vector<float>(M * nbp)};
+  QuantizedX out{nbp, std::unique_ptr<int16_t[]>(new int16_t[M * K]), std::unique_ptr<float[]>(new float[M * nbp]),
+                 std::unique_ptr<float[]>(new float[M * nbp])};
   at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
+      std::fill(out.d.get() + m * nbp + nb, out.d.get() + (m + 1) * nbp, 0.f);  // the padding blocks
+      std::fill(out.s.get() + m * nbp + nb, out.s.get() + (m + 1) * nbp, 0.f);
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + m * K + b * kBlock;
-        int16_t* qb = out.q.data() + m * K + b * kBlock;
+        int16_t* qb = out.q.get() + m * K + b * kBlock;
         float amax = 0.f;
         int32_t sum = 0;
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+        const __m512 first = _mm512_loadu_ps(xb), second = _mm512_loadu_ps(xb + 16);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(second)));
+        const float d = amax / static_cast<float>(kLevels), id = d != 0.f ? 1.f / d : 0.f;
+        constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512i a = _mm512_cvt_roundps_epi32(_mm512_mul_ps(first, _mm512_set1_ps(id)), kNearest);
+        const __m512i c = _mm512_cvt_roundps_epi32(_mm512_mul_ps(second, _mm512_set1_ps(id)), kNearest);
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm512_cvtepi32_epi16(a));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), _mm512_cvtepi32_epi16(c));
+#elif defined(__AVX2__)
         const __m256 sign = _mm256_set1_ps(-0.f);
         __m256 vmax = _mm256_setzero_ps();
         for (int64_t i = 0; i < kBlock; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
@@ -179,9 +192,9 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
   const float* xd[MB];
   const float* xs[MB];
   for (int64_t i = 0; i < MB; ++i) {
-    xq[i] = qx.q.data() + (m0 + i) * nb * kBlock;
-    xd[i] = qx.d.data() + (m0 + i) * qx.nbp;
-    xs[i] = qx.s.data() + (m0 + i) * qx.nbp;
+    xq[i] = qx.q.get() + (m0 + i) * nb * kBlock;
+    xd[i] = qx.d.get() + (m0 + i) * qx.nbp;
+    xs[i] = qx.s.get() + (m0 + i) * qx.nbp;
   }
   float tail[MB] = {}, offsets[MB] = {};
   int64_t b = 0;

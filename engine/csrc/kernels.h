@@ -1,6 +1,7 @@
 // The C++ CPU kernels of the engine, bound into one extension module (bindings.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <memory>
 
 // paged_decode.cpp: one query token per request attends over its KV blocks in place.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
@@ -32,12 +33,13 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
 
 // Activations quantized per block of 32 to 15 bits (block_quant_linear.cpp), for the matmul kernels:
 // q (M, K) int16, d (M, nbp) scales, s (M, nbp) = d * sum(q), which Q4_1's offset m multiplies;
-// nbp = K / 32 rounded up to whole groups of kQuantizedXGroup blocks, the padding zero.
+// nbp = K / 32 rounded up to whole groups of kQuantizedXGroup blocks, the padding zero. Allocated
+// without clearing: quantize_x writes every element, and clearing MBs per call costs more than that.
 constexpr int64_t kQuantizedXGroup = 4;
 struct QuantizedX {
   int64_t nbp;
-  std::vector<int16_t> q;
-  std::vector<float> d, s;
+  std::unique_ptr<int16_t[]> q;
+  std::unique_ptr<float[]> d, s;
 };
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
 
