@@ -214,13 +214,13 @@ bool block_quant_gemm_available() {
 
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales,
                                const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
+                               const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
                                const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(block_quant_gemm_available(), "block_quant_gemm needs AMX bf16 tiles, which this CPU or build lacks");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
-              "x: contiguous fp32 (M, K), K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kBFloat16 && tiles.is_contiguous() &&
-                  tiles.size(1) == nb && tiles.size(2) == kTileElements, "tiles: contiguous bf16 (N / 16, K / 32, 512)");
+                  tiles.size(2) == kTileElements, "tiles: contiguous bf16 (N / 16, K / 32, 512)");
+  const int64_t nb = tiles.size(1), K = nb * kBlock, M = x.size(0);
+  check_prologue(x, K, norm_weight, swiglu);
   const int64_t groups = tiles.size(0), N = groups * 16;
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == nb &&
                   scales.size(1) == N, "scales: contiguous fp32 (K / 32, N)");
@@ -232,7 +232,8 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows, row_tiles = Mp / kTileRows;
-  const SplitX split_x = split(quantize_x(x.data_ptr<float>(), M, K), M, Mp, K);
+  std::unique_ptr<float[]> transformed;
+  const SplitX split_x = split(quantize_x(with_prologue(x, M, K, norm_weight, eps, swiglu, transformed), M, K), M, Mp, K);
   const uint16_t* tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   const float* sp = scales.data_ptr<float>();
   const float* mp = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;

@@ -257,27 +257,44 @@ inline void dot_pass(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
   }
 }
 
-// The rows the matmul multiplies, when a prologue is fused: RMSNorm(x) * norm_weight, or SwiGLU
-// silu(x[:, :K]) * x[:, K:] (x twice as wide as the weight).
-std::vector<float> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps, bool swiglu) {
-  std::vector<float> rows(M * K);
-  for (int64_t m = 0; m < M; ++m) {
-    float* y = rows.data() + m * K;
-    if (swiglu) {
-      const float* gate = x + m * 2 * K;
-      for (int64_t k = 0; k < K; ++k) y[k] = gate[k] / (1.f + std::exp(-gate[k])) * gate[K + k];
-    } else {
-      const float* xr = x + m * K;
-      float squares = 0.f;
-      for (int64_t k = 0; k < K; ++k) squares += xr[k] * xr[k];
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(K) + eps);
-      for (int64_t k = 0; k < K; ++k) y[k] = xr[k] * inv * norm_weight[k];
+}  // namespace
+
+std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps,
+                                  bool swiglu) {
+  std::unique_ptr<float[]> rows(new float[M * K]);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* y = rows.get() + m * K;
+      if (swiglu) {
+        const float* gate = x + m * 2 * K;
+        for (int64_t k = 0; k < K; ++k) y[k] = gate[k] / (1.f + std::exp(-gate[k])) * gate[K + k];
+      } else {
+        const float* xr = x + m * K;
+        float squares = 0.f;
+        for (int64_t k = 0; k < K; ++k) squares += xr[k] * xr[k];
+        const float inv = 1.f / std::sqrt(squares / static_cast<float>(K) + eps);
+        for (int64_t k = 0; k < K; ++k) y[k] = xr[k] * inv * norm_weight[k];
+      }
     }
-  }
+  });
   return rows;
 }
 
-}  // namespace
+const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
+                           double eps, bool swiglu, std::unique_ptr<float[]>& transformed) {
+  if (!swiglu && !norm_weight.has_value()) return x.data_ptr<float>();
+  transformed = prologue(x.data_ptr<float>(), M, K, norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr,
+                         static_cast<float>(eps), swiglu);
+  return transformed.get();
+}
+
+void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, bool swiglu) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) == (swiglu ? 2 * K : K), "x: contiguous fp32 (M, K), (M, 2K) with swiglu");
+  TORCH_CHECK(!(swiglu && norm_weight.has_value()), "one prologue: norm or swiglu");
+  TORCH_CHECK(!norm_weight.has_value() || (norm_weight->scalar_type() == torch::kFloat &&
+                  norm_weight->is_contiguous() && norm_weight->numel() == K), "norm_weight: fp32 (K)");
+}
 
 torch::Tensor quantize_activations(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
@@ -301,21 +318,12 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.is_contiguous() &&
                   blocks.size(1) % block_bytes(format) == 0, "blocks: contiguous uint8 (N, K / 32 * block bytes)");
   const int64_t N = blocks.size(0), nb = blocks.size(1) / block_bytes(format), K = nb * kBlock, M = x.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  x.size(1) == (swiglu ? 2 * K : K), "x: contiguous fp32 (M, K), (M, 2K) with swiglu");
-  TORCH_CHECK(!(swiglu && norm_weight.has_value()), "one prologue: norm or swiglu");
-  TORCH_CHECK(!norm_weight.has_value() || (norm_weight->scalar_type() == torch::kFloat &&
-                  norm_weight->is_contiguous() && norm_weight->numel() == K), "norm_weight: fp32 (K)");
+  check_prologue(x, K, norm_weight, swiglu);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
   TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
                   residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
-  const float* rows = x.data_ptr<float>();
-  std::vector<float> transformed;
-  if (swiglu || norm_weight.has_value()) {
-    transformed = prologue(rows, M, K, norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr,
-                           static_cast<float>(eps), swiglu);
-    rows = transformed.data();
-  }
+  std::unique_ptr<float[]> transformed;
+  const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   const QuantizedX qx = quantize_x(rows, M, K);
   auto out = torch::empty({M, N}, x.options());
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;

@@ -153,9 +153,10 @@ class BlockQuantLinear(nn.Module):
 
     def forward_tiles(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The AMX tile GEMM on the blocks' integers, the residual fused (needs `tiled`)."""
-        return self._kernels.block_quant_gemm(prologue(x, norm, swiglu).contiguous(), self.tiles, self.scales,
-                                              self.offsets, self.bias,
+        """The AMX tile GEMM on the blocks' integers, prologue and residual fused (needs `tiled`)."""
+        norm_weight, eps = norm if norm is not None else (None, 0.0)
+        return self._kernels.block_quant_gemm(x.contiguous(), self.tiles, self.scales, self.offsets, self.bias,
+                                              norm_weight, eps, swiglu,
                                               None if residual is None else residual.contiguous())
 
     def forward_kernel(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,

@@ -71,7 +71,7 @@ def test_the_tile_gemm_computes_the_kernels_integer_products_on_cpus_with_amx(qt
     if not layer.tiled:
         with pytest.raises(RuntimeError, match="AMX"):
             kernels.block_quant_gemm(torch.randn(16, cols), torch.zeros(3, cols // BLOCK, 512, dtype=torch.bfloat16),
-                                     torch.zeros(cols // BLOCK, 48), None, None, None)
+                                     torch.zeros(cols // BLOCK, 48), None, None, None, 0.0, False, None)
         return
     assert layer.decode_rows == BlockQuantLinear.TILED_DECODE_ROWS
     batch = torch.randn(70, cols) * torch.logspace(-2, 2, cols)
