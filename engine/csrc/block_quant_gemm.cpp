@@ -124,7 +124,15 @@ struct TilePass {
     if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT == 2 && CG == 2) _tile_dpbf16ps(3, 5, 7);
   }
-  void block_sums(const SplitX& x, const uint16_t* tiles, int64_t nb, int64_t m0, int64_t g, int64_t b) {
+  // `next`: the next column groups' weights (1 or 2 groups), whose block b is prefetched into L2 while
+  // this block's tiles are computed; nullptr when another pass brings them.
+  void block_sums(const SplitX& x, const uint16_t* tiles, int64_t nb, int64_t m0, int64_t g, int64_t b,
+                  const uint16_t* next, int next_groups) {
+    for (int c = 0; next && c < next_groups; ++c) {
+      const char* tile = reinterpret_cast<const char*>(next + (c * nb + b) * kTileElements);
+#pragma GCC unroll 16
+      for (int line = 0; line < 16; ++line) _mm_prefetch(tile + 64 * line, _MM_HINT_T1);
+    }
     _tile_zero(0);
     if constexpr (CG == 2) _tile_zero(1);
     if constexpr (RT == 2) _tile_zero(2);
@@ -164,11 +172,16 @@ struct TilePass {
   }
   // out (the pass's rows < M and columns) = residual + (x's rows times the weights + bias).
   void run(const SplitX& x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles, const float* scales,
-           const float* offsets, const float* bias, const float* residual, int64_t N, int64_t g, float* out) {
-    const int64_t nb = K / kBlock, n0 = g * 16;
+           const float* offsets, const float* bias, const float* residual, int64_t N, int64_t g, bool prefetch,
+           float* out) {
+    const int64_t nb = K / kBlock, n0 = g * 16, groups = N / 16;
+    // Weights stream from memory in small batches (each pass's are read once): prefetch the next
+    // pass's while this one computes, once per chunk of rows.
+    const int next_groups = prefetch ? static_cast<int>(std::clamp<int64_t>(groups - g - CG, 0, 2)) : 0;
+    const uint16_t* next = next_groups ? tiles + (g + CG) * nb * kTileElements : nullptr;
     std::fill_n(&acc[0][0], kSums * kTileRows * 16, 0.0f);
     for (int64_t b = 0; b < nb; ++b) {
-      block_sums(x, tiles, nb, m0, g, b);
+      block_sums(x, tiles, nb, m0, g, b, next, next_groups);
       if (b > 0) scale(x, nb, m0, b - 1, scales, offsets, N, n0);
     }
     scale(x, nb, m0, nb - 1, scales, offsets, N, n0);
@@ -188,15 +201,15 @@ struct TilePass {
 template <bool Offsets>
 void tile_pass(int row_tiles, int groups, const SplitX& x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles,
                const float* scales, const float* offsets, const float* bias, const float* residual, int64_t N,
-               int64_t g, float* out) {
+               int64_t g, bool prefetch, float* out) {
   if (row_tiles == 2 && groups == 2) {
-    TilePass<Offsets, 2, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
+    TilePass<Offsets, 2, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   } else if (row_tiles == 2) {
-    TilePass<Offsets, 2, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
+    TilePass<Offsets, 2, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   } else if (groups == 2) {
-    TilePass<Offsets, 1, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
+    TilePass<Offsets, 1, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   } else {
-    TilePass<Offsets, 1, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, out);
+    TilePass<Offsets, 1, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   }
 }
 #endif
@@ -256,10 +269,11 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
       const int64_t pair = chunk * kChunkPairs + item % kChunkPairs;
       if (pair >= row_pairs) continue;  // the last chunk's missing pairs
       const int rt = std::min<int64_t>(2, row_tiles - 2 * pair), cg = std::min<int64_t>(2, groups - 2 * gp);
+      const bool prefetch = item % kChunkPairs == 0;  // the chunk's first pass over these columns
       if (mp) {
-        tile_pass<true>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, op);
+        tile_pass<true>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, prefetch, op);
       } else {
-        tile_pass<false>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, op);
+        tile_pass<false>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, prefetch, op);
       }
     }
     _tile_release();
