@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quantize_activations", &quantize_activations, "x (M, K) rounded per block of 32 to 15 bits",
         py::call_guard<py::gil_scoped_release>());
-  m.def("block_quant_gemm_available", &block_quant_gemm_available, "whether block_quant_gemm runs here (AMX int8)");
+  m.def("block_quant_gemm_available", &block_quant_gemm_available, "whether block_quant_gemm runs here (AMX bf16 tiles)");
   m.def("block_quant_gemm", &block_quant_gemm,
         "residual + x (M, K) fp32 @ block-quantized weights in AMX tile order + bias, for large batches",
         py::call_guard<py::gil_scoped_release>());

@@ -257,8 +257,7 @@ inline void dot_pass(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
   }
 }
 
-}  // namespace
-
+// RMSNorm(x) * norm_weight, or SwiGLU silu(x[:, :K]) * x[:, K:] (x twice as wide as the weight): with_prologue's rows.
 std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps,
                                   bool swiglu) {
   std::unique_ptr<float[]> rows(new float[M * K]);
@@ -279,6 +278,8 @@ std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const fl
   });
   return rows;
 }
+
+}  // namespace
 
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
                            double eps, bool swiglu, std::unique_ptr<float[]>& transformed) {

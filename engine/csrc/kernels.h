@@ -23,8 +23,6 @@ torch::Tensor quantize_activations(const torch::Tensor& x);
 // (x (M, K)), or SwiGLU silu(x[:, :K]) * x[:, K:] (x (M, 2K)); check_prologue checks x and the
 // weight for K; with_prologue returns x's rows as they are without one, else the prologue's, kept
 // in `transformed`.
-std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps,
-                                  bool swiglu);
 void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, bool swiglu);
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
                            double eps, bool swiglu, std::unique_ptr<float[]>& transformed);
@@ -34,10 +32,10 @@ const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c
 bool block_quant_gemm_available();
 
 // block_quant_gemm.cpp: residual + prologue(x) (M, K) (quantized per block of 32 inside; the prologue
-// as block_quant_linear's) times block-quantized
-// weights in AMX tile order + bias: the integer values q (N / 16, K / 32, 512) int8 (block_quant_linear's
-// formats as integers: Q8_0 -127..127, Q4_1 0..15), per-block scales d (K / 32, N) and, for Q4_1,
-// offsets m (K / 32, N), w = d * q + m. The same integer dot product per block as block_quant_linear.
+// as block_quant_linear's) times block-quantized weights in AMX tile order + bias: the integer
+// values q (N / 16, K / 32, 512) as bf16 (block_quant_linear's formats as integers: Q8_0 -127..127,
+// Q4_1 0..15), per-block scales d (K / 32, N) and, for Q4_1, offsets m (K / 32, N), w = d * q + m.
+// The same integer dot product per block as block_quant_linear.
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales,
                                const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
                                const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
