@@ -278,3 +278,18 @@ def test_the_catch_up_is_spread_over_the_tokens_requests_like_it_have_emitted_no
     _decode_steps(sched, {}, 1)
     assert sched.output_lengths.expected_remaining(late.num_output_tokens, 400) == pytest.approx(4)
     assert _decode_steps(sched, {late.request_id: True}, 1)[0][late.request_id] == 0
+
+
+def test_a_size_not_measured_yet_is_priced_from_the_plain_step_not_from_the_line():
+    """The line is fitted over a prefill and slow first steps as well as the plain steps of 8
+    decodes, now 1 ms: its value for 9 tokens is far above 1 ms. Priced from the plain step plus
+    the fitted cost of a token, a first draft at the prior 0.5 pays, and is tried (then measured)."""
+    model = StepTimeModel()
+    for tokens, seconds in [(300, 0.017), (8, 0.007), (8, 0.005), (8, 0.004)] + [(8, 0.001)] * 12:
+        model.observe(tokens, seconds)
+    fixed, per_token = model.fit()
+    base = model.measured(8)
+    assert fixed + 9 * per_token > 1.5 * base  # the line at 9 tokens
+    assert 8.5 / (base + per_token) > 8 / base  # one more token for half a token pays
+    ids = [f"r{i}" for i in range(8)]
+    assert AdaptiveSpeculation().trim(ids, [[5]] * 8, model, 8) == [[5]] * 8
