@@ -7,7 +7,10 @@ single-stream decode tok/s (128-token prompt, 128 new tokens, time per output
 token after the first), prefill tok/s (one 512-token prompt), the 64-request mixed workload
 (prompts 16-512, outputs 8-256: useful output tok/s), matmul weight bytes per decode step, and
 teacher-forced quality against fp32 on the shipped text (each engine's start-up check,
-engine/quantization_check.py). Each measurement is
+engine/quantization_check.py). With --kv-cache-dtype float16 the quantized modes keep their KV
+cache in fp16 (`none` stays the fp32 reference), and their quality is scored here instead, the
+text fed in chunks of 16 tokens that read the earlier ones back from an fp16 cache
+(engine/quality.py's WindowRunner). Each measurement is
 taken --repeats times with the modes alternating, and the medians are printed with each run's
 process cpu/wall (2 threads: ~2.0 means nothing else took the cores) and the cores' worth of CPU
 other processes used meanwhile, then each mode's ratios to fp32 and llama.cpp, on the medians and
@@ -16,7 +19,7 @@ round by round (the JSON keeps the rounds). Optional bar chart (`plot`). With a 
 llama.cpp, out of tree), its server on the same GGUF is measured the same way in the same rounds.
 
     .venv/bin/python benchmarks/quantization.py [--repeats 3] [--modes none,int8,gguf] [--llama-server BIN]
-        [--json OUT] [--plot OUT.png]
+        [--kv-cache-dtype float16] [--json OUT] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import Stopwatch, default_model_path, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.quality import compare, eval_tokens, token_scores  # noqa: E402
 
 MODES = ("none", "int8", "gguf", "w8a16", "w4a16")
 LLAMA = "llama.cpp"
+KV_CHUNK = 16  # tokens per chunk when scoring through an fp16 cache
 
 
 def cpu_features() -> str:
@@ -58,11 +63,18 @@ def cpu_features() -> str:
         " ".join(f for f in wanted if f in flags)
 
 
-def bench_engine(mode: str, quality_tokens: int = 6000) -> LLM:
+def bench_engine(mode: str, quality_tokens: int = 6000, kv_cache_dtype: str = "auto") -> LLM:
     """The engine each mode is measured with (no prefix caching: repeats send the same prompts,
     and each must be computed again)."""
     return LLM(quantization=mode, max_num_seqs=64, max_num_batched_tokens=512, num_threads=2,
-               enable_prefix_caching=False, quality_check_tokens=quality_tokens)
+               enable_prefix_caching=False, quality_check_tokens=quality_tokens, kv_cache_dtype=kv_cache_dtype)
+
+
+def quality_with_kv_cache(llm: LLM, reference: LLM, num_tokens: int):
+    """Quality against the fp32 engine with the model's keys and values kept in its fp16 cache."""
+    tokens = eval_tokens(llm.engine.tokenizer, num_tokens)
+    return compare(token_scores(reference.engine.loaded.model, tokens),
+                   token_scores(llm.engine.loaded.model, tokens, kv_cache_dtype=torch.float16, chunk=KV_CHUNK))
 
 
 def single_stream(llm: LLM) -> tuple[float, Stopwatch]:
@@ -177,6 +189,8 @@ def main() -> None:
                         help="a llama.cpp server binary to measure beside the engine (default: $LLAMA_SERVER, "
                              "else llama-server on PATH; none found: the engine only)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16"),
+                        help="the quantized modes' KV cache (none stays fp32)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
@@ -184,7 +198,13 @@ def main() -> None:
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    engines = {mode: bench_engine(mode, args.quality_tokens) for mode in modes}
+    engines = {mode: bench_engine(mode, args.quality_tokens, "auto" if mode == "none" else args.kv_cache_dtype)
+               for mode in modes}
+    kv_quality = {}
+    if args.kv_cache_dtype == "float16":
+        reference = engines["none"] if "none" in engines else bench_engine("none", 0)
+        kv_quality = {mode: quality_with_kv_cache(llm, reference, args.quality_tokens)
+                      for mode, llm in engines.items() if mode != "none"}
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate([random_prompt(64)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     systems = {mode: {"decode_tok_s": partial(single_stream, llm), "prefill_tok_s": partial(prefill, llm),
@@ -210,10 +230,10 @@ def main() -> None:
         if server is not None:
             server.close()
 
-    results: dict = {"cpu": cpu_features(), "modes": {}}
+    results: dict = {"cpu": cpu_features(), "kv_cache_dtype": args.kv_cache_dtype, "modes": {}}
     for name in names:  # quality: the figures each engine's start-up check measured (engine/quantization_check.py)
         loaded = engines[name].engine.loaded if name in engines else None
-        quality = None if loaded is None else loaded.quality
+        quality = kv_quality.get(name, None if loaded is None else loaded.quality)
         results["modes"][name] = {
             **{measure: statistics.median(values) for measure, values in runs[name].items()},
             "weight_mb_per_decode_step": None if loaded is None else loaded.weight_bytes_per_token / 1e6,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 QUANTIZATION_MODES = ("none", "int8", "gguf", "w8a16", "w4a16", "auto")
 SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
 DRAFT_PLACEMENTS = ("local", "actor")
@@ -81,8 +82,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int = _opt(1 << 30, "device KV pool size in bytes")
     swap_space_bytes: int = _opt(1 << 30, "host pool for swap preemption, bytes")
     enable_prefix_caching: bool = _opt(True, "reuse cached full blocks of shared prefixes")
+    kv_cache_dtype: str = _opt("auto", "'auto' (the model's dtype), 'float32' or 'float16': half the bytes "
+                                       "decode attention reads and twice the blocks in the same memory, the "
+                                       "keys and values rounded to fp16 (CPU; on CUDA the cache keeps the "
+                                       "model's dtype)")
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.base import kv_block_bytes, select_backend
+from engine.attention.base import kv_block_bytes, resolve_kv_cache_dtype, select_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.kv_cache.manager import KVCacheManager
@@ -53,10 +53,15 @@ class LLMEngine:
             figures = {"top1_agreement": 1.0, "perplexity_increase": 0.0}  # the reference itself
         else:
             figures = {}  # not measured: the check off, or a 16-bit dtype
-        self.model_report = ModelReport(loaded.quantization, str(loaded.dtype).removeprefix("torch."),
-                                        config.model.device, loaded.weight_bytes_per_token, **figures)
         cache = config.cache
-        block_bytes = kv_block_bytes(model, cache.block_size, loaded.dtype)
+        device = torch.device(config.model.device)
+        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, loaded.dtype, device)
+        if kv_dtype != loaded.dtype:
+            figures = {}  # the start-up check scores the weights, not the rounding of an fp16 cache
+        self.model_report = ModelReport(loaded.quantization, str(loaded.dtype).removeprefix("torch."),
+                                        str(kv_dtype).removeprefix("torch."), config.model.device,
+                                        loaded.weight_bytes_per_token, **figures)
+        block_bytes = kv_block_bytes(model, cache.block_size, kv_dtype)
         # never more blocks than max_num_seqs requests of max_model_len tokens can fill
         useful_blocks = -(-config.scheduler.max_num_seqs * self.max_model_len // cache.block_size)
         num_blocks = cache.num_blocks or min(cache.kv_cache_memory_bytes // block_bytes, useful_blocks)
@@ -66,10 +71,9 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
                                    PreemptionCosts(block_bytes), clock, config.speculative)
-        device = torch.device(config.model.device)
         backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
-                                  config.model.seed, loaded.dtype, self._drafter(num_blocks))
+                                  config.model.seed, kv_dtype, self._drafter(num_blocks))
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self._last_step = StepStats()
 

@@ -14,6 +14,7 @@ class ModelReport:
     cbserve_engine_info, the cbserve_model_* gauges)."""
     quantization: str  # the mode it runs (`auto` resolved)
     dtype: str
+    kv_cache_dtype: str
     device: str
     weight_bytes_per_token: int  # matmul weights one decode step reads
     top1_agreement: float | None = None  # against fp32 (engine/quality.py), 1 for fp32; None: not measured

@@ -31,24 +31,31 @@ def eval_tokens(tokenizer, num_tokens: int = 6000) -> list[int]:
 
 class WindowRunner:
     """Runs a CPU paged model on one sequence of up to `window` tokens from scratch: the logits of
-    every position."""
+    every position. With `chunk`, the window goes in chunks of that many tokens, each after the
+    first attending to the earlier ones as read back from a cache of `kv_cache_dtype` (as chunked
+    prefills and decodes read it): what rounding the cache costs shows in the scores."""
 
-    def __init__(self, model: torch.nn.Module, window: int = WINDOW, block_size: int = 16):
-        self.model, self.block_size = model, block_size
+    def __init__(self, model: torch.nn.Module, window: int = WINDOW, block_size: int = 16,
+                 kv_cache_dtype: torch.dtype = torch.float32, chunk: int | None = None):
+        self.model, self.block_size, self.chunk = model, block_size, chunk or window
         self.backend = select_backend("torch", torch.device("cpu"), torch.float32, model.head_dim ** -0.5)
         self.num_blocks = -(-window // block_size)
         self.kv_cache = self.backend.allocate_kv_cache(model.num_layers, self.num_blocks, block_size,
-                                                       model.num_kv_heads, model.head_dim, dtype=torch.float32,
+                                                       model.num_kv_heads, model.head_dim, dtype=kv_cache_dtype,
                                                        device=torch.device("cpu"))
 
     @torch.inference_mode()
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
-        n = len(token_ids)
-        positions = torch.arange(n)
-        inputs = ModelInputs(torch.tensor(token_ids), positions, positions.clone(), [0, n], [n], [0],
-                             [list(range(self.num_blocks))], 0, self.block_size, positions.clone(), [], [], [])
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
-                          self.backend.build_metadata(inputs), inputs.sample_indices)
+        logits = []
+        for start in range(0, len(token_ids), self.chunk):
+            end = min(start + self.chunk, len(token_ids))
+            positions = torch.arange(start, end)
+            inputs = ModelInputs(torch.tensor(token_ids[start:end]), positions, positions.clone(), [0, end - start],
+                                 [end], [start], [list(range(self.num_blocks))], 0, self.block_size,
+                                 torch.arange(end - start), [], [], [])
+            logits.append(self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
+                                     self.backend.build_metadata(inputs), inputs.sample_indices))
+        return torch.cat(logits)
 
 
 @dataclass(frozen=True)
@@ -60,9 +67,11 @@ class TokenScores:
     nll: torch.Tensor  # (T,) -log p(the true next token); 0 at a window's last position, which is not scored
 
 
-def token_scores(model: torch.nn.Module, token_ids: list[int], window: int = WINDOW) -> TokenScores:
-    """A paged model's scores, each position given the tokens before it in its window."""
-    run = WindowRunner(model, window)
+def token_scores(model: torch.nn.Module, token_ids: list[int], window: int = WINDOW,
+                 kv_cache_dtype: torch.dtype = torch.float32, chunk: int | None = None) -> TokenScores:
+    """A paged model's scores, each position given the tokens before it in its window (in chunks
+    through a cache of `kv_cache_dtype`: WindowRunner)."""
+    run = WindowRunner(model, window, kv_cache_dtype=kv_cache_dtype, chunk=chunk)
     parts = []
     for start in range(0, len(token_ids), window):
         chunk = token_ids[start:start + window]

@@ -49,6 +49,17 @@ def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in FLASH_DTYPES and torch.backends.cuda.is_flash_attention_available()
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype made concrete. A CPU cache may be fp16 under an fp32 model (both
+    CPU attention paths read it as fp32); on CUDA the flash kernels take q and the cache in one
+    dtype, so the cache keeps the model's."""
+    dtype = model_dtype if name == "auto" else getattr(torch, name)
+    if device.type == "cuda" and dtype != model_dtype:
+        raise ValueError(f"kv_cache_dtype {name!r} on CUDA: the cache keeps the model's dtype ({model_dtype}); "
+                         "use 'auto'")
+    return dtype
+
+
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
     """KV bytes of one block of the model across all layers (K and V)."""
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize

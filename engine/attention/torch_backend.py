@@ -98,6 +98,13 @@ def _prefill_chunks(inputs: ModelInputs, device: torch.device) -> list[PrefillCh
     return chunks
 
 
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """A chunk's own keys or values as the cache holds them (rounded to an fp16 cache's precision):
+    a prompt attends to the same values whether it is prefilled whole or in chunks that read the
+    earlier ones back from the cache, so how a batch splits it does not change its tokens."""
+    return x if cache_dtype == x.dtype else x.to(cache_dtype).to(x.dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -136,7 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, num_blocks, block_size, head_dim = layer_cache.shape[1:]
         # (2, kv_heads, T, head_dim) written into flat slots
         flat = layer_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-        flat.index_copy_(2, metadata.slot_mapping, torch.stack((k, v)).transpose(1, 2))
+        flat.index_copy_(2, metadata.slot_mapping, torch.stack((k, v)).transpose(1, 2).to(layer_cache.dtype))
         outputs = [self._decode(q, layer_cache, b) for b in metadata.decode_buckets]
         batch = metadata.kernel_decodes
         if batch is not None:
@@ -159,8 +166,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv = self._gather(layer_cache, bucket.block_tables.view(-1)).view(2, num_kv_heads, num_requests, -1, head_dim)
         # (Bb, heads, d) -> (kv_heads, Bb, group, d)
         qb = q[bucket.token_start:bucket.token_end].view(num_requests, num_kv_heads, -1, head_dim).transpose(0, 1)
-        if qb.dtype != torch.float32:  # scores and softmax in float32, as the fused SDPA kernels do
-            qb, kv = qb.float(), kv.float()
+        if qb.dtype != torch.float32 or kv.dtype != torch.float32:  # scores and softmax in float32, as
+            qb, kv = qb.float(), kv.float()  # the fused SDPA kernels compute them
         scores = torch.matmul(qb, kv[0].transpose(-1, -2)).mul_(self.scale).add_(bucket.mask)
         out = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # (kv_heads, Bb, group, d)
         return out.transpose(0, 1).reshape(num_requests, -1, head_dim).to(q.dtype)
@@ -168,11 +175,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(self, q, k, v, layer_cache, chunk: PrefillChunk) -> torch.Tensor:
         qc = q[chunk.token_start:chunk.token_end].transpose(0, 1)[None]  # (1, heads, n, d)
         if chunk.block_ids is None:
-            kc = k[chunk.token_start:chunk.token_end].transpose(0, 1)[None]
-            vc = v[chunk.token_start:chunk.token_end].transpose(0, 1)[None]
+            kc = _as_cached(k[chunk.token_start:chunk.token_end].transpose(0, 1)[None], layer_cache.dtype)
+            vc = _as_cached(v[chunk.token_start:chunk.token_end].transpose(0, 1)[None], layer_cache.dtype)
             out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            kv = self._gather(layer_cache, chunk.block_ids)[:, :, :chunk.seq_len]
+            kv = self._gather(layer_cache, chunk.block_ids)[:, :, :chunk.seq_len].to(q.dtype)
             out = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
                                                  scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)  # (n, heads, d)

@@ -7,6 +7,7 @@
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -15,6 +16,35 @@ namespace {
 __attribute__((optimize("no-fast-math", "fp-contract=off"))) void rope(const float* x, const float* cos,
                                                                          const float* sin, int64_t D, float* out) {
   for (int64_t i = 0; i < D; ++i) out[i] = std::fma(x[(i + D / 2) % D], sin[i], x[i] * cos[i]);
+}
+
+// x's D floats into a cache row of fp32 or fp16 (rounded to nearest even, as torch's conversion).
+template <typename T>
+void store(const float* x, int64_t D, T* out) {
+  for (int64_t i = 0; i < D; ++i) out[i] = static_cast<T>(x[i]);
+}
+
+// Each token's q heads after RoPE into q, its k heads after RoPE and its v heads into their cache
+// slots.
+template <typename Element>
+void rope_and_write(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_tokens,
+                    int64_t H, int64_t KVH, int64_t D, int64_t slots, float* q, Element* keys) {
+  const int64_t QK = H + KVH;
+  Element* values = keys + KVH * slots * D;
+  at::parallel_for(0, num_tokens * QK, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> key(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / QK, head = item % QK;
+      const float* x = qkv + (t * (QK + KVH) + head) * D;
+      if (head < H) {
+        rope(x, cos + t * D, sin + t * D, D, q + (t * H + head) * D);
+        continue;
+      }
+      rope(x, cos + t * D, sin + t * D, D, key.data());
+      store(key.data(), D, keys + ((head - H) * slots + slot[t]) * D);
+      store(qkv + (t * (QK + KVH) + QK + head - H) * D, D, values + ((head - H) * slots + slot[t]) * D);  // its v
+    }
+  });
 }
 
 }  // namespace
@@ -35,12 +65,14 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
                                    const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
                                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                                    int64_t num_layers) const {
-  const int64_t T = hidden.size(0), D = head_dim_, H = num_heads_, KVH = num_kv_heads_, QK = H + KVH;
+  const int64_t T = hidden.size(0), D = head_dim_, H = num_heads_, KVH = num_kv_heads_;
   TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers: at most the stack's");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D && cos.is_contiguous() &&
                   sin.is_contiguous(), "cos, sin: contiguous (T, head_dim)");
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat &&
-                  cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "fp32 only");
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && cos.scalar_type() == torch::kFloat &&
+                  sin.scalar_type() == torch::kFloat, "hidden, cos, sin: fp32");
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat || kv_cache.scalar_type() == torch::kHalf,
+              "kv_cache: fp32 or fp16");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(2) == KVH && kv_cache.size(5) == D,
               "kv_cache: contiguous (layers, 2, kv_heads, blocks, block_size, head_dim)");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
@@ -59,24 +91,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
     const torch::Tensor qkv = block_quant_linear(hidden, w[0], f[0], b[0], norms_[2 * l], eps_, false, c10::nullopt);
     // RoPE as llama.py's _rope: x * cos + roll(x, D / 2) * sin, sin's first half negated
     torch::Tensor q = torch::empty({T, H, D}, hidden.options());
-    float* qkvp = qkv.data_ptr<float>();
-    float* qp = q.data_ptr<float>();
-    float* kp = layer_cache.data_ptr<float>();
-    float* vp = kp + KVH * slots * D;
-    at::parallel_for(0, T * QK, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t t = item / QK, head = item % QK;
-        const float* x = qkvp + (t * (QK + KVH) + head) * D;
-        const float* c = cp + t * D;
-        const float* s = sp + t * D;
-        float* out = head < H ? qp + (t * H + head) * D : kp + ((head - H) * slots + slot[t]) * D;
-        rope(x, c, s, D, out);
-        if (head >= H) {  // this k head's v
-          const float* v = qkvp + (t * (QK + KVH) + QK + head - H) * D;
-          std::copy(v, v + D, vp + ((head - H) * slots + slot[t]) * D);
-        }
-      }
-    });
+    if (kv_cache.scalar_type() == torch::kHalf)
+      rope_and_write(qkv.data_ptr<float>(), cp, sp, slot, T, H, KVH, D, slots, q.data_ptr<float>(),
+                     layer_cache.data_ptr<at::Half>());
+    else
+      rope_and_write(qkv.data_ptr<float>(), cp, sp, slot, T, H, KVH, D, slots, q.data_ptr<float>(),
+                     layer_cache.data_ptr<float>());
     const torch::Tensor attn = paged_decode_attention(q, layer_cache, block_tables, seq_lens, scale).view({T, H * D});
     hidden = block_quant_linear(attn, w[1], f[1], b[1], c10::nullopt, 0.0, false, hidden);
     const torch::Tensor gate_up = block_quant_linear(hidden, w[2], f[2], b[2], norms_[2 * l + 1], eps_, false,

@@ -3,7 +3,7 @@
 #include <torch/extension.h>
 #include <memory>
 
-// paged_decode.cpp: one query token per request attends over its KV blocks in place.
+// paged_decode.cpp: one query token per request attends over its KV blocks (fp32 or fp16) in place.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
 
@@ -65,7 +65,7 @@ class DecodeStack {
   int64_t num_layers() const;
   // hidden (T, hidden) through the first num_layers layers; cos/sin (T, head_dim) at the tokens'
   // positions (sin's first half negated); kv_cache (layers, 2, kv_heads, blocks, block_size,
-  // head_dim) written at slot_mapping (T); block_tables (T, max blocks), seq_lens (T) and the
+  // head_dim), fp32 or fp16, written at slot_mapping (T); block_tables (T, max blocks), seq_lens (T) and the
   // attention scale as for paged_decode_attention.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,

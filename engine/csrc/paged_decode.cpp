@@ -1,5 +1,6 @@
 // Paged decode attention for CPU: one query token per request attends over its KV blocks, read
-// in place through the block table (no gather copy). fp32.
+// in place through the block table (no gather copy). fp32 queries and arithmetic; the cache fp32
+// or fp16 (half the bytes a step streams from memory).
 //
 // Each request's context is cut into chunks of kChunk tokens, and each (request, kv head, chunk)
 // is one work item that keeps its partial softmax (max, sum, unnormalised output) for the kv
@@ -14,21 +15,56 @@
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <cmath>
+#include <immintrin.h>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+
+// Vec::size() fp16 cache elements as floats.
+inline Vec load(const at::Half* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  float values[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) values[i] = static_cast<float>(p[i]);
+  return Vec::loadu(values);
+#endif
+}
+
 constexpr int64_t kChunk = 64;  // tokens per work item
 constexpr int64_t kTokens = 4;  // keys scored together: four independent FMA chains share each load of q
 
-// Cache rows of one kv head's keys or values for tokens [t0, t1) of a request, through its table.
-struct Rows {
+// Rows of one kv head's keys or values in an fp32 cache, through a request's block table.
+struct CacheRows {
   const float* base;  // this kv head's blocks
   const int64_t* table;
   int64_t block_size, head_dim;
   const float* at(int64_t t) const { return base + (table[t / block_size] * block_size + t % block_size) * head_dim; }
 };
+
+// Rows of tokens [t0, t0 + n) copied out of an fp16 cache as fp32: converted once per work item,
+// where scoring and weighing each query head of the group would convert every row again.
+struct StagedRows {
+  const float* base;
+  int64_t t0, head_dim;
+  const float* at(int64_t t) const { return base + (t - t0) * head_dim; }
+};
+
+void stage(const at::Half* base, const int64_t* table, int64_t block_size, int64_t D, int64_t t0, int64_t t1,
+           float* out) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const at::Half* row = base + (table[t / block_size] * block_size + t % block_size) * D;
+    float* o = out + (t - t0) * D;
+    int64_t d = 0;
+    for (; d + Vec::size() <= D; d += Vec::size()) load(row + d).store(o + d);
+    for (; d < D; ++d) o[d] = static_cast<float>(row[d]);
+  }
+}
 
 float dot(const float* a, const float* b, int64_t D) {
   Vec acc(0.f);
@@ -39,10 +75,46 @@ float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// scores[t - t0] = q . key t for t in [t0, t1), kTokens keys at a time.
-void score(const float* q, const Rows& keys, int64_t t0, int64_t t1, float* scores) {
-  const int64_t D = keys.head_dim;
+#if defined(CPU_CAPABILITY_AVX512)
+// The lane sums of 16 vectors, in one vector: a tree of 15 adds over shuffled halves, where summing
+// each vector alone takes four shuffle-add levels per vector. The tree leaves input s's sum in
+// lane kSlot[s] (a self-inverse order), so accumulating key j in acc[kSlot[j]] puts its score in
+// lane j.
+constexpr int kSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 lane_sums(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], 0x88), _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[i], y[i + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(y[i], y[i + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// scores[t - t0] = q . key t for t in [t0, t1): sixteen keys at a time with one tree of lane sums
+// (AVX-512), then kTokens at a time, four independent FMA chains sharing each load of q.
+template <typename Rows>
+void score(const float* q, const Rows& keys, int64_t D, int64_t t0, int64_t t1, float* scores) {
   int64_t t = t0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (D % 16 == 0) {
+    for (; t + 16 <= t1; t += 16) {
+      const float* k[16];
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) k[i] = keys.at(t + i), acc[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+        for (int i = 0; i < 16; ++i) acc[kSlot[i]] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k[i] + d), acc[kSlot[i]]);
+      }
+      _mm512_storeu_ps(scores + t - t0, lane_sums(acc));
+    }
+  }
+#endif
   for (; t + kTokens <= t1; t += kTokens) {
     const float* k[kTokens];
     Vec acc[kTokens];
@@ -61,45 +133,83 @@ void score(const float* q, const Rows& keys, int64_t t0, int64_t t1, float* scor
   for (; t < t1; ++t) scores[t - t0] = dot(q, keys.at(t), D);
 }
 
-// out[0, D) = sum over t in [t0, t1) of p[t - t0] * value t, eight vectors of out held in registers
-// while the tokens stream past.
-void weigh(const float* p, const Rows& values, int64_t t0, int64_t t1, float* out) {
-  constexpr int64_t kVecs = 8;
-  const int64_t D = values.head_dim;
-  int64_t d0 = 0;
-  for (; d0 + Vec::size() <= D; d0 += kVecs * Vec::size()) {
-    const int64_t n = std::min(kVecs, (D - d0) / Vec::size());
-    Vec acc[kVecs];
-    for (int64_t j = 0; j < kVecs; ++j) acc[j] = Vec(0.f);
-    for (int64_t t = t0; t < t1; ++t) {
-      const Vec pt(p[t - t0]);
-      const float* v = values.at(t) + d0;
-      for (int64_t j = 0; j < n; ++j) acc[j] = at::vec::fmadd(pt, Vec::loadu(v + j * Vec::size()), acc[j]);
+// outs[g][d0, d0 + kVecs * Vec::size()) = sum over t in [t0, t1) of p[g * kChunk + t - t0] * value
+// t, for kHeads query heads: each value row is loaded once for all of them, and the outputs stay in
+// registers while the tokens stream past (sizes fixed at compile time, or the arrays live in memory).
+template <int kHeads, int kVecs, typename Rows>
+void weigh_block(const float* p, const Rows& values, int64_t d0, int64_t t0, int64_t t1, float* const* outs) {
+  Vec acc[kHeads][kVecs];
+  for (int g = 0; g < kHeads; ++g)
+    for (int j = 0; j < kVecs; ++j) acc[g][j] = Vec(0.f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* v = values.at(t) + d0;
+    Vec row[kVecs];
+    for (int j = 0; j < kVecs; ++j) row[j] = Vec::loadu(v + j * Vec::size());
+    for (int g = 0; g < kHeads; ++g) {
+      const Vec pt(p[g * kChunk + t - t0]);
+      for (int j = 0; j < kVecs; ++j) acc[g][j] = at::vec::fmadd(pt, row[j], acc[g][j]);
     }
-    for (int64_t j = 0; j < n; ++j) acc[j].store(out + d0 + j * Vec::size());
   }
-  for (int64_t d = D - D % Vec::size(); d < D; ++d) {
-    float s = 0.f;
-    for (int64_t t = t0; t < t1; ++t) s += p[t - t0] * values.at(t)[d];
-    out[d] = s;
+  for (int g = 0; g < kHeads; ++g)
+    for (int j = 0; j < kVecs; ++j) acc[g][j].store(outs[g] + d0 + j * Vec::size());
+}
+
+template <int kHeads, typename Rows>
+void weigh_heads(const float* p, const Rows& values, int64_t D, int64_t t0, int64_t t1, float* const* outs) {
+  constexpr int64_t kWide = 4;  // vectors of output per head per pass
+  int64_t d0 = 0;
+  for (; d0 + kWide * Vec::size() <= D; d0 += kWide * Vec::size()) weigh_block<kHeads, kWide>(p, values, d0, t0, t1, outs);
+  for (; d0 + Vec::size() <= D; d0 += Vec::size()) weigh_block<kHeads, 1>(p, values, d0, t0, t1, outs);
+  for (int64_t d = d0; d < D; ++d)
+    for (int g = 0; g < kHeads; ++g) {
+      float s = 0.f;
+      for (int64_t t = t0; t < t1; ++t) s += p[g * kChunk + t - t0] * values.at(t)[d];
+      outs[g][d] = s;
+    }
+}
+
+// outs[g][0, D) = sum over t in [t0, t1) of p[g * kChunk + t - t0] * value t for the G query heads of
+// a kv head, up to four at a time.
+template <typename Rows>
+void weigh(const float* p, int64_t G, const Rows& values, int64_t D, int64_t t0, int64_t t1, float* const* outs) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* pg = p + g0 * kChunk;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: weigh_heads<1>(pg, values, D, t0, t1, outs + g0); break;
+      case 2: weigh_heads<2>(pg, values, D, t0, t1, outs + g0); break;
+      case 3: weigh_heads<3>(pg, values, D, t0, t1, outs + g0); break;
+      default: weigh_heads<4>(pg, values, D, t0, t1, outs + g0);
+    }
   }
 }
 
-}  // namespace
+// One (request chunk, kv head) work item: each query head's partial softmax over tokens [t0, t1)
+// into parts[g]: max score, sum of exp, then D of unnormalised output.
+template <typename Rows>
+void attend_chunk(const float* q, int64_t G, const Rows& keys, const Rows& values, int64_t D, int64_t t0,
+                  int64_t t1, float scale, float* scores, float* const* parts, float* const* outs) {
+  const int64_t n = t1 - t0;
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * kChunk;
+    score(q + g * D, keys, D, t0, t1, s);
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] *= scale);
+    at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, n);
+    parts[g][0] = mx;
+    parts[g][1] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
+  }
+  weigh(scores, G, values, D, t0, t1, outs);
+}
 
-// q (B, H, D); cache (2, KVH, NB, BS, D); block_tables (B, M) int64; seq_lens (B) int64 -> out (B, H, D)
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && cache.dtype() == torch::kFloat32, "fp32 only");
-  q = q.contiguous();
-  TORCH_CHECK(cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
+template <typename T>
+void attend(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
+            const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = cache.size(1), NB = cache.size(2), BS = cache.size(3), M = block_tables.size(1);
   const int64_t G = H / KVH;
-  auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = cache.data_ptr<float>();
-  const float* vp = kp + KVH * NB * BS * D;
+  const T* kp = cache.data_ptr<T>();
+  const T* vp = kp + KVH * NB * BS * D;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -114,21 +224,23 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   std::vector<float> partial(chunks * KVH * G * stride);
 
   at::parallel_for(0, chunks * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kChunk);
+    std::vector<float> scores(G * kChunk), staged(std::is_same<T, float>::value ? 0 : 2 * kChunk * D);
+    std::vector<float*> parts(G), outs(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / KVH, h = item % KVH;
       const int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), chunk) - first_chunk.begin() - 1;
-      const int64_t t0 = (chunk - first_chunk[b]) * kChunk, t1 = std::min(lens[b], t0 + kChunk), n = t1 - t0;
-      const Rows keys{kp + h * NB * BS * D, tables + b * M, BS, D}, values{vp + h * NB * BS * D, tables + b * M, BS, D};
-      for (int64_t g = 0; g < G; ++g) {
-        float* part = partial.data() + (item * G + g) * stride;
-        score(qp + (b * H + h * G + g) * D, keys, t0, t1, scores.data());
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, scores[t] *= fscale);
-        at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, scores.data(), scores.data(), n);
-        part[0] = mx;
-        part[1] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, scores.data(), n);
-        weigh(scores.data(), values, t0, t1, part + 2);
+      const int64_t t0 = (chunk - first_chunk[b]) * kChunk, t1 = std::min(lens[b], t0 + kChunk);
+      for (int64_t g = 0; g < G; ++g) parts[g] = partial.data() + (item * G + g) * stride, outs[g] = parts[g] + 2;
+      const float* q = qp + (b * H + h * G) * D;
+      const int64_t* table = tables + b * M;
+      if constexpr (std::is_same<T, float>::value) {
+        const CacheRows keys{kp + h * NB * BS * D, table, BS, D}, values{vp + h * NB * BS * D, table, BS, D};
+        attend_chunk(q, G, keys, values, D, t0, t1, fscale, scores.data(), parts.data(), outs.data());
+      } else {
+        stage(kp + h * NB * BS * D, table, BS, D, t0, t1, staged.data());
+        stage(vp + h * NB * BS * D, table, BS, D, t0, t1, staged.data() + kChunk * D);
+        const StagedRows keys{staged.data(), t0, D}, values{staged.data() + kChunk * D, t0, D};
+        attend_chunk(q, G, keys, values, D, t0, t1, fscale, scores.data(), parts.data(), outs.data());
       }
     }
   });
@@ -152,5 +264,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   });
+}
+
+}  // namespace
+
+// q (B, H, D); cache (2, KVH, NB, BS, D) fp32 or fp16; block_tables (B, M) int64; seq_lens (B) int64
+// -> out (B, H, D)
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "q: fp32");
+  TORCH_CHECK(cache.dtype() == torch::kFloat32 || cache.dtype() == torch::kFloat16, "cache: fp32 or fp16");
+  q = q.contiguous();
+  TORCH_CHECK(cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
+  auto out = torch::empty_like(q);
+  if (cache.dtype() == torch::kFloat16)
+    attend<at::Half>(q, cache, block_tables, seq_lens, scale, out);
+  else
+    attend<float>(q, cache, block_tables, seq_lens, scale, out);
   return out;
 }

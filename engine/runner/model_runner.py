@@ -20,7 +20,7 @@ from engine.spec_decode.verify import accepted_tokens
 
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, num_blocks: int, num_host_blocks: int,
-                 block_size: int, device: torch.device, seed: int, dtype: torch.dtype = torch.float32,
+                 block_size: int, device: torch.device, seed: int, kv_cache_dtype: torch.dtype = torch.float32,
                  drafter: SelfDraft | DraftModelDrafter | None = None):
         """`drafter`: fills in the drafts the scheduler reserved, before the target's forward."""
         self.model = model
@@ -29,9 +29,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_cache = backend.allocate_kv_cache(*shape, dtype=dtype, device=device)
+        self.kv_cache = backend.allocate_kv_cache(*shape, dtype=kv_cache_dtype, device=device)
         host_shape = (model.num_layers, max(num_host_blocks, 1), *shape[2:])
-        self.host_cache = backend.allocate_kv_cache(*host_shape, dtype=dtype, device=torch.device("cpu"))
+        self.host_cache = backend.allocate_kv_cache(*host_shape, dtype=kv_cache_dtype, device=torch.device("cpu"))
         if device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
         self.sampler = Sampler(seed, device)

@@ -39,13 +39,16 @@ def _reference(q, keys, values, start, n):
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shapes", [MIXED, LONG_DECODES], ids=["mixed", "long_decodes"])
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_backend_matches_dense_reference(backend_name, shapes):
+def test_backend_matches_dense_reference(backend_name, shapes, kv_cache_dtype):
+    """With an fp16 cache, every query (a decode, a chunk reading cached context, a prompt's first
+    chunk attending to its own keys) sees the keys and values as the cache rounds them."""
     torch.manual_seed(0)
     scheduled = _batch(1, shapes)
     backend = select_backend(backend_name, torch.device("cpu"), torch.float32, HEAD_DIM ** -0.5)
-    cache = backend.allocate_kv_cache(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
+    cache = backend.allocate_kv_cache(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, kv_cache_dtype, torch.device("cpu"))
     history = {}
     for item in scheduled:  # fill each request's cached context through the backend's own layout
         keys, values = torch.randn(item.start_pos + len(item.token_ids), KV_HEADS, HEAD_DIM), None
@@ -64,17 +67,40 @@ def test_backend_matches_dense_reference(backend_name, shapes):
     out = backend.forward(q, k, v, cache[0], backend.build_metadata(inputs)).view(-1, HEADS, HEAD_DIM)
     for b, item in enumerate(ordered):
         t0, t1 = inputs.query_start_loc[b], inputs.query_start_loc[b + 1]
-        keys, values = history[item.request.request_id]
+        keys, values = (x.to(kv_cache_dtype).float() for x in history[item.request.request_id])
         expected = _reference(q[t0:t1], keys, values, item.start_pos, t1 - t0)
         torch.testing.assert_close(out[t0:t1], expected, rtol=1e-4, atol=1e-5)
 
 
-def test_a_decode_attends_alike_alone_and_in_any_batch():
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2), (15, 3)])  # query heads per kv head: 1, 3, 5
+def test_the_kernel_matches_the_reference_at_model_head_sizes(heads, kv_heads, head_dim, kv_cache_dtype):
+    """Head sizes of real models (SmolLM2 64, Llama 128, and 80, which is no multiple of four
+    vectors) and groups of 1, 3 and 5 query heads per kv head (five: a pass of four, then one),
+    over contexts that end inside a kernel chunk, on one, and past several."""
+    kernels = load_cpu_kernels()
+    gen = torch.Generator().manual_seed(4)
+    block, num_blocks = 16, 112
+    lens = torch.tensor([1, 15, 16, 17, 64, 100, 250])
+    tables = torch.randperm(num_blocks, generator=gen).view(7, 16)
+    cache = torch.randn(2, kv_heads, num_blocks, block, head_dim, generator=gen).to(kv_cache_dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    out = kernels.paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5)
+    group = heads // kv_heads
+    for b, n in enumerate(lens.tolist()):
+        kv = cache[:, :, tables[b]].flatten(2, 3)[:, :, :n].float().repeat_interleave(group, dim=1)  # (2, heads, n, d)
+        weights = (torch.einsum("hd,hkd->hk", q[b], kv[0]) * head_dim ** -0.5).softmax(-1)
+        torch.testing.assert_close(out[b], torch.einsum("hk,hkd->hd", weights, kv[1]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
+def test_a_decode_attends_alike_alone_and_in_any_batch(kv_cache_dtype):
     """The CPU kernel splits each request's context by its own length, never by the batch: a
     request's output is the same bits alone and among others of every length."""
     kernels = load_cpu_kernels()
     gen = torch.Generator().manual_seed(3)
-    cache = torch.randn(2, KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM, generator=gen)
+    cache = torch.randn(2, KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM, generator=gen).to(kv_cache_dtype)
     lens = torch.tensor([128, 1, 64, 65, 33])
     tables = torch.randperm(NUM_BLOCKS, generator=gen)[:5 * 32].view(5, 32)
     q = torch.randn(5, HEADS, HEAD_DIM, generator=gen)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.base import select_backend
-from engine.config import ModelConfig
+from engine.attention.base import resolve_kv_cache_dtype, select_backend
+from engine.config import CacheConfig, ModelConfig
 from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy
 
 MAX_NEW = 24
@@ -22,6 +22,31 @@ def test_auto_dtype_is_bfloat16_on_cuda_and_float32_on_cpu():
         ModelConfig(dtype="fp8")
     with pytest.raises(ValueError, match="computes in float32"):
         ModelConfig(quantization="int8", dtype="bfloat16")
+
+
+def test_the_kv_cache_dtype_is_the_models_unless_set_and_on_cuda_always_the_models():
+    assert resolve_kv_cache_dtype("auto", torch.float32, torch.device("cpu")) == torch.float32
+    assert resolve_kv_cache_dtype("float16", torch.float32, torch.device("cpu")) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    with pytest.raises(ValueError, match="keeps the model's dtype"):
+        resolve_kv_cache_dtype("float16", torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        CacheConfig(kv_cache_dtype="fp8")
+
+
+def test_an_fp16_kv_cache_holds_twice_the_blocks_in_the_same_memory_and_says_so(tiny_llama):
+    """The pool is sized in bytes: fp16 blocks are half as large. Swap's host pool keeps the same
+    dtype, and the report (the serve app's engine labels) names it; the start-up quality figures
+    score the weights alone, so with the cache rounded they are not claimed."""
+    engines = {kv: LLM(tiny_llama, kv_cache_dtype=kv, kv_cache_memory_bytes=1 << 20, swap_space_bytes=1 << 20)
+               for kv in ("float32", "float16")}
+    fp32, fp16 = (engines[kv].engine for kv in ("float32", "float16"))
+    assert fp16.kv.pool.num_blocks == 2 * fp32.kv.pool.num_blocks
+    assert fp16.runner.kv_cache.dtype == fp16.runner.host_cache.dtype == torch.float16
+    blocks = fp16.runner.backend.block_dim()
+    assert fp16.runner.host_cache.shape[blocks] == 2 * fp32.runner.host_cache.shape[blocks]
+    assert (fp32.model_report.kv_cache_dtype, fp16.model_report.kv_cache_dtype) == ("float32", "float16")
+    assert fp32.model_report.top1_agreement == 1.0 and fp16.model_report.top1_agreement is None
 
 
 def test_flash_backend_refuses_what_it_cannot_run():

@@ -335,24 +335,49 @@ def test_auto_on_the_embedded_model_runs_a_quantized_mode_that_passes():
 def _same_alone_and_in_a_batch(model: str | None, mode: str, engine_args: dict, num_prompts: int, max_tokens: int):
     prompts = _prompts(num_prompts, seed=3)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    alone = LLM(model=model, quantization=mode, max_num_seqs=1)
+    alone = LLM(model=model, quantization=mode, max_num_seqs=1,
+                kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"))
     want = [alone.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     llm = LLM(model=model, quantization=mode, **engine_args)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
 
 
-@pytest.mark.parametrize("engine_args", [
+SCHEDULER_FEATURES = [
     dict(max_num_seqs=64),
     dict(max_num_seqs=64, max_num_batched_tokens=16),  # chunked prefill
     dict(max_num_seqs=3, max_num_batched_tokens=7, block_size=4),
     dict(max_num_seqs=64, enable_prefix_caching=False),
     dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="swap"),
     dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="recompute"),
-])
+]
+
+
+@pytest.mark.parametrize("engine_args", SCHEDULER_FEATURES)
 @pytest.mark.parametrize("mode", ["int8", "w8a16", "w4a16"])
 def test_greedy_is_the_same_alone_and_in_a_batch_under_every_scheduler_feature(tiny_llama, mode, engine_args):
     _same_alone_and_in_a_batch(tiny_llama, mode, engine_args, num_prompts=12, max_tokens=24)
+
+
+@pytest.mark.parametrize("engine_args", SCHEDULER_FEATURES)
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_an_fp16_kv_cache_keeps_greedy_the_same_alone_and_in_a_batch(tiny_llama, mode, engine_args):
+    """A prompt attends to its keys as the cache rounds them whether it is prefilled whole, in
+    chunks, or again after preemption (swap moves fp16 blocks; recompute writes them again)."""
+    _same_alone_and_in_a_batch(tiny_llama, mode, {**engine_args, "kv_cache_dtype": "float16"}, num_prompts=12,
+                               max_tokens=24)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+def test_an_fp16_kv_cache_keeps_quality_against_fp32_on_tiny_models(model, request):
+    """The text in chunks of 16 tokens, each reading the earlier ones back from an fp16 cache,
+    against fp32 scored whole (as _quality counts agreement)."""
+    ref = load_model(EngineConfig.from_kwargs(model=request.getfixturevalue(model)).model)
+    ids = eval_tokens(ref.tokenizer, 1024)
+    quality = compare(token_scores(ref.model, ids),
+                      token_scores(ref.model, ids, kv_cache_dtype=torch.float16, chunk=16), min_margin=0.2)
+    assert quality.top1_agreement >= 0.99, quality
+    assert abs(quality.perplexity_increase) <= 0.005, quality
 
 
 @pytest.mark.slow
@@ -377,17 +402,20 @@ class _CountingStack:
         return self.stack.forward(*args)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])  # qwen2: biased q/k/v
-def test_decode_steps_run_the_fused_stack_and_compute_what_the_layers_compute(model_fixture, request):
+def test_decode_steps_run_the_fused_stack_and_compute_what_the_layers_compute(model_fixture, kv_cache_dtype,
+                                                                                request):
     """The same requests through the fused stack (decode steps) and through the layers' own
-    modules (every step): the same kernels and roundings, so the same tokens and log-probabilities
-    bit for bit."""
+    modules (every step): the same kernels and roundings (an fp16 cache's too), so the same
+    tokens and log-probabilities bit for bit."""
     model = request.getfixturevalue(model_fixture)
     prompts = _prompts(6, seed=3)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3)
     runs = {}
     for fused in (True, False):
-        llm = LLM(model=model, quantization="int8", max_num_seqs=4, max_num_batched_tokens=32)
+        llm = LLM(model=model, quantization="int8", max_num_seqs=4, max_num_batched_tokens=32,
+                  kv_cache_dtype=kv_cache_dtype)
         paged = llm.engine.loaded.model
         assert paged.decode_stack is not None
         counting = paged.decode_stack = _CountingStack(paged.decode_stack) if fused else None

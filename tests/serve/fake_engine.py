@@ -62,7 +62,7 @@ class FakeAsyncEngine(EngineClient):
     vocab_size = VOCAB
     is_ready = True
     tokenizer = FakeTokenizer()
-    model_report = ModelReport("none", "float32", "cpu", 0, 1.0, 0.0)
+    model_report = ModelReport("none", "float32", "float32", "cpu", 0, 1.0, 0.0)
 
     def __init__(self) -> None:
         self._waiting: list[str] = []
@@ -86,7 +86,8 @@ class FakeAsyncEngine(EngineClient):
         engine.block_size = config.cache.block_size
         engine.max_model_len = config.model.max_model_len or cls.max_model_len
         model = config.model
-        engine.model_report = ModelReport(model.quantization, model.resolved_dtype, model.device, 0, 1.0, 0.0)
+        engine.model_report = ModelReport(model.quantization, model.resolved_dtype, model.resolved_dtype, model.device,
+                                          0, 1.0, 0.0)
         return engine
 
     def stats(self) -> EngineStats:
