@@ -4,7 +4,8 @@
 path first gathers them into a padded copy; `block_quant_linear` multiplies activations by GGUF
 block-quantized weights (Q8_0, Q4_1) for decode-sized batches, and `quantize_activations` rounds
 larger batches' activations the same way (engine/models/linear.py); `DecodeStack` runs a decode
-step through all of a block-quantized model's layers in one call (engine/models/llama.py). They
+step through all of a block-quantized model's layers in one call (engine/models/llama.py), and
+`rope_write_kv` RoPE with the KV write for it and for the layers' own path. They
 are compiled for the CPU's vector width (torch's cpp_extension and ninja, tens of seconds).
 `make install` builds them (`python -m engine.cpu_kernels`) into a cache keyed by the sources,
 the flags, torch's version and the CPU capability, so an engine's start-up only loads the
@@ -31,7 +32,7 @@ from engine.cache_dir import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "block_quant_linear.cpp",
-            _CSRC / "block_quant_gemm.cpp", _CSRC / "decode_stack.cpp"]
+            _CSRC / "block_quant_gemm.cpp", _CSRC / "rope_kv.cpp", _CSRC / "decode_stack.cpp"]
 
 
 def _flags() -> tuple[str, list[str]]:

@@ -31,9 +31,17 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                metadata: Any) -> torch.Tensor:
+                metadata: Any, kv_written: bool = False) -> torch.Tensor:
         """q (T, num_heads, head_dim), k/v (T, num_kv_heads, head_dim) for the step's tokens.
-        Writes k/v into their slots, returns attention output (T, num_heads * head_dim)."""
+        Writes k/v into their slots (unless `rope_and_write` did), returns attention output
+        (T, num_heads * head_dim)."""
+
+    def rope_and_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
+                       metadata: Any, num_heads: int) -> torch.Tensor | None:
+        """q and k after RoPE (T, num_heads + num_kv_heads, head_dim) from the qkv matmul's output,
+        with k and v written to their slots, in one call where the backend has a kernel for it;
+        None where it has not (the layer applies RoPE, `forward` writes)."""
+        return None
 
     def decode_stack_args(self, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
         """(slot_mapping, block_tables, seq_lens, scale) when every token of the step is a

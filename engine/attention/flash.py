@@ -56,11 +56,12 @@ class FlashAttentionBackend(AttentionBackend):
             torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=device), cu_k.to(torch.int32),
             max(q_lens), max(inputs.seq_lens))
 
-    def forward(self, q, k, v, layer_cache, metadata: FlashAttentionMetadata):
+    def forward(self, q, k, v, layer_cache, metadata: FlashAttentionMetadata, kv_written: bool = False):
         num_kv_heads, head_dim = layer_cache.shape[-2:]
         flat = layer_cache.view(2, -1, num_kv_heads, head_dim)
-        flat[0].index_copy_(0, metadata.slot_mapping, k)
-        flat[1].index_copy_(0, metadata.slot_mapping, v)
+        if not kv_written:
+            flat[0].index_copy_(0, metadata.slot_mapping, k)
+            flat[1].index_copy_(0, metadata.slot_mapping, v)
         keys = flat[0].index_select(0, metadata.context_slots)
         values = flat[1].index_select(0, metadata.context_slots)
         out = torch.ops.aten._flash_attention_forward(

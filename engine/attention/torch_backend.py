@@ -139,11 +139,18 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(inputs.slot_mapping, _decode_buckets(inputs, device), None,
                                       _prefill_chunks(inputs, device))
 
-    def forward(self, q, k, v, layer_cache, metadata: TorchAttentionMetadata):
+    def rope_and_write(self, qkv, cos, sin, layer_cache, metadata: TorchAttentionMetadata, num_heads):
+        """With the C++ kernels: RoPE, the stack and transpose of k and v, and the slot write are one
+        call (engine/csrc/rope_kv.cpp) instead of five ops a layer, rounding as they do."""
+        if self.decode_kernel is None:
+            return None
+        return self.decode_kernel.rope_write_kv(qkv, cos, sin, layer_cache, metadata.slot_mapping, num_heads, True)
+
+    def forward(self, q, k, v, layer_cache, metadata: TorchAttentionMetadata, kv_written: bool = False):
         num_kv_heads, num_blocks, block_size, head_dim = layer_cache.shape[1:]
-        # (2, kv_heads, T, head_dim) written into flat slots
-        flat = layer_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-        flat.index_copy_(2, metadata.slot_mapping, torch.stack((k, v)).transpose(1, 2).to(layer_cache.dtype))
+        if not kv_written:  # (2, kv_heads, T, head_dim) written into flat slots
+            flat = layer_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+            flat.index_copy_(2, metadata.slot_mapping, torch.stack((k, v)).transpose(1, 2).to(layer_cache.dtype))
         outputs = [self._decode(q, layer_cache, b) for b in metadata.decode_buckets]
         batch = metadata.kernel_decodes
         if batch is not None:

@@ -2,7 +2,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Release the GIL: the kernels touch no Python objects, and a server thread may need it.
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)",
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32 queries, fp32 or fp16 cache)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_linear", &block_quant_linear, "residual + prologue(x) (M, K) fp32 @ dequantized GGUF blocks (N, K)^T + bias",
         py::call_guard<py::gil_scoped_release>());
@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_gemm_available", &block_quant_gemm_available, "whether block_quant_gemm runs here (AMX bf16 tiles)");
   m.def("block_quant_gemm", &block_quant_gemm,
         "residual + x (M, K) fp32 @ block-quantized weights in AMX tile order + bias, for large batches",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q (and k) with k and v written to their cache slots",
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step through block-quantized Llama layers in one call")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,

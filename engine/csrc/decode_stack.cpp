@@ -1,53 +1,11 @@
 // A decode step through a Llama-family stack of block-quantized layers in one call: per layer,
-// RMSNorm + qkv (block_quant_linear), RoPE on q and k, k and v written to their cache slots, paged
+// RMSNorm + qkv (block_quant_linear), RoPE on q and k with k and v written to their cache slots
+// (rope_write_kv), paged
 // attention (paged_decode_attention), o + residual, RMSNorm + gate/up, SwiGLU + down + residual:
 // engine/models/llama.py's LlamaLayer.forward, with the same kernels and the same arithmetic. At
 // one token the Python path's per-op overhead (about twenty torch ops and module calls per layer)
 // costs as much as the matmuls; here a step makes one call.
 #include "kernels.h"
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <vector>
-
-namespace {
-
-// out = x * cos + roll(x, D / 2) * sin rounded as torch rounds llama.py's mul and addcmul (the
-// product x * cos, then one fused multiply-add), so the stack's k and v are bit for bit the layers'.
-__attribute__((optimize("no-fast-math", "fp-contract=off"))) void rope(const float* x, const float* cos,
-                                                                         const float* sin, int64_t D, float* out) {
-  for (int64_t i = 0; i < D; ++i) out[i] = std::fma(x[(i + D / 2) % D], sin[i], x[i] * cos[i]);
-}
-
-// x's D floats into a cache row of fp32 or fp16 (rounded to nearest even, as torch's conversion).
-template <typename T>
-void store(const float* x, int64_t D, T* out) {
-  for (int64_t i = 0; i < D; ++i) out[i] = static_cast<T>(x[i]);
-}
-
-// Each token's q heads after RoPE into q, its k heads after RoPE and its v heads into their cache
-// slots.
-template <typename Element>
-void rope_and_write(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_tokens,
-                    int64_t H, int64_t KVH, int64_t D, int64_t slots, float* q, Element* keys) {
-  const int64_t QK = H + KVH;
-  Element* values = keys + KVH * slots * D;
-  at::parallel_for(0, num_tokens * QK, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> key(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / QK, head = item % QK;
-      const float* x = qkv + (t * (QK + KVH) + head) * D;
-      if (head < H) {
-        rope(x, cos + t * D, sin + t * D, D, q + (t * H + head) * D);
-        continue;
-      }
-      rope(x, cos + t * D, sin + t * D, D, key.data());
-      store(key.data(), D, keys + ((head - H) * slots + slot[t]) * D);
-      store(qkv + (t * (QK + KVH) + QK + head - H) * D, D, values + ((head - H) * slots + slot[t]) * D);  // its v
-    }
-  });
-}
-
-}  // namespace
 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
                          std::vector<c10::optional<torch::Tensor>> biases, std::vector<torch::Tensor> norms,
@@ -75,13 +33,6 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
               "kv_cache: fp32 or fp16");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(2) == KVH && kv_cache.size(5) == D,
               "kv_cache: contiguous (layers, 2, kv_heads, blocks, block_size, head_dim)");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
-              "slot_mapping: int64 (T)");
-  const int64_t slots = kv_cache.size(3) * kv_cache.size(4);
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot out of the cache");
   hidden = hidden.contiguous();
   for (int64_t l = 0; l < num_layers; ++l) {
     const torch::Tensor* w = rows_.data() + l * kMatmuls;
@@ -89,14 +40,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
     const c10::optional<torch::Tensor>* b = biases_.data() + l * kMatmuls;
     const torch::Tensor layer_cache = kv_cache[l];
     const torch::Tensor qkv = block_quant_linear(hidden, w[0], f[0], b[0], norms_[2 * l], eps_, false, c10::nullopt);
-    // RoPE as llama.py's _rope: x * cos + roll(x, D / 2) * sin, sin's first half negated
-    torch::Tensor q = torch::empty({T, H, D}, hidden.options());
-    if (kv_cache.scalar_type() == torch::kHalf)
-      rope_and_write(qkv.data_ptr<float>(), cp, sp, slot, T, H, KVH, D, slots, q.data_ptr<float>(),
-                     layer_cache.data_ptr<at::Half>());
-    else
-      rope_and_write(qkv.data_ptr<float>(), cp, sp, slot, T, H, KVH, D, slots, q.data_ptr<float>(),
-                     layer_cache.data_ptr<float>());
+    const torch::Tensor q = rope_write_kv(qkv, cos, sin, layer_cache, slot_mapping, H, false);
     const torch::Tensor attn = paged_decode_attention(q, layer_cache, block_tables, seq_lens, scale).view({T, H * D});
     hidden = block_quant_linear(attn, w[1], f[1], b[1], c10::nullopt, 0.0, false, hidden);
     const torch::Tensor gate_up = block_quant_linear(hidden, w[2], f[2], b[2], norms_[2 * l + 1], eps_, false,

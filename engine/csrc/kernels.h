@@ -53,6 +53,13 @@ struct QuantizedX {
 };
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
 
+// rope_kv.cpp: RoPE on qkv's q heads (and k heads), k and v written to the slots of a layer's cache
+// (2, kv_heads, blocks, block_size, head_dim), fp32 or fp16: returns q (T, heads, head_dim), or with
+// with_keys q and k (T, heads + kv_heads, head_dim), as llama.py's _rope computes them.
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
+                            bool with_keys);
+
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
 // Llama layers, each layer's four matmuls (qkv, o, gate_up, down: block_quant_linear's rows,
 // formats and biases) and two RMSNorm weights (input, post-attention) held from construction.

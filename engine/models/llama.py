@@ -35,11 +35,16 @@ class LlamaLayer(nn.Module):
         self.post_norm = nn.Parameter(hf_layer.post_attention_layernorm.weight.detach(), requires_grad=False)
 
     def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
+        """cos/sin (T, head_dim) at the tokens' positions."""
         num_tokens, num_qk = hidden.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv(hidden, norm=(self.input_norm, self.eps))  # (T, (heads + 2 kv_heads) * d)
-        qk = _rope(qkv[:, :num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos, sin)
+        qk = backend.rope_and_write(qkv, cos, sin, layer_cache, metadata, self.num_heads)
+        written = qk is not None
+        if not written:
+            qk = _rope(qkv[:, :num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos[:, None],
+                       sin[:, None])
         v = qkv[:, num_qk * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata)
+        attn = backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata, written)
         hidden = self.o(attn, residual=hidden)
         gate_up = self.gate_up(hidden, norm=(self.post_norm, self.eps))
         return self.down(gate_up, swiglu=True, residual=hidden)
@@ -98,7 +103,7 @@ class LlamaForPagedAttention(nn.Module):
             hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, *stack_args, num_layers or self.num_layers)
         else:
             for layer, layer_cache in zip(islice(self.layers, num_layers), kv_cache):
-                hidden = layer.forward(hidden, cos[:, None], sin[:, None], layer_cache, backend, metadata)
+                hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
         hidden = rms_norm(hidden[sample_indices], self.norm, self.eps)
         return self.lm_head(hidden)
 

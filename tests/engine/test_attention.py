@@ -8,6 +8,7 @@ import torch
 
 from engine.attention.base import select_backend
 from engine.cpu_kernels import load_cpu_kernels
+from engine.models.llama import _rope
 from engine.runner.inputs import build_inputs
 from engine.scheduler.output import ScheduledRequest
 from tests.engine.helpers import make_request
@@ -92,6 +93,28 @@ def test_the_kernel_matches_the_reference_at_model_head_sizes(heads, kv_heads, h
         kv = cache[:, :, tables[b]].flatten(2, 3)[:, :, :n].float().repeat_interleave(group, dim=1)  # (2, heads, n, d)
         weights = (torch.einsum("hd,hkd->hk", q[b], kv[0]) * head_dim ** -0.5).softmax(-1)
         torch.testing.assert_close(out[b], torch.einsum("hk,hkd->hd", weights, kv[1]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
+def test_the_fused_rope_and_kv_write_computes_the_layers_torch_ops_bit_for_bit(kv_cache_dtype):
+    """engine/csrc/rope_kv.cpp against llama.py's _rope and the torch backend's own write (stack,
+    transpose, convert, index_copy_), SmolLM2's heads: the same q, k and cache bits."""
+    kernels = load_cpu_kernels()
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 7
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen)[:tokens]
+    caches = [torch.zeros(2, kv_heads, NUM_BLOCKS, BLOCK, head_dim, dtype=kv_cache_dtype) for _ in range(2)]
+    fused = kernels.rope_write_kv(qkv, cos, sin, caches[0], slots, heads, True)
+    qk = _rope(qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos[:, None],
+               sin[:, None])
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    flat = caches[1].view(2, kv_heads, -1, head_dim)
+    flat.index_copy_(2, slots, torch.stack((qk[:, heads:], v)).transpose(1, 2).to(kv_cache_dtype))
+    assert torch.equal(fused, qk) and torch.equal(caches[0], caches[1])
+    assert torch.equal(kernels.rope_write_kv(qkv, cos, sin, caches[0], slots, heads, False), qk[:, :heads])
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])

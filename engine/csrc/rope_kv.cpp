@@ -1,0 +1,91 @@
+// RoPE on a step's q and k heads, with k and v written to their paged cache slots, in one pass
+// over the qkv matmul's output: engine/models/llama.py's _rope and the torch backend's KV write
+// (a roll, a multiply, an addcmul, a stack and an index_copy per layer) rounded alike, bit for bit.
+// The decode stack and, on CPU, the layers' own path both call it.
+#include "kernels.h"
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <immintrin.h>
+#include <vector>
+
+namespace {
+
+// out = x * cos + roll(x, D / 2) * sin rounded as torch rounds llama.py's mul and addcmul (the
+// product x * cos, then one fused multiply-add), so q and k are bit for bit _rope's.
+// The two halves in separate loops (no index modulo), so the compiler vectorises them.
+__attribute__((optimize("no-fast-math", "fp-contract=off"))) void rope(const float* x, const float* cos,
+                                                                         const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = std::fma(x[i + half], sin[i], x[i] * cos[i]);
+  for (int64_t i = half; i < D; ++i) out[i] = std::fma(x[i - half], sin[i], x[i] * cos[i]);
+}
+
+// x's D floats into a cache row of fp32 or fp16 (rounded to nearest even, as torch's conversion).
+void store(const float* x, int64_t D, float* out) { std::copy(x, x + D, out); }
+
+void store(const float* x, int64_t D, at::Half* out) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= D; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= D; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < D; ++i) out[i] = static_cast<at::Half>(x[i]);
+}
+
+// Each token's q heads after RoPE into out (out_heads per token: H, or H + KVH with its k heads
+// after RoPE too), its k heads after RoPE and its v heads into their cache slots.
+template <typename Element>
+void rope_and_write(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_tokens,
+                    int64_t H, int64_t KVH, int64_t D, int64_t slots, float* out, int64_t out_heads, Element* keys) {
+  const int64_t QK = H + KVH;
+  Element* values = keys + KVH * slots * D;
+  at::parallel_for(0, num_tokens * QK, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / QK, head = item % QK;
+      const float* x = qkv + (t * (QK + KVH) + head) * D;
+      float* rotated = head < out_heads ? out + (t * out_heads + head) * D : scratch.data();
+      rope(x, cos + t * D, sin + t * D, D, rotated);
+      if (head < H) continue;
+      store(rotated, D, keys + ((head - H) * slots + slot[t]) * D);
+      store(qkv + (t * (QK + KVH) + QK + head - H) * D, D, values + ((head - H) * slots + slot[t]) * D);  // its v
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
+                            bool with_keys) {
+  const int64_t T = qkv.size(0), H = num_heads;
+  TORCH_CHECK(layer_cache.dim() == 5 && layer_cache.size(0) == 2 && layer_cache.is_contiguous(),
+              "layer_cache: contiguous (2, kv_heads, blocks, block_size, head_dim)");
+  TORCH_CHECK(layer_cache.scalar_type() == torch::kFloat || layer_cache.scalar_type() == torch::kHalf,
+              "layer_cache: fp32 or fp16");
+  const int64_t KVH = layer_cache.size(1), D = layer_cache.size(4), slots = layer_cache.size(2) * layer_cache.size(3);
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat && qkv.dim() == 2 && qkv.is_contiguous() &&
+                  qkv.size(1) == (H + 2 * KVH) * D, "qkv: contiguous fp32 (T, (heads + 2 kv_heads) * head_dim)");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == T && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous(),
+              "cos, sin: contiguous fp32 (T, head_dim)");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
+              "slot_mapping: int64 (T)");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot out of the cache");
+  const int64_t out_heads = with_keys ? H + KVH : H;
+  torch::Tensor out = torch::empty({T, out_heads, D}, qkv.options());
+  if (layer_cache.scalar_type() == torch::kHalf)
+    rope_and_write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, T, H, KVH, D, slots,
+                   out.data_ptr<float>(), out_heads, layer_cache.data_ptr<at::Half>());
+  else
+    rope_and_write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, T, H, KVH, D, slots,
+                   out.data_ptr<float>(), out_heads, layer_cache.data_ptr<float>());
+  return out;
+}
