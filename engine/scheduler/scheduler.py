@@ -189,9 +189,9 @@ class Scheduler:
 
     def draft_pass_seconds(self, num_requests: int) -> float:
         """A draft-model pass over `num_requests` requests: the recent time of passes that size,
-        else the fitted line. A pass over 64 requests costs several over 4, so one price for all
-        sizes kept a pass seen in a full batch from ever being tried in a small one. 0 before any
-        fit: drafts are tried, and so timed."""
+        else priced from the nearest size timed (StepTimeModel.estimate). A pass over 64 requests
+        costs several over 4, so one price for all sizes kept a pass seen in a full batch from ever
+        being tried in a small one. 0 before any pass: drafts are tried, and so timed."""
         estimate = self.draft_pass_time.estimate(num_requests)
         return 0.0 if estimate is None else estimate
 

@@ -293,3 +293,27 @@ def test_a_size_not_measured_yet_is_priced_from_the_plain_step_not_from_the_line
     assert 8.5 / (base + per_token) > 8 / base  # one more token for half a token pays
     ids = [f"r{i}" for i in range(8)]
     assert AdaptiveSpeculation().trim(ids, [[5]] * 8, model, 8) == [[5]] * 8
+
+
+def test_a_pass_size_not_timed_yet_is_priced_from_the_nearest_one_timed_and_then_by_its_own_time():
+    """Only single-request passes timed (8 ms each, as at batch 1): every step had one size, so no
+    per-request cost can be separated. A pass over 4 requests is priced at 8 ms, the nearest size's
+    time, not 32 (all of it charged per request, the line's cautious reading, which kept batch 4
+    from ever drafting for requests the draft model is always right for); once timed, its own."""
+    sched = make_scheduler(num_blocks=64, block_size=4,
+                           speculative=SpeculativeConfig(method="self_draft", num_speculative_tokens=K))
+    for _ in range(6):
+        sched.observe_step(0, 0.0, K, K * 0.008, 1)
+    assert sched.draft_pass_time.fit()[1] == pytest.approx(0.008)  # the line: all of it per request
+    assert sched.draft_pass_seconds(4) == pytest.approx(0.008)
+    adaptive = AdaptiveSpeculation(prior_from_engine=True)
+    for _ in range(40):
+        adaptive.observe("earlier", K, K)  # the draft model's drafts were all accepted at batch 1
+    # four new requests, each to be caught up on (3 ms per token it emits), a 44 ms plain step
+    ids, drafts, catch_up = [f"r{i}" for i in range(4)], [[7, 8, 9, 10]] * 4, [0.003] * 4
+    cost = _cost_model(0.0408, 0.0008)
+    assert adaptive.trim(ids, drafts, cost, 4, sched.draft_pass_seconds, catch_up) == drafts
+    assert adaptive.trim(ids, drafts, cost, 4, lambda n: 0.008 * n, catch_up) == [[]] * 4  # passes at 32 ms
+    for _ in range(3):
+        sched.observe_step(0, 0.0, K, K * 0.030, 4)
+    assert sched.draft_pass_seconds(4) == pytest.approx(0.030, rel=0.01)
