@@ -70,11 +70,14 @@ def bench_engine(mode: str, quality_tokens: int = 6000, kv_cache_dtype: str = "a
                enable_prefix_caching=False, quality_check_tokens=quality_tokens, kv_cache_dtype=kv_cache_dtype)
 
 
-def quality_with_kv_cache(llm: LLM, reference: LLM, num_tokens: int):
-    """Quality against the fp32 engine with the model's keys and values kept in its fp16 cache."""
-    tokens = eval_tokens(llm.engine.tokenizer, num_tokens)
-    return compare(token_scores(reference.engine.loaded.model, tokens),
-                   token_scores(llm.engine.loaded.model, tokens, kv_cache_dtype=torch.float16, chunk=KV_CHUNK))
+def quality_with_kv_cache(engines: dict[str, LLM], reference: LLM, num_tokens: int) -> dict:
+    """Each engine's quality against the fp32 engine (scored once) with the model's keys and values
+    kept in an fp16 cache."""
+    tokens = eval_tokens(reference.engine.tokenizer, num_tokens)
+    reference_scores = token_scores(reference.engine.loaded.model, tokens)
+    return {mode: compare(reference_scores, token_scores(llm.engine.loaded.model, tokens,
+                                                         kv_cache_dtype=torch.float16, chunk=KV_CHUNK))
+            for mode, llm in engines.items()}
 
 
 def single_stream(llm: LLM) -> tuple[float, Stopwatch]:
@@ -203,8 +206,8 @@ def main() -> None:
     kv_quality = {}
     if args.kv_cache_dtype == "float16":
         reference = engines["none"] if "none" in engines else bench_engine("none", 0)
-        kv_quality = {mode: quality_with_kv_cache(llm, reference, args.quality_tokens)
-                      for mode, llm in engines.items() if mode != "none"}
+        kv_quality = quality_with_kv_cache({mode: llm for mode, llm in engines.items() if mode != "none"},
+                                           reference, args.quality_tokens)
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate([random_prompt(64)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     systems = {mode: {"decode_tok_s": partial(single_stream, llm), "prefill_tok_s": partial(prefill, llm),

@@ -1,7 +1,7 @@
 // A decode step through a Llama-family stack of block-quantized layers in one call: per layer,
 // RMSNorm + qkv (block_quant_linear), RoPE on q and k with k and v written to their cache slots
-// (rope_write_kv), paged
-// attention (paged_decode_attention), o + residual, RMSNorm + gate/up, SwiGLU + down + residual:
+// (rope_write_kv), paged attention (paged_decode_attention), o + residual, RMSNorm + gate/up,
+// SwiGLU + down + residual:
 // engine/models/llama.py's LlamaLayer.forward, with the same kernels and the same arithmetic. At
 // one token the Python path's per-op overhead (about twenty torch ops and module calls per layer)
 // costs as much as the matmuls; here a step makes one call.
