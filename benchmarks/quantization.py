@@ -1,7 +1,8 @@
 """Quantization modes on the embedded SmolLM2-135M-Instruct (CPU), interleaved in one run.
 
-Per mode (`none` = fp32, the reference; `int8` = every matmul as GGUF Q8_0 blocks; `gguf` = the
-file's own Q4_1/Q8_0 blocks; both with activations quantized per block of 32 to 15 bits;
+Per mode (`none` = fp32, the reference; `int8` = every matmul as GGUF Q8_0 blocks, activations
+rounded to bf16; `gguf` = the file's own Q4_1/Q8_0 blocks, activations quantized per block of 32
+to 15 bits;
 `w8a16`/`w4a16` = int8/int4 weights with bf16 activations, torch's weight-only kernels):
 single-stream decode tok/s (128-token prompt, 128 new tokens, time per output
 token after the first), prefill tok/s (one 512-token prompt), the 64-request mixed workload

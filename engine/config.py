@@ -35,10 +35,10 @@ class ModelConfig:
     dtype: str = _opt("auto", "weights, activations and KV cache: 'auto' (bfloat16 on CUDA, float32 on CPU), "
                               "'float32', 'bfloat16' or 'float16'")
     quantization: str = _opt("none", "matmul weights: 'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
-                                     "fp32's bytes per decode step) or 'gguf' (a .gguf model's own Q4_1/Q8_0 blocks), "
-                                     "both with activations quantized per block of 32; 'w8a16'/'w4a16' (int8/int4 "
-                                     "weights, bf16 activations); 'auto': the fastest mode whose start-up quality "
-                                     "check passes (CPU; 'auto' is 'none' on CUDA)")
+                                     "fp32's bytes per decode step, activations rounded to bf16) or 'gguf' (a .gguf "
+                                     "model's own Q4_1/Q8_0 blocks, activations quantized per block of 32); "
+                                     "'w8a16'/'w4a16' (int8/int4 weights, bf16 activations); 'auto': the fastest mode "
+                                     "whose start-up quality check passes (CPU; 'auto' is 'none' on CUDA)")
     quality_check_tokens: int = _opt(6000, "tokens of the shipped English text a quantized mode is scored on against "
                                            "fp32 at start-up (cached per model and mode); 0 skips it, except for "
                                            "'auto'")

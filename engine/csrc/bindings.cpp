@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_gemm", &block_quant_gemm,
         "residual + x (M, K) fp32 @ block-quantized weights in AMX tile order + bias, for large batches",
         py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_tile_gemm", &bf16_tile_gemm,
+        "residual + bf16(x) (M, K) @ bf16 hi + lo weights in AMX tile order + bias, for large batches",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q (and k) with k and v written to their cache slots",
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step through block-quantized Llama layers in one call")

@@ -15,6 +15,12 @@
 // multiply-add per row (int8 tiles would need two stores, a shift and a conversion per row).
 // Sums past 2^24 round as fp32 does.
 //
+// The `int8` mode's Q8_0 blocks have scales of at most 8 significant bits, so each weight d * q
+// (15 bits) is the sum of two bf16 values, hi and lo, and its activations are rounded to bf16:
+// bf16_tile_gemm then multiplies exact products with no scale inside K, and its tiles sum all
+// of K before one store (Bf16Pass): the per-block store and scaling above, which bound TilePass,
+// are gone, for two tile products a block instead of one per half.
+//
 // Tile order of the weights (engine/models/linear.py packs it, bf16): for each 16 output columns
 // and each block, 16 rows of 64 bytes, row r holding each column's weights 2r and 2r + 1:
 // TDPBF16PS's B operand, one tile load per block and column group.
@@ -59,7 +65,8 @@ bool request_tiles() {
 
 // x's quantized rows as bf16 halves 128 * hi and lo, padded with zero rows to whole tiles, in tile
 // order (row tile, block, 16 rows, 32 values): a tile load reads 1 KiB in a row. Allocated without
-// zeroing (split writes every element): clearing MBs per call costs more than the copy.
+// zeroing (split writes every element): clearing MBs per call costs more than the copy. x rounded
+// to bf16 is one half, hi, with scales d of 1 and no lo.
 struct SplitX {
   std::unique_ptr<uint16_t[]> hi, lo;
   std::unique_ptr<float[]> d, s;  // (padded M, nb)
@@ -107,7 +114,7 @@ SplitX split(const QuantizedX& qx, int64_t M, int64_t Mp, int64_t K) {
 // half, so it serves CG groups) and CG weight tiles (each serving RT row tiles), stored, then
 // scaled into accumulators in L1. The previous block's scaling runs after this block's tile
 // products are issued, so the vector units work while the tiles do.
-template <bool Offsets, int RT, int CG>
+template <bool Offsets, bool Halves, int RT, int CG>
 struct TilePass {
   static constexpr int kSums = RT * CG;
   alignas(64) float sums[2][kSums][kTileRows * 16];  // two blocks' stored sums: this one, the last
@@ -141,8 +148,10 @@ struct TilePass {
     if constexpr (CG == 2) _tile_loadd(7, tiles + ((g + 1) * nb + b) * kTileElements, 64);
     load_x(x.hi.get(), m0, b, nb);
     products();
-    load_x(x.lo.get(), m0, b, nb);
-    products();
+    if constexpr (Halves) {
+      load_x(x.lo.get(), m0, b, nb);
+      products();
+    }
     float(*out)[kTileRows * 16] = sums[b & 1];
     _tile_stored(0, out[0], 64);
     if constexpr (CG == 2) _tile_stored(1, out[1], 64);
@@ -198,20 +207,132 @@ struct TilePass {
   }
 };
 
-template <bool Offsets>
+// x's rows rounded to bf16, padded with zero rows to whole tiles, in tile order.
+std::unique_ptr<uint16_t[]> bf16_rows(const float* x, int64_t M, int64_t Mp, int64_t K) {
+  const int64_t nb = K / kBlock;
+  std::unique_ptr<uint16_t[]> out(new uint16_t[Mp * K]);
+  at::parallel_for(0, Mp, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t k = 0; k < K; k += 16) {
+        __m256i bits = _mm256_setzero_si256();
+        if (m < M) {  // bf16_bits, 16 at a time
+          const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(x + m * K + k));
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+          bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.get() + tile_offset(m, k, nb)), bits);
+      }
+    }
+  });
+  return out;
+}
+
+// One pass of bf16_tile_gemm: RT row tiles times CG column groups over all blocks, per block the
+// weights' hi tiles then their lo tiles against the same x tiles, summed in the tiles throughout.
+template <int RT, int CG>
+struct Bf16Pass {
+  static constexpr int kSums = RT * CG;
+  static constexpr int64_t kBlockElements = 2 * kTileElements;  // hi, lo
+  alignas(64) float sums[kSums][kTileRows * 16];
+
+  static void weights(const uint16_t* tiles, int64_t nb, int64_t g, int64_t b, int half) {
+    _tile_loadd(6, tiles + (g * nb + b) * kBlockElements + half * kTileElements, 64);
+    if constexpr (CG == 2) _tile_loadd(7, tiles + ((g + 1) * nb + b) * kBlockElements + half * kTileElements, 64);
+  }
+  void run(const uint16_t* x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles, const float* bias,
+           const float* residual, int64_t N, int64_t g, bool prefetch, float* out) {
+    const int64_t nb = K / kBlock, n0 = g * 16, groups = N / 16;
+    const int next_groups = prefetch ? static_cast<int>(std::clamp<int64_t>(groups - g - CG, 0, 2)) : 0;
+    _tile_zero(0);
+    if constexpr (CG == 2) _tile_zero(1);
+    if constexpr (RT == 2) _tile_zero(2);
+    if constexpr (RT == 2 && CG == 2) _tile_zero(3);
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int c = 0; c < next_groups; ++c) {
+        const char* block = reinterpret_cast<const char*>(tiles + ((g + CG + c) * nb + b) * kBlockElements);
+#pragma GCC unroll 32
+        for (int line = 0; line < 32; ++line) _mm_prefetch(block + 64 * line, _MM_HINT_T1);
+      }
+      _tile_loadd(4, x + tile_offset(m0, b * kBlock, nb), 64);
+      if constexpr (RT == 2) _tile_loadd(5, x + tile_offset(m0 + kTileRows, b * kBlock, nb), 64);
+      for (int half = 0; half < 2; ++half) {
+        weights(tiles, nb, g, b, half);
+        _tile_dpbf16ps(0, 4, 6);
+        if constexpr (CG == 2) _tile_dpbf16ps(1, 4, 7);
+        if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
+        if constexpr (RT == 2 && CG == 2) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, sums[0], 64);
+    if constexpr (CG == 2) _tile_stored(1, sums[1], 64);
+    if constexpr (RT == 2) _tile_stored(2, sums[CG], 64);
+    if constexpr (RT == 2 && CG == 2) _tile_stored(3, sums[3], 64);
+    for (int r = 0; r < RT; ++r) {
+      for (int c = 0; c < CG; ++c) {
+        const __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + c * 16) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < kTileRows && m0 + r * kTileRows + i < M; ++i) {
+          const int64_t at = (m0 + r * kTileRows + i) * N + n0 + c * 16;
+          const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums[r * CG + c] + i * 16), bv);
+          _mm512_storeu_ps(out + at, residual ? _mm512_add_ps(_mm512_loadu_ps(residual + at), sum) : sum);
+        }
+      }
+    }
+  }
+};
+
+void bf16_pass(int row_tiles, int groups, const uint16_t* x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles,
+               const float* bias, const float* residual, int64_t N, int64_t g, bool prefetch, float* out) {
+  if (row_tiles == 2 && groups == 2) {
+    Bf16Pass<2, 2>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
+  } else if (row_tiles == 2) {
+    Bf16Pass<2, 1>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
+  } else if (groups == 2) {
+    Bf16Pass<1, 2>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
+  } else {
+    Bf16Pass<1, 1>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
+  }
+}
+
+// Runs pass(row tiles, column groups, first row, first group, prefetch) over work items (chunk of
+// pairs of row tiles, pair of column groups, pair in the chunk), so a chunk of x (about 1 MiB at
+// `x_bytes` a value) stays in the cache while every column group's weights pass, and each group
+// pair's weights serve the chunk's row tiles one after another.
+template <class Pass>
+void for_each_pass(int64_t M, int64_t K, int64_t groups, int64_t x_bytes, const Pass& pass) {
+  const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t row_pairs = (row_tiles + 1) / 2, group_pairs = (groups + 1) / 2;
+  const int64_t most_pairs = std::max<int64_t>(1, (int64_t(1) << 20) / (2 * kTileRows * K * x_bytes));
+  const int64_t chunks = (row_pairs + most_pairs - 1) / most_pairs;
+  const int64_t kChunkPairs = (row_pairs + chunks - 1) / chunks;
+  at::parallel_for(0, chunks * group_pairs * kChunkPairs, 1, [&](int64_t begin, int64_t end) {
+    const TileConfig config = tile_config();
+    _tile_loadconfig(&config);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / (group_pairs * kChunkPairs), gp = item / kChunkPairs % group_pairs;
+      const int64_t pair = chunk * kChunkPairs + item % kChunkPairs;
+      if (pair >= row_pairs) continue;  // the last chunk's missing pairs
+      const int rt = std::min<int64_t>(2, row_tiles - 2 * pair), cg = std::min<int64_t>(2, groups - 2 * gp);
+      pass(rt, cg, 2 * pair * kTileRows, 2 * gp, item % kChunkPairs == 0);  // prefetch: the chunk's first pass
+    }
+    _tile_release();
+  });
+}
+
+template <bool Offsets, bool Halves>
 void tile_pass(int row_tiles, int groups, const SplitX& x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles,
                const float* scales, const float* offsets, const float* bias, const float* residual, int64_t N,
                int64_t g, bool prefetch, float* out) {
   if (row_tiles == 2 && groups == 2) {
-    TilePass<Offsets, 2, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
+    TilePass<Offsets, Halves, 2, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   } else if (row_tiles == 2) {
-    TilePass<Offsets, 2, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
+    TilePass<Offsets, Halves, 2, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   } else if (groups == 2) {
-    TilePass<Offsets, 1, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
+    TilePass<Offsets, Halves, 1, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   } else {
-    TilePass<Offsets, 1, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
+    TilePass<Offsets, Halves, 1, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
   }
 }
+
 #endif
 
 }  // namespace
@@ -228,7 +349,7 @@ bool block_quant_gemm_available() {
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales,
                                const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
                                const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
-                               const c10::optional<torch::Tensor>& residual) {
+                               const c10::optional<torch::Tensor>& residual, bool bf16_activations) {
   TORCH_CHECK(block_quant_gemm_available(), "block_quant_gemm needs AMX bf16 tiles, which this CPU or build lacks");
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kBFloat16 && tiles.is_contiguous() &&
                   tiles.size(2) == kTileElements, "tiles: contiguous bf16 (N / 16, K / 32, 512)");
@@ -239,14 +360,23 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
                   scales.size(1) == N, "scales: contiguous fp32 (K / 32, N)");
   TORCH_CHECK(!offsets.has_value() || (offsets->scalar_type() == torch::kFloat && offsets->is_contiguous() &&
                   offsets->sizes() == scales.sizes()), "offsets: contiguous fp32 (K / 32, N)");
+  TORCH_CHECK(!(bf16_activations && offsets.has_value()), "bf16 activations take Q8_0 blocks: no offsets");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
   TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
                   residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)
-  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows, row_tiles = Mp / kTileRows;
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
   std::unique_ptr<float[]> transformed;
-  const SplitX split_x = split(quantize_x(with_prologue(x, M, K, norm_weight, eps, swiglu, transformed), M, K), M, Mp, K);
+  const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
+  SplitX split_x;
+  if (bf16_activations) {
+    split_x.hi = bf16_rows(rows, M, Mp, K);
+    split_x.d.reset(new float[Mp * (K / kBlock)]);
+    std::fill_n(split_x.d.get(), Mp * (K / kBlock), 1.0f);
+  } else {
+    split_x = split(quantize_x(rows, M, K), M, Mp, K);
+  }
   const uint16_t* tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   const float* sp = scales.data_ptr<float>();
   const float* mp = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
@@ -254,29 +384,42 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  // Work items: (chunk of kChunkPairs pairs of row tiles, pair of column groups, pair in the chunk),
-  // so a chunk of x stays in the cache while every column group's weights pass, and each group
-  // pair's weights serve the chunk's row tiles one after another.
-  const int64_t row_pairs = (row_tiles + 1) / 2, group_pairs = (groups + 1) / 2;
-  const int64_t most_pairs = std::max<int64_t>(1, (int64_t(1) << 20) / (2 * kTileRows * K * 4));  // ~1 MiB of x
-  const int64_t chunks = (row_pairs + most_pairs - 1) / most_pairs;
-  const int64_t kChunkPairs = (row_pairs + chunks - 1) / chunks;
-  at::parallel_for(0, chunks * group_pairs * kChunkPairs, 1, [&](int64_t begin, int64_t end) {
-    const TileConfig config = tile_config();
-    _tile_loadconfig(&config);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / (group_pairs * kChunkPairs), gp = item / kChunkPairs % group_pairs;
-      const int64_t pair = chunk * kChunkPairs + item % kChunkPairs;
-      if (pair >= row_pairs) continue;  // the last chunk's missing pairs
-      const int rt = std::min<int64_t>(2, row_tiles - 2 * pair), cg = std::min<int64_t>(2, groups - 2 * gp);
-      const bool prefetch = item % kChunkPairs == 0;  // the chunk's first pass over these columns
-      if (mp) {
-        tile_pass<true>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, prefetch, op);
-      } else {
-        tile_pass<false>(rt, cg, split_x, M, K, 2 * pair * kTileRows, tp, sp, mp, bp, rp, N, 2 * gp, prefetch, op);
-      }
+  for_each_pass(M, K, groups, bf16_activations ? 2 : 4, [&](int rt, int cg, int64_t m0, int64_t g, bool prefetch) {
+    if (mp) {
+      tile_pass<true, true>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
+    } else if (bf16_activations) {
+      tile_pass<false, false>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
+    } else {
+      tile_pass<false, true>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
     }
-    _tile_release();
+  });
+#endif
+  return out;
+}
+
+torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias,
+                             const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                             const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(block_quant_gemm_available(), "bf16_tile_gemm needs AMX bf16 tiles, which this CPU or build lacks");
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kBFloat16 && tiles.is_contiguous() &&
+                  tiles.size(2) == 2 * kTileElements, "tiles: contiguous bf16 (N / 16, K / 32, 2 * 512)");
+  const int64_t nb = tiles.size(1), K = nb * kBlock, M = x.size(0), groups = tiles.size(0), N = groups * 16;
+  check_prologue(x, K, norm_weight, swiglu);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
+  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
+                  residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
+  auto out = torch::empty({M, N}, x.options());
+#if defined(CBSERVE_AMX)
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  std::unique_ptr<float[]> transformed;
+  const std::unique_ptr<uint16_t[]> xb = bf16_rows(with_prologue(x, M, K, norm_weight, eps, swiglu, transformed), M, Mp, K);
+  const uint16_t* tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
+  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  for_each_pass(M, K, groups, 2, [&](int rt, int cg, int64_t m0, int64_t g, bool prefetch) {
+    bf16_pass(rt, cg, xb.get(), M, K, m0, tp, bp, rp, N, g, prefetch, op);
   });
 #endif
   return out;

@@ -15,6 +15,10 @@
 //         byte i, weight i >= 16 the high nibble of byte i - 16
 // The kernel reads each weight row regrouped (engine/models/linear.py, `regroup_rows`), the same
 // bytes: the nb blocks' quantized values, then their nb scales d, then (Q4_1) their nb offsets m.
+//
+// Format 2 (kQ8_0Bf16) reads Q8_0 blocks whose scales have at most 8 significant bits (the `int8`
+// mode's) and takes x rounded to bf16 instead: each weight d * q is then exact in fp32 and so is its
+// product with x, which block_quant_gemm.cpp's bf16 tiles compute too (fp32 multiply-adds here).
 #include "kernels.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,9 +41,9 @@ constexpr int64_t kGroup = kQuantizedXGroup;  // blocks whose sums are scaled to
 // threads' streams to ~10-17 GB/s; lines requested 2 KiB ahead measured 1.15-1.19x on the layers'
 // matmuls and 1.1-1.3x on the LM head (1, 3 and 4 KiB: 2-6% slower than 2).
 constexpr int64_t kPrefetchBytes = 2048;
-enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1 };
+enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1, kQ8_0Bf16 = 2 };
 
-inline int64_t block_bytes(int64_t format) { return format == kQ8_0 ? 34 : 20; }
+inline int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -257,6 +261,88 @@ inline void dot_pass(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
   }
 }
 
+// sums[i] = Q8_0 weight row (nb blocks) . row m0 + i of xr (M, K), already rounded to bf16: each
+// block's weights d * q (exact in fp32) times x, summed in fp32; each row's sum the same whatever MB
+// is. Compiled without -ffast-math, which would let the plain loop's sums be reordered per MB.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+template <int64_t MB>
+inline void dot_rows_bf16(const uint8_t* w, int64_t nb, const float* xr, int64_t K, int64_t m0, float* sums) {
+  const Row<kQ8_0> row(w, nb);
+  const float* x[MB];
+  for (int64_t i = 0; i < MB; ++i) x[i] = xr + (m0 + i) * K;
+#if defined(__AVX512F__) && defined(__F16C__)
+  // Four accumulators a row (two blocks' halves), so the multiply-adds do not wait on each other.
+  __m512 acc[MB][4];
+  for (int64_t i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const uint8_t* q = row.quants + b * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchBytes), _MM_HINT_T0);
+    const int64_t blocks = std::min<int64_t>(2, nb - b);
+    for (int64_t j = 0; j < blocks; ++j) {
+      const __m512 d = _mm512_set1_ps(half_at(row.scales + 2 * (b + j)));
+      const uint8_t* qj = q + j * kBlock;
+      const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qj)))));
+      const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qj + 16)))));
+      for (int64_t i = 0; i < MB; ++i) {
+        const float* xb = x[i] + (b + j) * kBlock;
+        acc[i][2 * j] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), w0, acc[i][2 * j]);
+        acc[i][2 * j + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), w1, acc[i][2 * j + 1]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < MB; ++i)
+    sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // Four accumulators a row (a block's quarters), so the multiply-adds do not wait on each other.
+  __m256 acc[MB][4];
+  for (int64_t i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = row.quants + b * kBlock;
+    if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchBytes), _MM_HINT_T0);
+    const __m256 d = _mm256_set1_ps(half_at(row.scales + 2 * b));
+    for (int64_t j = 0; j < 4; ++j) {
+      const __m256 wj = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j)))));
+      for (int64_t i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + b * kBlock + 8 * j), wj, acc[i][j]);
+    }
+  }
+  for (int64_t i = 0; i < MB; ++i) {
+    const __m256 all = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+    sums[i] = hsum_ps(_mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
+  }
+#else
+  for (int64_t i = 0; i < MB; ++i) sums[i] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = row.quants + b * kBlock;
+    const float d = half_at(row.scales + 2 * b);
+    for (int64_t i = 0; i < MB; ++i)
+      for (int64_t j = 0; j < kBlock; ++j) sums[i] += x[i][b * kBlock + j] * (d * static_cast<float>(static_cast<int8_t>(q[j])));
+  }
+#endif
+}
+
+inline void dot_pass_bf16(const uint8_t* w, int64_t nb, const float* xr, int64_t K, int64_t m0, int64_t mb, float* sums) {
+  switch (mb) {
+    case 1: dot_rows_bf16<1>(w, nb, xr, K, m0, sums); break;
+    case 2: dot_rows_bf16<2>(w, nb, xr, K, m0, sums); break;
+    case 3: dot_rows_bf16<3>(w, nb, xr, K, m0, sums); break;
+    default: dot_rows_bf16<4>(w, nb, xr, K, m0, sums); break;
+  }
+}
+#pragma GCC pop_options
+
+// x (M, K) rounded to bf16, kept as fp32 (exact).
+std::unique_ptr<float[]> round_bf16(const float* x, int64_t M, int64_t K) {
+  std::unique_ptr<float[]> out(new float[M * K]);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t at = m0 * K; at < m1 * K; ++at) {
+      const uint32_t bits = static_cast<uint32_t>(bf16_bits(x[at])) << 16;
+      std::memcpy(out.get() + at, &bits, 4);
+    }
+  });
+  return out;
+}
+
 // RMSNorm(x) * norm_weight, or SwiGLU silu(x[:, :K]) * x[:, K:] (x twice as wide as the weight): with_prologue's rows.
 std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps,
                                   bool swiglu) {
@@ -315,7 +401,8 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
                                  const c10::optional<torch::Tensor>& bias,
                                  const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
                                  const c10::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(format == kQ8_0 || format == kQ4_1, "format: 0 (Q8_0) or 1 (Q4_1)");
+  TORCH_CHECK(format == kQ8_0 || format == kQ4_1 || format == kQ8_0Bf16,
+              "format: 0 (Q8_0), 1 (Q4_1) or 2 (Q8_0, bf16 activations)");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.is_contiguous() &&
                   blocks.size(1) % block_bytes(format) == 0, "blocks: contiguous uint8 (N, K / 32 * block bytes)");
   const int64_t N = blocks.size(0), nb = blocks.size(1) / block_bytes(format), K = nb * kBlock, M = x.size(0);
@@ -325,7 +412,9 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
                   residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
   std::unique_ptr<float[]> transformed;
   const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
-  const QuantizedX qx = quantize_x(rows, M, K);
+  const bool bf16 = format == kQ8_0Bf16;
+  const QuantizedX qx = bf16 ? QuantizedX{} : quantize_x(rows, M, K);
+  const std::unique_ptr<float[]> xr = bf16 ? round_bf16(rows, M, K) : nullptr;
   auto out = torch::empty({M, N}, x.options());
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
@@ -338,7 +427,9 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
         const int64_t mb = std::min(kRowsPerPass, M - m0);
-        if (format == kQ8_0) {
+        if (bf16) {
+          dot_pass_bf16(wp + n * row_bytes, nb, xr.get(), K, m0, mb, sums);
+        } else if (format == kQ8_0) {
           dot_pass<kQ8_0>(wp + n * row_bytes, nb, qx, m0, mb, sums);
         } else {
           dot_pass<kQ4_1>(wp + n * row_bytes, nb, qx, m0, mb, sums);

@@ -1,15 +1,17 @@
 // The C++ CPU kernels of the engine, bound into one extension module (bindings.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 
 // paged_decode.cpp: one query token per request attends over its KV blocks (fp32 or fp16) in place.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
 
-// block_quant_linear.cpp: residual + prologue(x) (quantized per block of 32 inside) times GGUF Q8_0
-// (format 0) or Q4_1 (format 1) weight blocks (N, K / 32 * block bytes) + bias; the prologue is
-// RMSNorm with norm_weight, SwiGLU, or none.
+// block_quant_linear.cpp: residual + prologue(x) times GGUF Q8_0 (format 0) or Q4_1 (format 1) weight
+// blocks (N, K / 32 * block bytes) + bias, x quantized per block of 32 inside; or Q8_0 blocks times x
+// rounded to bf16 (format 2, kQ8_0Bf16). The prologue is RMSNorm with norm_weight, SwiGLU, or none.
 torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
                                  const c10::optional<torch::Tensor>& bias,
                                  const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
@@ -31,15 +33,32 @@ const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c
 // kernel grants the tile state).
 bool block_quant_gemm_available();
 
-// block_quant_gemm.cpp: residual + prologue(x) (M, K) (quantized per block of 32 inside; the prologue
-// as block_quant_linear's) times block-quantized weights in AMX tile order + bias: the integer
-// values q (N / 16, K / 32, 512) as bf16 (block_quant_linear's formats as integers: Q8_0 -127..127,
-// Q4_1 0..15), per-block scales d (K / 32, N) and, for Q4_1, offsets m (K / 32, N), w = d * q + m.
-// The same integer dot product per block as block_quant_linear.
+// block_quant_gemm.cpp: residual + prologue(x) (M, K) (quantized per block of 32 inside, or with
+// bf16_activations rounded to bf16; the prologue as block_quant_linear's) times block-quantized
+// weights in AMX tile order + bias: the integer values q (N / 16, K / 32, 512) as bf16
+// (block_quant_linear's formats as integers: Q8_0 -127..127, Q4_1 0..15), per-block scales d
+// (K / 32, N) and, for Q4_1, offsets m (K / 32, N), w = d * q + m. The same dot product per block
+// as block_quant_linear's (format 0 or 1; with bf16_activations, format 2), to fp32 rounding.
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales,
                                const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
                                const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
-                               const c10::optional<torch::Tensor>& residual);
+                               const c10::optional<torch::Tensor>& residual, bool bf16_activations);
+
+// block_quant_gemm.cpp: residual + prologue(x) (M, K) rounded to bf16 (the prologue as
+// block_quant_linear's) times bf16 weights in AMX tile order + bias, for Q8_0 blocks whose scales have
+// at most 8 significant bits: each weight d * q (15 bits) held exactly as two bf16 values, hi and lo,
+// (N / 16, K / 32, 2 * 512): per block, hi's tile then lo's. The products are exact and summed in
+// fp32 over all of K in the tiles: block_quant_linear's format 2 to fp32 rounding.
+torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias,
+                             const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                             const c10::optional<torch::Tensor>& residual);
+
+// fp32 to bf16 bits, rounded to nearest even as torch's .bfloat16() rounds (activations are finite).
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 // Activations quantized per block of 32 to 15 bits (block_quant_linear.cpp), for the matmul kernels:
 // q (M, K) int16, d (M, nbp) scales, s (M, nbp) = d * sum(q), which Q4_1's offset m multiplies;

@@ -4,13 +4,18 @@ gate/up output) and a residual added to its output. The fp32 reference runs them
 ops in transformers' order; the quantized decode kernel fuses them, so a decode step makes a few
 calls per layer instead of a dozen small ops (per-op overhead, not arithmetic, dominates there).
 
-`none`: fp32 weights, F.linear (the reference: exact parity with transformers). `int8`: every
-matmul re-quantized to GGUF's Q8_0 blocks (int8 weights, one fp16 scale per 32). `gguf`: a GGUF
+`none`: fp32 weights, F.linear (the reference: exact parity with transformers). `gguf`: a GGUF
 checkpoint's own blocks (Q4_1, Q8_0) as stored, so no re-quantization error
-(engine/models/gguf_blocks.py). Both quantized modes quantize activations per block of 32 to 15
-bits, so the decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp):
-llama.cpp's 8-bit activations cost SmolLM2-135M ~3% of top-1 agreement with fp32 (per-tensor
-int8, fbgemm's, 49%); 15 bits cost nothing measurable, with 16-bit products (madd) per block.
+(engine/models/gguf_blocks.py), with activations quantized per block of 32 to 15 bits, so the
+decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp): llama.cpp's 8-bit
+activations cost SmolLM2-135M ~3% of top-1 agreement with fp32 (per-tensor int8, fbgemm's, 49%);
+15 bits cost nothing measurable, with 16-bit products (madd) per block. `int8`: every matmul
+re-quantized to GGUF's Q8_0 blocks (int8 weights, one scale per 32) with scales of at most 8
+significant bits, and activations rounded to bf16: each weight d * q is then exactly two bf16
+values and each product exact, so on AMX tiles large batches sum them over all of K without
+leaving the tiles (engine/csrc/block_quant_gemm.cpp), where per-block scales cost a store and a
+scaling every block. On SmolLM2-135M that costs 0.1% of top-1 agreement against 15-bit
+activations and fp16 scales (BENCHMARKS.md).
 
 `w8a16` / `w4a16`: torch's weight-only kernels on bf16 activations, for CPUs with bf16 dot
 products (AVX512-BF16, AMX); on AVX2 they beat fp32 only on a few rows (BENCHMARKS.md).
@@ -23,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
-from gguf.quants import quantize as quantize_blocks
 from torch import nn
 
 from engine.config import QUANTIZATION_MODES
@@ -31,6 +35,7 @@ from engine.config import QUANTIZATION_MODES
 BLOCK = 32  # values per quantization block, of weights and of activations
 ACTIVATION_LEVELS = 127 * 128  # activations are integers in [-LEVELS, LEVELS] times a scale per block
 KERNEL_FORMATS = {GGMLQuantizationType.Q8_0: 0, GGMLQuantizationType.Q4_1: 1}  # the C++ kernel's format codes
+BF16_Q8_0_FORMAT = 2  # the kernel's code for Q8_0 blocks times activations rounded to bf16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,15 +98,21 @@ def regroup_rows(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([p.reshape(blocks.shape[0], -1) for p in regrouped], axis=1))
 
 
+def tile_order(values: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in AMX tile order (N / 16, K / 32, 512), TDPBF16PS's B operand: each 16
+    columns' block as 16 rows holding each column's values 2r and 2r + 1."""
+    rows, cols = values.shape
+    tiles = values.reshape(rows // 16, 16, cols // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
+    return tiles.reshape(rows // 16, cols // BLOCK, -1).contiguous()
+
+
 def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor,
                                                                            torch.Tensor | None]:
     """GGUF blocks (N, K / 32 * block bytes) as the AMX GEMM reads them (engine/csrc/block_quant_gemm.cpp):
-    the integer weights q as bf16 (exact) in tile order (N / 16, K / 32, 512), each 16 columns'
-    block as 16 rows holding each column's weights 2r and 2r + 1; the scales d and (Q4_1) offsets
-    m as (K / 32, N) fp32, so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
+    the integer weights q as bf16 (exact) in tile order; the scales d and (Q4_1) offsets m as
+    (K / 32, N) fp32, so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
     rows = blocks.shape[0]
     per_block = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])  # (N, K / 32, block bytes)
-    num_blocks = per_block.shape[1]
     scales = per_block[:, :, 0:2].copy().view(np.float16)[..., 0]
     offsets = None
     if qtype == GGMLQuantizationType.Q8_0:
@@ -110,27 +121,60 @@ def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.
         offsets = per_block[:, :, 2:4].copy().view(np.float16)[..., 0]
         nibbles = per_block[:, :, 4:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weight i < 16: the low nibble
-    tiles = q.reshape(rows // 16, 16, num_blocks, BLOCK // 2, 2).transpose(0, 2, 3, 1, 4)
-    tiles = torch.from_numpy(np.ascontiguousarray(tiles).astype(np.float32)).to(torch.bfloat16)
+    tiles = tile_order(torch.from_numpy(q.reshape(rows, -1).astype(np.float32)).to(torch.bfloat16))
     scales_by_block = torch.from_numpy(np.ascontiguousarray(scales.T.astype(np.float32)))
     offsets_by_block = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets.T.astype(np.float32)))
-    return tiles.reshape(rows // 16, num_blocks, -1), scales_by_block, offsets_by_block
+    return tiles, scales_by_block, offsets_by_block
+
+
+def bf16_pair_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """Weights (N, K) that are each exactly hi + lo, two bf16 values (`int8_blocks`' d * q), as the
+    bf16 tile GEMM reads them: (N / 16, K / 32, 2 * 512), per block hi's tile then lo's."""
+    hi = weight.bfloat16()
+    lo = (weight - hi.float()).bfloat16()
+    if not torch.equal(hi.float() + lo.float(), weight):
+        raise ValueError("weights are not exactly two bf16 values each")
+    return torch.cat([tile_order(hi), tile_order(lo)], dim=-1)
+
+
+def int8_blocks(weight: torch.Tensor) -> np.ndarray:
+    """The `int8` mode's weights: GGUF Q8_0 blocks (N, K / 32 * 34), q = round(w / d) in
+    [-127, 127] with d rounded to bf16's 8 significant bits (stored as fp16, which holds them; an
+    fp16 subnormal holds fewer), so d * q has at most 15 and is exactly two bf16 values."""
+    rows, cols = weight.shape
+    blocks = weight.detach().float().reshape(rows, cols // BLOCK, BLOCK)
+    stored = _bf16_scale(blocks.abs().amax(-1) / 127).half()
+    d = stored.float()[..., None]
+    q = torch.where(d > 0, torch.round(blocks / d), 0).clamp(-127, 127).to(torch.int8)
+    out = np.empty((rows, cols // BLOCK, GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1]), np.uint8)
+    out[..., :2] = stored.numpy().view(np.uint8).reshape(rows, cols // BLOCK, 2)
+    out[..., 2:] = q.numpy().view(np.uint8)
+    return out.reshape(rows, -1)
 
 
 class BlockQuantLinear(nn.Module):
-    """A matmul on GGUF block-quantized weights with block-quantized activations. Up to
+    """A matmul on GGUF block-quantized weights with block-quantized activations, or with
+    `bf16_activations` (Q8_0 blocks from `int8_blocks`) activations rounded to bf16. Up to
     `decode_rows` rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks.
-    Larger inputs (prefill) run, where the CPU has AMX tiles, the tile GEMM on the blocks'
-    integers (the same integer dot products per block), else fp32 GEMM of the dequantized weights
-    on the same quantized activations: the same values either way, so the same results to fp32
-    rounding, whatever the batch. Without the compiled kernels every input takes the fp32 GEMM."""
+    Larger inputs (prefill) run, where the CPU has AMX tiles, the tile GEMM (on the blocks'
+    integers, the same integer dot products per block; or on the exact weights as bf16 pairs), else
+    fp32 GEMM of the dequantized weights on the same rounded activations: the same values either
+    way, so the same results to fp32 rounding, whatever the batch. Without the compiled kernels
+    every input takes the fp32 GEMM."""
 
     DECODE_ROWS = 28  # the kernel beats fp32 GEMM by 1.26x here on this model family's shapes (BENCHMARKS.md)
     TILED_DECODE_ROWS = 8  # with AMX tiles, the tile GEMM beats the kernel from 5-8 rows on (BENCHMARKS.md)
+    # bf16 activations: up to these rows the integer tiles (2 bytes a weight, scaled per block) run, past
+    # them the exact bf16 pairs (4 bytes a weight, no scaling inside K) (BENCHMARKS.md)
+    INTEGER_TILE_ROWS = 64
 
-    def __init__(self, qtype: GGMLQuantizationType, blocks: np.ndarray, bias: torch.Tensor | None, kernels):
+    def __init__(self, qtype: GGMLQuantizationType, blocks: np.ndarray, bias: torch.Tensor | None, kernels,
+                 bf16_activations: bool = False):
         super().__init__()
-        self.qtype, self.format = qtype, KERNEL_FORMATS[qtype]
+        if bf16_activations and qtype != GGMLQuantizationType.Q8_0:
+            raise ValueError(f"bf16 activations take Q8_0 blocks, got {qtype.name}")
+        self.qtype, self.bf16_activations = qtype, bf16_activations
+        self.format = BF16_Q8_0_FORMAT if bf16_activations else KERNEL_FORMATS[qtype]
         self.register_buffer("rows", torch.from_numpy(regroup_rows(blocks, qtype)))  # (N, K / 32 * bytes) uint8
         self.register_buffer("weight", torch.from_numpy(dequantize(blocks, qtype)))  # (N, K) fp32
         self.register_buffer("bias", bias.detach() if bias is not None else None)
@@ -139,6 +183,7 @@ class BlockQuantLinear(nn.Module):
         self.tiled = kernels is not None and kernels.block_quant_gemm_available() and blocks.shape[0] % 16 == 0
         self.decode_rows = self.TILED_DECODE_ROWS if self.tiled else self.DECODE_ROWS  # rows the kernel takes
         tiles, scales, offsets = tile_blocks(blocks, qtype) if self.tiled else (None, None, None)
+        self.register_buffer("pair_tiles", bf16_pair_tiles(self.weight) if self.tiled and bf16_activations else None)
         self.register_buffer("tiles", tiles)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
@@ -153,11 +198,14 @@ class BlockQuantLinear(nn.Module):
 
     def forward_tiles(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The AMX tile GEMM on the blocks' integers, prologue and residual fused (needs `tiled`)."""
+        """The AMX tile GEMM, prologue and residual fused (needs `tiled`)."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
+        residual = None if residual is None else residual.contiguous()
+        if self.pair_tiles is not None and x.shape[0] > self.INTEGER_TILE_ROWS:
+            return self._kernels.bf16_tile_gemm(x.contiguous(), self.pair_tiles, self.bias, norm_weight, eps, swiglu,
+                                                residual)
         return self._kernels.block_quant_gemm(x.contiguous(), self.tiles, self.scales, self.offsets, self.bias,
-                                              norm_weight, eps, swiglu,
-                                              None if residual is None else residual.contiguous())
+                                              norm_weight, eps, swiglu, residual, self.bf16_activations)
 
     def forward_kernel(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,12 +216,15 @@ class BlockQuantLinear(nn.Module):
 
     def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 GEMM of the dequantized weights on the same quantized activations (rounded by the
+        """fp32 GEMM of the dequantized weights on the same rounded activations."""
+        return _plus(residual, F.linear(self.activations(prologue(x, norm, swiglu)), self.weight, self.bias))
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x as this layer's kernels see it: rounded to bf16, or quantized per block (by the
         compiled kernels when loaded: one pass instead of a handful of torch ops)."""
-        rows = prologue(x, norm, swiglu)
-        rounded = quantize_activations(rows) if self._kernels is None else \
-            self._kernels.quantize_activations(rows.contiguous())
-        return _plus(residual, F.linear(rounded, self.weight, self.bias))
+        if self.bf16_activations:
+            return x.bfloat16().float()
+        return quantize_activations(x) if self._kernels is None else self._kernels.quantize_activations(x.contiguous())
 
 
 class WeightOnlyLinear(nn.Module):
@@ -255,9 +306,8 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
         elif mode == "gguf":
             replacement = BlockQuantLinear(*stored_blocks[name], dense.bias, kernels)
         elif dense.weight.shape[1] % BLOCK == 0:
-            qtype = GGMLQuantizationType.Q8_0
-            replacement = BlockQuantLinear(qtype, quantize_blocks(dense.weight.detach().float().numpy(), qtype),
-                                           dense.bias, kernels)
+            replacement = BlockQuantLinear(GGMLQuantizationType.Q8_0, int8_blocks(dense.weight), dense.bias, kernels,
+                                           bf16_activations=True)
         else:
             continue
         parent, _, attr = name.rpartition(".")

@@ -24,6 +24,8 @@ from engine.models.linear import (
     BlockQuantLinear,
     Linear,
     WeightOnlyLinear,
+    bf16_pair_tiles,
+    int8_blocks,
     prologue,
     quantize_activations,
 )
@@ -31,24 +33,32 @@ from engine.quality import Quality, compare, eval_tokens, token_scores
 from tests.engine.test_parity import _prompts
 
 QTYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1]
+KINDS = QTYPES + ["int8"]  # GGUF files' blocks with 15-bit activations; the int8 mode's, with bf16 ones
 
 
-def _layer(qtype, rows: int, cols: int, with_bias: bool) -> BlockQuantLinear:
+def _layer(kind, rows: int, cols: int, with_bias: bool) -> BlockQuantLinear:
     weight = torch.randn(rows, cols) * 0.05
     bias = torch.randn(rows) if with_bias else None
-    return BlockQuantLinear(qtype, quantize_blocks(weight.numpy(), qtype), bias, load_cpu_kernels())
+    if kind == "int8":
+        return BlockQuantLinear(GGMLQuantizationType.Q8_0, int8_blocks(weight), bias, load_cpu_kernels(),
+                                bf16_activations=True)
+    return BlockQuantLinear(kind, quantize_blocks(weight.numpy(), kind), bias, load_cpu_kernels())
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def _name(kind) -> str:
+    return kind if isinstance(kind, str) else kind.name
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=_name)
 @pytest.mark.parametrize("cols", [96, 160, 256])  # blocks: a tail only, groups of 4 and a tail, groups only
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_activations(qtype, cols, with_bias):
+def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_activations(kind, cols, with_bias):
     torch.manual_seed(0)
     assert load_cpu_kernels() is not None
-    layer = _layer(qtype, 48, cols, with_bias)
+    layer = _layer(kind, 48, cols, with_bias)
     for rows in range(1, BlockQuantLinear.DECODE_ROWS + 1):
         x = torch.randn(rows, cols)
-        want = torch.nn.functional.linear(quantize_activations(x), layer.weight, layer.bias)
+        want = torch.nn.functional.linear(layer.activations(x), layer.weight, layer.bias)
         torch.testing.assert_close(layer.forward_kernel(x), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.forward_kernel(x.t().contiguous().t()), want, rtol=1e-5, atol=1e-5)  # strided
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # whichever path this many rows take
@@ -56,49 +66,81 @@ def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_a
         torch.testing.assert_close(layer.forward_gemm(x), want, rtol=1e-5, atol=1e-5)  # fp32 GEMM (CPUs without AMX)
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", KINDS, ids=_name)
 @pytest.mark.parametrize("cols", [96, 160, 1536])  # blocks: odd (a pass's last block alone), even, the model's down
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_tile_gemm_computes_the_kernels_integer_products_on_cpus_with_amx(qtype, cols, with_bias):
-    """Where the CPU has AMX tiles, large batches run the tile GEMM on the blocks' integers: the
-    same values as fp32 GEMM of the dequantized weights, at any row count (partial tiles of 16
-    rows) and output width (48 = three column groups), and each row's output is the same bits
-    alone and in any batch. Where it has none, the layer keeps fp32 GEMM and the kernel refuses."""
+def test_the_tile_gemm_computes_the_kernels_products_on_cpus_with_amx(kind, cols, with_bias):
+    """Where the CPU has AMX tiles, large batches run the tile GEMM (on the blocks' integers; with
+    bf16 activations past INTEGER_TILE_ROWS on the weights as exact bf16 pairs): the same values
+    as fp32 GEMM of the dequantized weights, at any row count (partial tiles of 16 rows) and output
+    width (48 = three column groups), and each row's output is the same bits in any batch that
+    takes the same tiles. Where it has none, the layer keeps fp32 GEMM and the kernels refuse."""
     torch.manual_seed(5)
     kernels = load_cpu_kernels()
-    layer = _layer(qtype, 48, cols, with_bias)
+    layer = _layer(kind, 48, cols, with_bias)
     assert layer.tiled == kernels.block_quant_gemm_available()
     if not layer.tiled:
         with pytest.raises(RuntimeError, match="AMX"):
             kernels.block_quant_gemm(torch.randn(16, cols), torch.zeros(3, cols // BLOCK, 512, dtype=torch.bfloat16),
-                                     torch.zeros(cols // BLOCK, 48), None, None, None, 0.0, False, None)
+                                     torch.zeros(cols // BLOCK, 48), None, None, None, 0.0, False, None, False)
+        with pytest.raises(RuntimeError, match="AMX"):
+            kernels.bf16_tile_gemm(torch.randn(16, cols), torch.zeros(3, cols // BLOCK, 1024, dtype=torch.bfloat16),
+                                   None, None, 0.0, False, None)
         return
     assert layer.decode_rows == BlockQuantLinear.TILED_DECODE_ROWS
-    batch = torch.randn(70, cols) * torch.logspace(-2, 2, cols)
-    residual = torch.randn(70, 48)
+    pairs = kind == "int8"
+    batch = torch.randn(140, cols) * torch.logspace(-2, 2, cols)
+    residual = torch.randn(140, 48)
     whole = layer.forward_tiles(batch, residual=residual)
-    for rows in (1, 5, 16, 17, 33, 70):
+    for rows in (1, 5, 16, 17, 33, 64, 65, 70):
         x = batch[:rows]
-        want = torch.nn.functional.linear(quantize_activations(x), layer.weight, layer.bias)
+        want = torch.nn.functional.linear(layer.activations(x), layer.weight, layer.bias)
         got = layer.forward_tiles(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * (cols / 96) ** 0.5)
         torch.testing.assert_close(got, layer.forward_kernel(x), rtol=1e-5, atol=1e-5 * (cols / 96) ** 0.5)
-        assert torch.equal(layer.forward_tiles(x, residual=residual[:rows]), whole[:rows])
-        assert torch.equal(layer.forward_tiles(batch[rows - 1:rows])[0], got[-1])
+        if not pairs or rows > BlockQuantLinear.INTEGER_TILE_ROWS:  # the tiles `whole` took
+            assert torch.equal(layer.forward_tiles(x, residual=residual[:rows]), whole[:rows])
+        if not pairs or rows <= BlockQuantLinear.INTEGER_TILE_ROWS:  # the tiles one row takes
+            assert torch.equal(layer.forward_tiles(batch[rows - 1:rows])[0], got[-1])
+    shifted = layer.forward_tiles(batch[7:77], residual=residual[7:77])  # other rows around, the same tiles
+    assert torch.equal(shifted, whole[7:77])
     assert torch.equal(layer(batch[:9]), layer.forward_tiles(batch[:9]))  # past decode_rows: the tiles
 
 
-@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_int8_blocks_hold_every_weight_as_two_bf16_values():
+    """The int8 mode's scales have at most 8 significant bits (stored fp16), so d * q is exactly a
+    bf16 pair, also where the scale is an fp16 subnormal; each weight is within half a step of w."""
+    torch.manual_seed(6)
+    weight = torch.randn(32, 4 * BLOCK) * torch.logspace(-9, 1, 4 * BLOCK)
+    weight[0, :BLOCK] = 0  # an all-zero block
+    blocks = int8_blocks(weight)
+    scales = torch.from_numpy(blocks.reshape(32, 4, 34)[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    assert torch.equal(scales.bfloat16().float(), scales)
+    layer = BlockQuantLinear(GGMLQuantizationType.Q8_0, blocks, None, None, bf16_activations=True)
+    bf16_pair_tiles(layer.weight)  # raises unless every weight is exactly hi + lo
+    step = weight.view(32, 4, BLOCK).abs().amax(-1, keepdim=True) / 127
+    error = (layer.weight - weight).view(32, 4, BLOCK).abs()
+    normal = step >= 2 * torch.finfo(torch.float16).tiny  # blocks whose scale keeps its 8 bits in fp16
+    assert (error <= step * 0.51)[normal.expand_as(error)].all()
+    # tiny blocks: the scale rounded to an fp16 subnormal (steps of 2^-24), so q by up to 127 such steps
+    assert (error <= step * 0.51 + 127 * 2 ** -25)[~normal.expand_as(error)].all()
+    assert torch.equal(layer.weight[0, :BLOCK], torch.zeros(BLOCK))
+    with pytest.raises(ValueError, match="Q8_0"):
+        BlockQuantLinear(GGMLQuantizationType.Q4_1, quantize_blocks(weight.numpy(), GGMLQuantizationType.Q4_1), None,
+                         None, bf16_activations=True)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=_name)
 @pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual", "norm+residual"])
-def test_the_kernels_fused_prologue_and_residual_compute_what_the_torch_ops_compute(qtype, fusion):
+def test_the_kernels_fused_prologue_and_residual_compute_what_the_torch_ops_compute(kind, fusion):
     torch.manual_seed(2)
-    layer = _layer(qtype, 48, 64, with_bias=True)
+    layer = _layer(kind, 48, 64, with_bias=True)
     reference = Linear(layer.weight, layer.bias)  # the fp32 ops on the same (dequantized) weights
     for rows in (1, 3, layer.decode_rows):
         x = torch.randn(rows, 128 if fusion == "swiglu" else 64) * 3
         kwargs = dict(norm=(torch.rand(64) + 0.5, 1e-5) if "norm" in fusion else None, swiglu=fusion == "swiglu",
                       residual=torch.randn(rows, 48) if "residual" in fusion else None)
-        want = reference(quantize_activations(prologue(x, kwargs["norm"], kwargs["swiglu"])),
+        want = reference(layer.activations(prologue(x, kwargs["norm"], kwargs["swiglu"])),
                          residual=kwargs["residual"])
         torch.testing.assert_close(layer(x, **kwargs), want, rtol=1e-4, atol=1e-4)  # the kernel
         batch = layer(x.repeat(30, 1), **{**kwargs, "residual": None if kwargs["residual"] is None
