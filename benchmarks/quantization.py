@@ -46,11 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import Stopwatch, default_model_path, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.quality import compare, eval_tokens, token_scores  # noqa: E402
+from engine.quality import KV_CHUNK, compare, eval_tokens, token_scores  # noqa: E402
 
 MODES = ("none", "int8", "gguf", "w8a16", "w4a16")
 LLAMA = "llama.cpp"
-KV_CHUNK = 16  # tokens per chunk when scoring through an fp16 cache
 
 
 def cpu_features() -> str:

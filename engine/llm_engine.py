@@ -40,24 +40,24 @@ class LLMEngine:
         self.clock = clock
         if config.model.num_threads is not None:  # process-wide: the engine is the process's main work
             torch.set_num_threads(config.model.num_threads)
-        self.loaded = loaded = loaded or load_model(config.model)
+        self.loaded = loaded = loaded or load_model(config.model, config.cache.kv_cache_dtype)
         model, self.tokenizer = loaded.model, loaded.tokenizer
         self.max_model_len = config.model.max_model_len or loaded.max_model_len
         if self.max_model_len > loaded.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the loaded model's {loaded.max_model_len}")
         self.vocab_size = model.vocab_size
-        if loaded.quality is not None:
-            figures = {"top1_agreement": loaded.quality.top1_agreement,
-                       "perplexity_increase": loaded.quality.perplexity_increase}
-        elif loaded.quantization == "none" and loaded.dtype == torch.float32:
-            figures = {"top1_agreement": 1.0, "perplexity_increase": 0.0}  # the reference itself
-        else:
-            figures = {}  # not measured: the check off, or a 16-bit dtype
         cache = config.cache
         device = torch.device(config.model.device)
         kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, loaded.dtype, device)
-        if kv_dtype != loaded.dtype:
-            figures = {}  # the start-up check scores the weights, not the rounding of an fp16 cache
+        if kv_dtype != loaded.kv_cache_dtype:
+            figures = {}  # scored through another cache (a model loaded for one engine, run by another)
+        elif loaded.quality is not None:
+            figures = {"top1_agreement": loaded.quality.top1_agreement,
+                       "perplexity_increase": loaded.quality.perplexity_increase}
+        elif loaded.quantization == "none" and loaded.dtype == kv_dtype == torch.float32:
+            figures = {"top1_agreement": 1.0, "perplexity_increase": 0.0}  # the reference itself
+        else:
+            figures = {}  # not measured: the check off, a 16-bit dtype, or fp32 weights through an fp16 cache
         self.model_report = ModelReport(loaded.quantization, str(loaded.dtype).removeprefix("torch."),
                                         str(kv_dtype).removeprefix("torch."), config.model.device,
                                         loaded.weight_bytes_per_token, **figures)

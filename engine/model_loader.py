@@ -22,6 +22,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from engine.attention.base import resolve_kv_cache_dtype
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.gguf_blocks import read_blocks
@@ -115,11 +116,14 @@ class LoadedModel:
     max_model_len: int  # the longest context its RoPE tables cover
     quantization: str  # engine.models.linear mode of its matmuls (`auto` resolved)
     weight_bytes_per_token: int  # matmul weight bytes one decode step reads
-    dtype: torch.dtype  # of its weights, activations and KV cache
+    dtype: torch.dtype  # of its weights and activations
     quality: Quality | None  # a quantized mode's figures against fp32 (engine/quantization_check.py)
+    kv_cache_dtype: torch.dtype  # the KV cache the figures were scored through
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, kv_cache_dtype: str = "auto") -> LoadedModel:
+    """`kv_cache_dtype`: the engine's CacheConfig.kv_cache_dtype, which a quantized mode's start-up
+    check scores through."""
     hf_model, tokenizer = load_hf(config.model)
     max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
     dtype = getattr(torch, config.resolved_dtype)
@@ -128,10 +132,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
     path = config.model or default_model_path()
     stored_blocks = (lambda: read_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
-    checked = check_quantization(model, config, path, tokenizer, stored_blocks, max_model_len)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, torch.device(config.device))
+    checked = check_quantization(model, config, path, tokenizer, stored_blocks, max_model_len, kv_dtype)
     weight_bytes = weight_bytes_per_token(checked.model)
     logger.info("model loaded: %s, quantization %s, %.0f MB of matmul weights per decode step%s",
                 config.resolved_dtype, checked.mode, weight_bytes / 1e6,
                 f", {checked.quality}" if checked.quality else "")
     return LoadedModel(checked.model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, checked.mode,
-                       weight_bytes, dtype, checked.quality)
+                       weight_bytes, dtype, checked.quality, kv_dtype)

@@ -20,6 +20,7 @@ TEXT_PATH = Path(__file__).parent / "data" / "english.txt"
 MIN_TOP1_AGREEMENT = 0.97
 MAX_PERPLEXITY_INCREASE = 0.03
 WINDOW = 256  # tokens scored from scratch together
+KV_CHUNK = 16  # tokens a chunk when scoring through a cache of another dtype: each reads the earlier ones back
 
 
 def eval_tokens(tokenizer, num_tokens: int = 6000) -> list[int]:

@@ -7,6 +7,8 @@ starts read them instead of scoring again. `auto` times every mode the checkpoin
 fp32 on a one-token forward (a decode step alone) and a 64-token one (a full batch's matmul
 shapes), and keeps the fastest on the mean of the two time ratios among those that pass the
 quality bar; fp32 always qualifies. On CUDA, `auto` is fp32: the quantized kernels are CPU code.
+With a KV cache of another dtype (an fp16 cache for fp32 weights), the modes are scored through it:
+the text in chunks that read the earlier tokens back from the cache, as the engine runs them.
 """
 from __future__ import annotations
 
@@ -26,7 +28,17 @@ from torch import nn
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.linear import quantize
-from engine.quality import TEXT_PATH, WINDOW, Quality, TokenScores, WindowRunner, compare, eval_tokens, token_scores
+from engine.quality import (
+    KV_CHUNK,
+    TEXT_PATH,
+    WINDOW,
+    Quality,
+    TokenScores,
+    WindowRunner,
+    compare,
+    eval_tokens,
+    token_scores,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +47,7 @@ PROBE_TOKENS = (1, 64)
 PROBE_REPEATS = 7
 # the code whose arithmetic the figures measure: a change to any of these scores again
 _SCORED_CODE = ("models/linear.py", "models/llama.py", "csrc/block_quant_linear.cpp", "csrc/block_quant_gemm.cpp",
-                "quality.py")
+                "csrc/paged_decode.cpp", "csrc/rope_kv.cpp", "quality.py")
 
 
 @dataclass(frozen=True)
@@ -46,15 +58,17 @@ class Checked:
 
 
 def check_quantization(fp32_model: nn.Module, config: ModelConfig, model_path: str, tokenizer,
-                       stored_blocks, max_model_len: int) -> Checked:
+                       stored_blocks, max_model_len: int, kv_cache_dtype: torch.dtype = torch.float32) -> Checked:
     """`fp32_model` quantized as `config.quantization` says, with its figures. `stored_blocks`:
     a callable giving a GGUF's blocks (engine/models/gguf_blocks.py), or None for other files.
     `max_model_len`: the positions the model's RoPE tables cover (windows stay within them).
+    `kv_cache_dtype`: the cache the engine keeps, which the modes are scored through.
     The fp32 model is quantized in place unless `auto` needs it to compare against."""
     mode = config.quantization
     if mode == "none" or (mode == "auto" and config.device != "cpu"):
         return Checked(fp32_model, "none", None)
-    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path, min(WINDOW, max_model_len))
+    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path, min(WINDOW, max_model_len),
+                     kv_cache_dtype)
     if mode != "auto":
         if config.quality_check_tokens:
             scorer.reference_if_uncached(mode)
@@ -126,13 +140,15 @@ def _time_ratios(model: nn.Module, fp32_model: nn.Module, probes: list[list[int]
 class _Scorer:
     """Scores models against the fp32 one, scored at most once; figures cached on disk."""
 
-    def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str, window: int):
+    def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str, window: int,
+                 kv_cache_dtype: torch.dtype):
         self.fp32_model, self.model_path, self.window = fp32_model, model_path, window
+        self.kv_cache_dtype = kv_cache_dtype
         self.tokens = eval_tokens(tokenizer, num_tokens) if num_tokens else []
         self._reference: TokenScores | None = None
-        # what the figures depend on besides the mode: the checkpoint, the text, torch and our code
-        self._key = "|".join([_identity(model_path), str(num_tokens), str(window), torch.__version__,
-                              *(_code_digest(f) for f in _SCORED_CODE)])
+        # what the figures depend on besides the mode: the checkpoint, the text, the cache, torch and our code
+        self._key = "|".join([_identity(model_path), str(num_tokens), str(window), str(kv_cache_dtype),
+                              torch.__version__, *(_code_digest(f) for f in _SCORED_CODE)])
 
     def reference_if_uncached(self, mode: str) -> None:
         """Scores the fp32 model now if `mode`'s figures are not cached (before the fp32 model is
@@ -144,7 +160,9 @@ class _Scorer:
         path = self._path(mode)
         if path.is_file():
             return Quality(**json.loads(path.read_text()))
-        quality = compare(self._reference_scores(), token_scores(model, self.tokens, self.window), self.window)
+        chunk = None if self.kv_cache_dtype == torch.float32 else KV_CHUNK  # an fp32 cache holds the same values
+        scores = token_scores(model, self.tokens, self.window, kv_cache_dtype=self.kv_cache_dtype, chunk=chunk)
+        quality = compare(self._reference_scores(), scores, self.window)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
         partial.write_text(json.dumps(asdict(quality)))

@@ -36,8 +36,8 @@ def test_the_kv_cache_dtype_is_the_models_unless_set_and_on_cuda_always_the_mode
 
 def test_an_fp16_kv_cache_holds_twice_the_blocks_in_the_same_memory_and_says_so(tiny_llama):
     """The pool is sized in bytes: fp16 blocks are half as large. Swap's host pool keeps the same
-    dtype, and the report (the serve app's engine labels) names it; the start-up quality figures
-    score the weights alone, so with the cache rounded they are not claimed."""
+    dtype, and the report (the serve app's engine labels) names it; fp32 weights through an fp16
+    cache are no longer the reference, and no check scores them, so no figures are claimed."""
     engines = {kv: LLM(tiny_llama, kv_cache_dtype=kv, kv_cache_memory_bytes=1 << 20, swap_space_bytes=1 << 20)
                for kv in ("float32", "float16")}
     fp32, fp16 = (engines[kv].engine for kv in ("float32", "float16"))

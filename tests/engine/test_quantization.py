@@ -29,7 +29,7 @@ from engine.models.linear import (
     prologue,
     quantize_activations,
 )
-from engine.quality import Quality, compare, eval_tokens, token_scores
+from engine.quality import KV_CHUNK, Quality, compare, eval_tokens, token_scores
 from tests.engine.test_parity import _prompts
 
 QTYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1]
@@ -327,6 +327,27 @@ def test_start_up_figures_are_the_measured_quality_and_later_starts_read_them(ti
                       ).quality.top1_agreement == 0.5
     unchecked = load_model(ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=0))
     assert unchecked.quantization == "w8a16" and unchecked.quality is None
+
+
+def test_with_an_fp16_cache_the_start_up_figures_are_scored_through_it_and_reported(tiny_llama, tmp_path,
+                                                                                      monkeypatch):
+    """The check feeds the text in chunks that read the earlier tokens back from an fp16 cache, as
+    the engine runs it; figures through each cache are cached apart, and the report carries them."""
+    monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))  # w8a16 needs no compiled kernels there
+    config = ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=1024)
+    through_fp16 = load_model(config, kv_cache_dtype="float16")
+    ref = load_model(ModelConfig(model=tiny_llama))
+    ids = eval_tokens(ref.tokenizer, 1024)
+    want = compare(token_scores(ref.model, ids),
+                   token_scores(through_fp16.model, ids, kv_cache_dtype=torch.float16, chunk=KV_CHUNK))
+    assert through_fp16.quality == want and through_fp16.kv_cache_dtype == torch.float16
+    whole = load_model(config)
+    assert whole.quality == compare(token_scores(ref.model, ids), token_scores(whole.model, ids))
+    assert whole.quality != through_fp16.quality  # not read back from the fp16 cache's figures
+    assert len(list((tmp_path / "quality").glob("*w8a16*.json"))) == 2
+    report = LLM(tiny_llama, quantization="w8a16", quality_check_tokens=1024, kv_cache_dtype="float16",
+                 kv_cache_memory_bytes=1 << 20).engine.model_report
+    assert (report.kv_cache_dtype, report.top1_agreement) == ("float16", want.top1_agreement)
 
 
 @pytest.mark.parametrize("w4a16_ratio,scored", [(0.7, {"w8a16", "w4a16"}), (1.1, {"w8a16"})])
