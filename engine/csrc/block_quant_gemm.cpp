@@ -66,7 +66,7 @@ bool request_tiles() {
 // x's quantized rows as bf16 halves 128 * hi and lo, padded with zero rows to whole tiles, in tile
 // order (row tile, block, 16 rows, 32 values): a tile load reads 1 KiB in a row. Allocated without
 // zeroing (split writes every element): clearing MBs per call costs more than the copy. x rounded
-// to bf16 is one half, hi, with scales d of 1 and no lo.
+// to bf16 is one half, hi, and carries no scales.
 struct SplitX {
   std::unique_ptr<uint16_t[]> hi, lo;
   std::unique_ptr<float[]> d, s;  // (padded M, nb)
@@ -107,6 +107,37 @@ SplitX split(const QuantizedX& qx, int64_t M, int64_t Mp, int64_t K) {
     }
   });
   return out;
+}
+
+// out (a pass's rows < M, its CG column groups from n0) = residual + (the pass's sums, RT * CG tiles
+// of 16 x 16, + bias).
+template <int RT, int CG>
+void write_out(const float (*sums)[kTileRows * 16], int64_t M, int64_t m0, int64_t N, int64_t n0, const float* bias,
+               const float* residual, float* out) {
+  for (int r = 0; r < RT; ++r) {
+    for (int c = 0; c < CG; ++c) {
+      const __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + c * 16) : _mm512_setzero_ps();
+      for (int64_t i = 0; i < kTileRows && m0 + r * kTileRows + i < M; ++i) {
+        const int64_t at = (m0 + r * kTileRows + i) * N + n0 + c * 16;
+        const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums[r * CG + c] + i * 16), bv);
+        _mm512_storeu_ps(out + at, residual ? _mm512_add_ps(_mm512_loadu_ps(residual + at), sum) : sum);
+      }
+    }
+  }
+}
+
+// Runs Pass<RT, CG>().run(args...) for a pass of 1 or 2 row tiles and 1 or 2 column groups.
+template <template <int, int> class Pass, class... Args>
+void run_pass(int row_tiles, int groups, const Args&... args) {
+  if (row_tiles == 2 && groups == 2) {
+    Pass<2, 2>().run(args...);
+  } else if (row_tiles == 2) {
+    Pass<2, 1>().run(args...);
+  } else if (groups == 2) {
+    Pass<1, 2>().run(args...);
+  } else {
+    Pass<1, 1>().run(args...);
+  }
 }
 
 // One pass computes RT row tiles (16 rows each, from m0) times CG column groups (16 columns each,
@@ -171,7 +202,8 @@ struct TilePass {
 #pragma GCC unroll 16
         for (int64_t i = 0; i < kTileRows; ++i) {
           const int64_t row = (m0 + r * kTileRows + i) * nb + b;
-          __m512 v = _mm512_fmadd_ps(_mm512_load_ps(block + i * 16), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[row])),
+          const __m512 d = Halves ? _mm512_mul_ps(dw, _mm512_set1_ps(x.d[row])) : dw;  // bf16 x: unscaled
+          __m512 v = _mm512_fmadd_ps(_mm512_load_ps(block + i * 16), d,
                                      _mm512_load_ps(a + i * 16));
           if constexpr (Offsets) v = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[row]), v);
           _mm512_store_ps(a + i * 16, v);
@@ -194,16 +226,7 @@ struct TilePass {
       if (b > 0) scale(x, nb, m0, b - 1, scales, offsets, N, n0);
     }
     scale(x, nb, m0, nb - 1, scales, offsets, N, n0);
-    for (int r = 0; r < RT; ++r) {
-      for (int c = 0; c < CG; ++c) {
-        const __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + c * 16) : _mm512_setzero_ps();
-        for (int64_t i = 0; i < kTileRows && m0 + r * kTileRows + i < M; ++i) {
-          const int64_t at = (m0 + r * kTileRows + i) * N + n0 + c * 16;
-          const __m512 sum = _mm512_add_ps(_mm512_load_ps(acc[r * CG + c] + i * 16), bv);
-          _mm512_storeu_ps(out + at, residual ? _mm512_add_ps(_mm512_loadu_ps(residual + at), sum) : sum);
-        }
-      }
-    }
+    write_out<RT, CG>(acc, M, m0, N, n0, bias, residual, out);
   }
 };
 
@@ -267,31 +290,9 @@ struct Bf16Pass {
     if constexpr (CG == 2) _tile_stored(1, sums[1], 64);
     if constexpr (RT == 2) _tile_stored(2, sums[CG], 64);
     if constexpr (RT == 2 && CG == 2) _tile_stored(3, sums[3], 64);
-    for (int r = 0; r < RT; ++r) {
-      for (int c = 0; c < CG; ++c) {
-        const __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + c * 16) : _mm512_setzero_ps();
-        for (int64_t i = 0; i < kTileRows && m0 + r * kTileRows + i < M; ++i) {
-          const int64_t at = (m0 + r * kTileRows + i) * N + n0 + c * 16;
-          const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums[r * CG + c] + i * 16), bv);
-          _mm512_storeu_ps(out + at, residual ? _mm512_add_ps(_mm512_loadu_ps(residual + at), sum) : sum);
-        }
-      }
-    }
+    write_out<RT, CG>(sums, M, m0, N, n0, bias, residual, out);
   }
 };
-
-void bf16_pass(int row_tiles, int groups, const uint16_t* x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles,
-               const float* bias, const float* residual, int64_t N, int64_t g, bool prefetch, float* out) {
-  if (row_tiles == 2 && groups == 2) {
-    Bf16Pass<2, 2>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
-  } else if (row_tiles == 2) {
-    Bf16Pass<2, 1>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
-  } else if (groups == 2) {
-    Bf16Pass<1, 2>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
-  } else {
-    Bf16Pass<1, 1>().run(x, M, K, m0, tiles, bias, residual, N, g, prefetch, out);
-  }
-}
 
 // Runs pass(row tiles, column groups, first row, first group, prefetch) over work items (chunk of
 // pairs of row tiles, pair of column groups, pair in the chunk), so a chunk of x (about 1 MiB at
@@ -319,19 +320,10 @@ void for_each_pass(int64_t M, int64_t K, int64_t groups, int64_t x_bytes, const 
 }
 
 template <bool Offsets, bool Halves>
-void tile_pass(int row_tiles, int groups, const SplitX& x, int64_t M, int64_t K, int64_t m0, const uint16_t* tiles,
-               const float* scales, const float* offsets, const float* bias, const float* residual, int64_t N,
-               int64_t g, bool prefetch, float* out) {
-  if (row_tiles == 2 && groups == 2) {
-    TilePass<Offsets, Halves, 2, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
-  } else if (row_tiles == 2) {
-    TilePass<Offsets, Halves, 2, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
-  } else if (groups == 2) {
-    TilePass<Offsets, Halves, 1, 2>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
-  } else {
-    TilePass<Offsets, Halves, 1, 1>().run(x, M, K, m0, tiles, scales, offsets, bias, residual, N, g, prefetch, out);
-  }
-}
+struct TilePasses {  // TilePass with its first arguments bound, for run_pass
+  template <int RT, int CG>
+  using Pass = TilePass<Offsets, Halves, RT, CG>;
+};
 
 #endif
 
@@ -372,8 +364,6 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   SplitX split_x;
   if (bf16_activations) {
     split_x.hi = bf16_rows(rows, M, Mp, K);
-    split_x.d.reset(new float[Mp * (K / kBlock)]);
-    std::fill_n(split_x.d.get(), Mp * (K / kBlock), 1.0f);
   } else {
     split_x = split(quantize_x(rows, M, K), M, Mp, K);
   }
@@ -386,11 +376,11 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   float* op = out.data_ptr<float>();
   for_each_pass(M, K, groups, bf16_activations ? 2 : 4, [&](int rt, int cg, int64_t m0, int64_t g, bool prefetch) {
     if (mp) {
-      tile_pass<true, true>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
+      run_pass<TilePasses<true, true>::Pass>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
     } else if (bf16_activations) {
-      tile_pass<false, false>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
+      run_pass<TilePasses<false, false>::Pass>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
     } else {
-      tile_pass<false, true>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
+      run_pass<TilePasses<false, true>::Pass>(rt, cg, split_x, M, K, m0, tp, sp, mp, bp, rp, N, g, prefetch, op);
     }
   });
 #endif
@@ -419,7 +409,7 @@ torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles,
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   for_each_pass(M, K, groups, 2, [&](int rt, int cg, int64_t m0, int64_t g, bool prefetch) {
-    bf16_pass(rt, cg, xb.get(), M, K, m0, tp, bp, rp, N, g, prefetch, op);
+    run_pass<Bf16Pass>(rt, cg, xb.get(), M, K, m0, tp, bp, rp, N, g, prefetch, op);
   });
 #endif
   return out;
