@@ -19,9 +19,12 @@ $(VENV)/.kernel: $(VENV)/.installed $(wildcard engine/csrc/*)
 	$(PY) -m engine.cpu_kernels
 	touch $@
 
-# The embedded GGUF converted once into ~/.cache/cbserve/models (start-up loads it in ~1 s, not ~20 s).
-$(VENV)/.model: $(VENV)/.installed
-	$(PY) -c "from engine.model_loader import converted_gguf, default_model_path as p; print(converted_gguf(p()))"
+# The embedded GGUF converted once into ~/.cache/cbserve/models (start-up loads it in ~1 s, not ~20 s), its
+# blocks cached beside it, and its default mode chosen (timed and quality-checked, ~1-2 min) into
+# ~/.cache/cbserve/decisions, so `make serve` only reads the decision. Again when the code it depends on changes.
+$(VENV)/.model: $(VENV)/.kernel $(wildcard engine/models/*.py) engine/quality.py engine/quantization_check.py \
+		engine/serving_mix.py engine/model_loader.py
+	$(PY) -m engine.model_loader
 	touch $@
 
 # Prometheus and promtool (the Debian package; apt-get needs root) for the metrics tests.

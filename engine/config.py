@@ -34,11 +34,13 @@ class ModelConfig:
     num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
     dtype: str = _opt("auto", "weights, activations and KV cache: 'auto' (bfloat16 on CUDA, float32 on CPU), "
                               "'float32', 'bfloat16' or 'float16'")
-    quantization: str = _opt("none", "matmul weights: 'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
-                                     "fp32's bytes per decode step, activations rounded to bf16) or 'gguf' (a .gguf "
-                                     "model's own Q4_1/Q8_0 blocks, activations quantized per block of 32); "
-                                     "'w8a16'/'w4a16' (int8/int4 weights, bf16 activations); 'auto': the fastest mode "
-                                     "whose start-up quality check passes (CPU; 'auto' is 'none' on CUDA)")
+    quantization: str = _opt("auto", "matmul weights: 'auto' (the fastest mode on the serving mix whose start-up "
+                                     "quality check passes, with an fp16 KV cache where its figures through it pass; "
+                                     "decided once per model and machine, then cached; 'none' on CUDA or with "
+                                     "16-bit weights), 'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
+                                     "fp32's bytes per decode step, activations rounded to bf16), 'gguf' (a .gguf "
+                                     "model's own Q4_1/Q8_0 blocks, activations quantized per block of 32) or "
+                                     "'w8a16'/'w4a16' (int8/int4 weights, bf16 activations)")
     quality_check_tokens: int = _opt(6000, "tokens of the shipped English text a quantized mode is scored on against "
                                            "fp32 at start-up (cached per model and mode); 0 skips it, except for "
                                            "'auto'")
@@ -51,14 +53,14 @@ class ModelConfig:
         if self.quantization not in ("none", "auto") and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU (its kernel is C++ for x86); "
                              "use 'none' on CUDA")
-        if self.quantization != "none" and self.device == "cpu" and self.resolved_dtype != "float32":
+        if self.quantization not in ("none", "auto") and self.resolved_dtype != "float32":
             raise ValueError(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}")
         if self.quantization == "gguf" and self.model is not None and not self.model.endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' runs a .gguf file's own blocks, got model {self.model!r}; "
                              "use 'int8' to quantize other checkpoints")
         if self.quality_check_tokens < 0 or (self.quantization == "auto" and self.quality_check_tokens == 0):
-            raise ValueError(f"quality_check_tokens must be >= 0, and > 0 with quantization 'auto', "
-                             f"got {self.quality_check_tokens}")
+            raise ValueError(f"quality_check_tokens must be >= 0, and > 0 with quantization 'auto' (the default: "
+                             f"it keeps only modes that pass), got {self.quality_check_tokens}")
         if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -82,7 +84,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int = _opt(1 << 30, "device KV pool size in bytes")
     swap_space_bytes: int = _opt(1 << 30, "host pool for swap preemption, bytes")
     enable_prefix_caching: bool = _opt(True, "reuse cached full blocks of shared prefixes")
-    kv_cache_dtype: str = _opt("auto", "'auto' (the model's dtype), 'float32' or 'float16': half the bytes "
+    kv_cache_dtype: str = _opt("auto", "'auto' (the model's dtype; with quantization 'auto', fp16 where the chosen "
+                                       "mode's quality through it passes), 'float32' or 'float16': half the bytes "
                                        "decode attention reads and twice the blocks in the same memory, the "
                                        "keys and values rounded to fp16 (CPU; on CUDA the cache keeps the "
                                        "model's dtype)")

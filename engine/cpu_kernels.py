@@ -2,10 +2,11 @@
 
 `paged_decode_attention` reads K/V blocks in place through the block table, where the pure-torch
 path first gathers them into a padded copy; `block_quant_linear` multiplies activations by GGUF
-block-quantized weights (Q8_0, Q4_1) for decode-sized batches, and `quantize_activations` rounds
-larger batches' activations the same way (engine/models/linear.py); `DecodeStack` runs a decode
-step through all of a block-quantized model's layers in one call (engine/models/llama.py), and
-`rope_write_kv` RoPE with the KV write for it and for the layers' own path. They
+block-quantized weights (Q8_0, Q4_1) for decode-sized batches, and `kernel_activations` gives
+larger batches' activations (the fused prologue and the rounding) as the kernel computes them
+(engine/models/linear.py); `DecodeStack` runs a decode step through all of a block-quantized
+model's layers in one call (engine/models/llama.py), and `rope_write_kv` RoPE with the KV write
+for it and for the layers' own path. They
 are compiled for the CPU's vector width (torch's cpp_extension and ninja, tens of seconds).
 `make install` builds them (`python -m engine.cpu_kernels`) into a cache keyed by the sources,
 the flags, torch's version and the CPU capability, so an engine's start-up only loads the
@@ -57,6 +58,12 @@ def _name_and_dir() -> tuple[str, Path]:
     key = hashlib.sha256(sources + " ".join(flags + [torch.__version__, _cpu_features()]).encode()).hexdigest()[:12]
     name = f"cbserve_cpu_kernels_{capability.lower()}_{key}"
     return name, cache_dir("kernels") / name
+
+
+def kernel_build_key() -> str:
+    """The kernels' build identity (sources, flags, torch, the CPU's features), without building
+    them: what timings taken through them depend on."""
+    return _name_and_dir()[0]
 
 
 def _import(name: str, path: Path):

@@ -21,13 +21,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import Event, LLMEngine
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # built only where the loop runs: a ProcessCore's parent spawns the child without torch
+    from engine.llm_engine import Event, LLMEngine
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
@@ -130,6 +132,8 @@ class ThreadCore:
     """The step loop on a daemon thread of this process."""
 
     def __init__(self, config: EngineConfig, emit: Emit):
+        from engine.llm_engine import LLMEngine
+
         engine = LLMEngine(config)
         self.info = _info(engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -230,6 +234,8 @@ def run_child(fd: int) -> None:
     conn = Connection(fd)
     config: EngineConfig = conn.recv()
     try:
+        from engine.llm_engine import LLMEngine
+
         engine = LLMEngine(config)
     except Exception as e:
         conn.send(CoreFailed(e))

@@ -48,7 +48,8 @@ class LLMEngine:
         self.vocab_size = model.vocab_size
         cache = config.cache
         device = torch.device(config.model.device)
-        kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, loaded.dtype, device)
+        kv_dtype = (loaded.kv_cache_dtype if cache.kv_cache_dtype == "auto"  # as the loader resolved it
+                    else resolve_kv_cache_dtype(cache.kv_cache_dtype, loaded.dtype, device))
         if kv_dtype != loaded.kv_cache_dtype:
             figures = {}  # scored through another cache (a model loaded for one engine, run by another)
         elif loaded.quality is not None:
@@ -65,7 +66,9 @@ class LLMEngine:
         # never more blocks than max_num_seqs requests of max_model_len tokens can fill
         useful_blocks = -(-config.scheduler.max_num_seqs * self.max_model_len // cache.block_size)
         num_blocks = cache.num_blocks or min(cache.kv_cache_memory_bytes // block_bytes, useful_blocks)
-        num_host_blocks = cache.swap_space_bytes // block_bytes
+        # the host pool holds swapped-out blocks: none under recompute-only preemption
+        swaps = config.scheduler.preemption_mode != "recompute"
+        num_host_blocks = cache.swap_space_bytes // block_bytes if swaps else 0
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes {cache.kv_cache_memory_bytes} holds no {block_bytes}-byte block")
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching)

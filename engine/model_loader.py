@@ -22,10 +22,9 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine.attention.base import resolve_kv_cache_dtype
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
-from engine.models.gguf_blocks import read_blocks
+from engine.models.gguf_blocks import stored_blocks as read_stored_blocks
 from engine.models.linear import weight_bytes_per_token
 from engine.models.registry import build_model
 from engine.quality import Quality
@@ -118,12 +117,12 @@ class LoadedModel:
     weight_bytes_per_token: int  # matmul weight bytes one decode step reads
     dtype: torch.dtype  # of its weights and activations
     quality: Quality | None  # a quantized mode's figures against fp32 (engine/quantization_check.py)
-    kv_cache_dtype: torch.dtype  # the KV cache the figures were scored through
+    kv_cache_dtype: torch.dtype  # the KV cache the figures were scored through (`auto` resolved)
 
 
 def load_model(config: ModelConfig, kv_cache_dtype: str = "auto") -> LoadedModel:
     """`kv_cache_dtype`: the engine's CacheConfig.kv_cache_dtype, which a quantized mode's start-up
-    check scores through."""
+    check scores through (and `auto` chooses with the mode)."""
     hf_model, tokenizer = load_hf(config.model)
     max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
     dtype = getattr(torch, config.resolved_dtype)
@@ -131,12 +130,17 @@ def load_model(config: ModelConfig, kv_cache_dtype: str = "auto") -> LoadedModel
     # reference model casts its cos/sin to the activations' dtype the same way
     model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
     path = config.model or default_model_path()
-    stored_blocks = (lambda: read_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, torch.device(config.device))
-    checked = check_quantization(model, config, path, tokenizer, stored_blocks, max_model_len, kv_dtype)
+    stored_blocks = (lambda: read_stored_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
+    checked = check_quantization(model, config, path, tokenizer, stored_blocks, max_model_len, kv_cache_dtype)
     weight_bytes = weight_bytes_per_token(checked.model)
-    logger.info("model loaded: %s, quantization %s, %.0f MB of matmul weights per decode step%s",
-                config.resolved_dtype, checked.mode, weight_bytes / 1e6,
-                f", {checked.quality}" if checked.quality else "")
+    logger.info("model loaded: %s, quantization %s, %s KV cache, %.0f MB of matmul weights per decode step%s",
+                config.resolved_dtype, checked.mode, str(checked.kv_cache_dtype).removeprefix("torch."),
+                weight_bytes / 1e6, f", {checked.quality}" if checked.quality else "")
     return LoadedModel(checked.model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, checked.mode,
-                       weight_bytes, dtype, checked.quality, kv_dtype)
+                       weight_bytes, dtype, checked.quality, checked.kv_cache_dtype)
+
+
+if __name__ == "__main__":  # `make install`: the embedded model converted, and its default mode chosen, once
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    loaded = load_model(ModelConfig())
+    print(f"embedded model: quantization {loaded.quantization}, {loaded.kv_cache_dtype} KV cache, {loaded.quality}")

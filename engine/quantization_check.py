@@ -2,13 +2,19 @@
 
 When a quantized mode loads, it is scored against the fp32 model it came from on the shipped
 English text (engine/quality.py): the figures are logged, travel with the loaded model to the
-serve app's metrics, and are cached per model file, mode and code (engine/cache_dir.py), so later
-starts read them instead of scoring again. `auto` times every mode the checkpoint can run against
-fp32 on a one-token forward (a decode step alone) and a 64-token one (a full batch's matmul
-shapes), and keeps the fastest on the mean of the two time ratios among those that pass the
-quality bar; fp32 always qualifies. On CUDA, `auto` is fp32: the quantized kernels are CPU code.
-With a KV cache of another dtype (an fp16 cache for fp32 weights), the modes are scored through it:
-the text in chunks that read the earlier tokens back from the cache, as the engine runs them.
+serve app's metrics, and are cached per model file, mode, KV cache dtype and code
+(engine/cache_dir.py), so later starts read them instead of scoring again. With a KV cache of
+another dtype (an fp16 cache for fp32 weights), a mode is scored through it: the text in chunks
+that read the earlier tokens back from the cache, as the engine runs them.
+
+`auto` (the default) times every mode the checkpoint can run against fp32 on the serving mix
+(engine/serving_mix.py), then scores them fastest first and keeps the first that passes, with
+an fp16 KV cache where the mode's figures through it pass (the cache `auto` asks for), else the
+model's. A GGUF's own blocks go ahead of any re-quantization of their dequantized copy that is
+slower on a lone stream. fp32 always qualifies. The decision (mode, cache, timings, figures) is
+cached per model file, candidates, CPU features and kernel and scoring code, so a restart neither
+times nor scores. On CUDA, or with 16-bit weights, `auto` is fp32: the quantized kernels are CPU
+code computing in float32.
 """
 from __future__ import annotations
 
@@ -17,34 +23,24 @@ import hashlib
 import json
 import logging
 import os
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.attention.base import resolve_kv_cache_dtype
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
+from engine.cpu_kernels import kernel_build_key
 from engine.models.linear import quantize
-from engine.quality import (
-    KV_CHUNK,
-    TEXT_PATH,
-    WINDOW,
-    Quality,
-    TokenScores,
-    WindowRunner,
-    compare,
-    eval_tokens,
-    token_scores,
-)
+from engine.quality import KV_CHUNK, TEXT_PATH, WINDOW, Quality, TokenScores, compare, eval_tokens, token_scores
+from engine.serving_mix import SERVING_MIX, MixTiming, time_mix
 
 logger = logging.getLogger(__name__)
 
 AUTO_CANDIDATES = ("gguf", "int8", "w4a16", "w8a16")
-PROBE_TOKENS = (1, 64)
-PROBE_REPEATS = 7
+STORED_MODE = "gguf"  # a GGUF's own blocks; the other candidates re-quantize their dequantized copy
 # the code whose arithmetic the figures measure: a change to any of these scores again
 _SCORED_CODE = ("models/linear.py", "models/llama.py", "csrc/block_quant_linear.cpp", "csrc/block_quant_gemm.cpp",
                 "csrc/paged_decode.cpp", "csrc/rope_kv.cpp", "quality.py")
@@ -55,113 +51,146 @@ class Checked:
     model: nn.Module
     mode: str  # the mode it runs (`auto` resolved)
     quality: Quality | None  # against fp32; None for fp32 itself, or when the check is off
+    kv_cache_dtype: torch.dtype  # the cache the engine keeps (`auto` resolved)
 
 
 def check_quantization(fp32_model: nn.Module, config: ModelConfig, model_path: str, tokenizer,
-                       stored_blocks, max_model_len: int, kv_cache_dtype: torch.dtype = torch.float32) -> Checked:
+                       stored_blocks, max_model_len: int, kv_cache_dtype: str = "auto") -> Checked:
     """`fp32_model` quantized as `config.quantization` says, with its figures. `stored_blocks`:
     a callable giving a GGUF's blocks (engine/models/gguf_blocks.py), or None for other files.
     `max_model_len`: the positions the model's RoPE tables cover (windows stay within them).
-    `kv_cache_dtype`: the cache the engine keeps, which the modes are scored through.
+    `kv_cache_dtype`: CacheConfig.kv_cache_dtype, the cache the modes are scored through.
     The fp32 model is quantized in place unless `auto` needs it to compare against."""
     mode = config.quantization
-    if mode == "none" or (mode == "auto" and config.device != "cpu"):
-        return Checked(fp32_model, "none", None)
-    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path, min(WINDOW, max_model_len),
-                     kv_cache_dtype)
-    if mode != "auto":
-        if config.quality_check_tokens:
-            scorer.reference_if_uncached(mode)
-        model = quantize(fp32_model, mode, stored_blocks() if mode == "gguf" else None)
-        quality = scorer.quality(model, mode) if config.quality_check_tokens else None
-        if quality is not None:
-            log = logger.info if quality.passes else logger.warning
-            log("quantization %s: %s on %d tokens of %s%s", mode, quality, config.quality_check_tokens,
-                TEXT_PATH.name, "" if quality.passes else f": below the bar ({Quality.BAR})")
-        return Checked(model, mode, quality)
-    return _choose(fp32_model, scorer, stored_blocks)
+    device, model_dtype = torch.device(config.device), getattr(torch, config.resolved_dtype)
+    if mode == "auto" and (config.device != "cpu" or model_dtype != torch.float32):
+        mode = "none"
+    if mode == "none":
+        return Checked(fp32_model, "none", None, resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, device))
+    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path, min(WINDOW, max_model_len))
+    if mode == "auto":
+        return _Chooser(fp32_model, scorer, stored_blocks, kv_cache_dtype, max_model_len).choose()
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, device)
+    if config.quality_check_tokens:
+        scorer.reference_if_uncached(mode, kv_dtype)
+    model = quantize(fp32_model, mode, stored_blocks() if mode == "gguf" else None)
+    quality = scorer.quality(model, mode, kv_dtype) if config.quality_check_tokens else None
+    if quality is not None:
+        log = logger.info if quality.passes else logger.warning
+        log("quantization %s: %s on %d tokens of %s%s", mode, quality, config.quality_check_tokens,
+            TEXT_PATH.name, "" if quality.passes else f": below the bar ({Quality.BAR})")
+    return Checked(model, mode, quality, kv_dtype)
 
 
-def _choose(fp32_model: nn.Module, scorer: _Scorer, stored_blocks) -> Checked:
-    """Times every candidate, then scores them fastest first: the first that passes wins, and
-    slower ones are never scored (scoring costs ~10-60 s a mode, timing ~1 s). Candidates are
-    built one at a time, so memory holds at most two copies of the weights."""
-    def build(mode: str) -> nn.Module:
-        return quantize(copy.deepcopy(fp32_model), mode, stored_blocks() if mode == "gguf" else None)
-
-    probes = [scorer.tokens[:min(n, scorer.window)] for n in PROBE_TOKENS]
-    timed = []
-    for mode in AUTO_CANDIDATES:
-        if mode == "gguf" and stored_blocks is None:
-            continue
-        try:
-            model = build(mode)
-        except ValueError as e:  # e.g. a GGUF whose block types the kernel does not read
-            logger.info("quantization auto: %s does not apply: %s", mode, e)
-            continue
-        ratios = _time_ratios(model, fp32_model, probes)
-        logger.info("quantization auto: %s step time vs fp32 %s", mode,
-                    " / ".join(f"{r:.2f}x at {n} tokens" for r, n in zip(ratios, map(len, probes))))
-        timed.append((statistics.fmean(ratios), mode))
-    for ratio, mode in sorted(timed):
-        if ratio >= 1:
-            break
-        model = build(mode)
-        quality = scorer.quality(model, mode)
-        logger.info("quantization auto: %s %s, %s", mode, "passes" if quality.passes else "fails the bar", quality)
-        if quality.passes:
-            logger.info("quantization auto chose %s (mean step time %.2fx fp32's)", mode, ratio)
-            return Checked(model, mode, quality)
-    logger.info("quantization auto chose none: no faster mode passes")
-    return Checked(fp32_model, "none", None)
+def scoring_order(timings: dict[str, MixTiming]) -> list[str]:
+    """The modes faster than fp32 on the serving mix, fastest first, except that a GGUF's own
+    blocks go ahead of every re-quantization slower than them on a lone stream. The first of
+    these that passes is never beaten on both a lone stream and a saturated server by another
+    that passes: one that were would be faster on the mix, and so come first."""
+    order = sorted((m for m, t in timings.items() if t.mix < 1), key=lambda m: timings[m].mix)
+    if STORED_MODE in order:
+        stored = timings[STORED_MODE].single_stream
+        demoted = [m for m in order[:order.index(STORED_MODE)] if timings[m].single_stream >= stored]
+        order = [m for m in order if m not in demoted]
+        at = order.index(STORED_MODE) + 1
+        order[at:at] = demoted
+    return order
 
 
-def _time_ratios(model: nn.Module, fp32_model: nn.Module, probes: list[list[int]]) -> list[float]:
-    """For each probe (a forward of its tokens), the median over PROBE_REPEATS of the model's time
-    over fp32's, the two timed alternately so that the machine's drift hits both alike."""
-    window = max(len(p) for p in probes)
-    runs = (WindowRunner(model, window), WindowRunner(fp32_model, window))
-    out = []
-    for probe in probes:
-        for run in runs:
-            run(probe)  # warm-up
-        ratios = []
-        for _ in range(PROBE_REPEATS):
-            seconds = []
-            for run in runs:
-                start = time.perf_counter()
-                run(probe)
-                seconds.append(time.perf_counter() - start)
-            ratios.append(seconds[0] / seconds[1])
-        out.append(statistics.median(ratios))
-    return out
+@dataclass(frozen=True)
+class Decision:
+    """What `auto` chose for a model on this machine, as cached."""
+    mode: str
+    kv_cache_dtype: str
+    quality: dict | None  # Quality's fields, None for fp32
+    timings: dict[str, dict[str, float]]  # mode -> SERVING_MIX step -> time over fp32's
+
+
+class _Chooser:
+    """`auto`: reads the cached decision, or times every candidate and scores them in
+    scoring_order. Candidates are built one at a time, so memory holds at most two copies of
+    the weights."""
+
+    def __init__(self, fp32_model: nn.Module, scorer: _Scorer, stored_blocks, kv_cache_dtype: str,
+                 max_model_len: int):
+        self.fp32_model, self.scorer, self.stored_blocks = fp32_model, scorer, stored_blocks
+        self.max_model_len = max_model_len
+        cpu = torch.device("cpu")
+        # the caches a mode may keep, preferred first: fp16 where its figures pass, if the user left it to us
+        self.kv_options = ([torch.float16, torch.float32] if kv_cache_dtype == "auto"
+                           else [resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, cpu)])
+        self.candidates = [m for m in AUTO_CANDIDATES if m != STORED_MODE or stored_blocks is not None]
+        key = "|".join([scorer.key, kv_cache_dtype, str(max_model_len), ",".join(self.candidates), repr(SERVING_MIX),
+                        kernel_build_key(), _code_digest("serving_mix.py"), _code_digest("quantization_check.py")])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.path = cache_dir("decisions") / f"{Path(scorer.model_path).name}-{digest}.json"
+
+    def build(self, mode: str) -> nn.Module:
+        model = copy.deepcopy(self.fp32_model) if mode != "none" else self.fp32_model
+        return quantize(model, mode, self.stored_blocks() if mode == STORED_MODE else None)
+
+    def choose(self) -> Checked:
+        if self.path.is_file():
+            decision = Decision(**json.loads(self.path.read_text()))
+            logger.info("quantization auto: %s with a %s KV cache (decided on this machine before: %s)",
+                        decision.mode, decision.kv_cache_dtype, self.path)
+        else:
+            decision = self.decide()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+            partial.write_text(json.dumps(asdict(decision), indent=1))
+            partial.replace(self.path)
+        quality = Quality(**decision.quality) if decision.quality else None
+        return Checked(self.build(decision.mode), decision.mode, quality, getattr(torch, decision.kv_cache_dtype))
+
+    def decide(self) -> Decision:
+        timings = {}
+        for mode in self.candidates:
+            try:
+                model = self.build(mode)
+            except ValueError as e:  # e.g. a GGUF whose block types the kernel does not read
+                logger.info("quantization auto: %s does not apply: %s", mode, e)
+                continue
+            timings[mode] = time_mix(model, self.fp32_model, self.kv_options[0], self.max_model_len)
+            logger.info("quantization auto: %s %s", mode, timings[mode])
+        ratios = {mode: t.ratios for mode, t in timings.items()}
+        for mode in scoring_order(timings):
+            model = self.build(mode)
+            for kv_dtype in self.kv_options:
+                quality = self.scorer.quality(model, mode, kv_dtype)
+                logger.info("quantization auto: %s through a %s KV cache %s, %s", mode, kv_dtype,
+                            "passes" if quality.passes else "fails the bar", quality)
+                if quality.passes:
+                    logger.info("quantization auto chose %s with a %s KV cache (%s)", mode, kv_dtype, timings[mode])
+                    return Decision(mode, str(kv_dtype).removeprefix("torch."), asdict(quality), ratios)
+        logger.info("quantization auto chose none: no faster mode passes")
+        return Decision("none", "float32", None, ratios)
 
 
 class _Scorer:
-    """Scores models against the fp32 one, scored at most once; figures cached on disk."""
+    """Scores models against the fp32 one, scored at most once; figures cached on disk per mode
+    and KV cache dtype."""
 
-    def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str, window: int,
-                 kv_cache_dtype: torch.dtype):
-        self.fp32_model, self.model_path, self.window = fp32_model, model_path, window
-        self.kv_cache_dtype = kv_cache_dtype
-        self.tokens = eval_tokens(tokenizer, num_tokens) if num_tokens else []
+    def __init__(self, fp32_model: nn.Module, tokenizer, num_tokens: int, model_path: str, window: int):
+        self.fp32_model, self.tokenizer, self.num_tokens = fp32_model, tokenizer, num_tokens
+        self.model_path, self.window = model_path, window
         self._reference: TokenScores | None = None
-        # what the figures depend on besides the mode: the checkpoint, the text, the cache, torch and our code
-        self._key = "|".join([_identity(model_path), str(num_tokens), str(window), str(kv_cache_dtype),
-                              torch.__version__, *(_code_digest(f) for f in _SCORED_CODE)])
+        # what the figures depend on besides the mode and cache: the checkpoint, the text, torch and our code
+        self.key = "|".join([_identity(model_path), str(num_tokens), str(window), torch.__version__,
+                             *(_code_digest(f) for f in _SCORED_CODE)])
 
-    def reference_if_uncached(self, mode: str) -> None:
+    def reference_if_uncached(self, mode: str, kv_cache_dtype: torch.dtype) -> None:
         """Scores the fp32 model now if `mode`'s figures are not cached (before the fp32 model is
         quantized in place)."""
-        if not self._path(mode).is_file():
+        if not self._path(mode, kv_cache_dtype).is_file():
             self._reference_scores()
 
-    def quality(self, model: nn.Module, mode: str) -> Quality:
-        path = self._path(mode)
+    def quality(self, model: nn.Module, mode: str, kv_cache_dtype: torch.dtype) -> Quality:
+        path = self._path(mode, kv_cache_dtype)
         if path.is_file():
             return Quality(**json.loads(path.read_text()))
-        chunk = None if self.kv_cache_dtype == torch.float32 else KV_CHUNK  # an fp32 cache holds the same values
-        scores = token_scores(model, self.tokens, self.window, kv_cache_dtype=self.kv_cache_dtype, chunk=chunk)
+        chunk = None if kv_cache_dtype == torch.float32 else KV_CHUNK  # an fp32 cache holds the same values
+        scores = token_scores(model, self._tokens(), self.window, kv_cache_dtype=kv_cache_dtype, chunk=chunk)
         quality = compare(self._reference_scores(), scores, self.window)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
@@ -169,13 +198,16 @@ class _Scorer:
         partial.replace(path)
         return quality
 
+    def _tokens(self) -> list[int]:
+        return eval_tokens(self.tokenizer, self.num_tokens)
+
     def _reference_scores(self) -> TokenScores:
         if self._reference is None:
-            self._reference = token_scores(self.fp32_model, self.tokens, self.window)
+            self._reference = token_scores(self.fp32_model, self._tokens(), self.window)
         return self._reference
 
-    def _path(self, mode: str) -> Path:
-        key = hashlib.sha256(f"{mode}|{self._key}".encode())
+    def _path(self, mode: str, kv_cache_dtype: torch.dtype) -> Path:
+        key = hashlib.sha256(f"{mode}|{kv_cache_dtype}|{self.key}".encode())
         return cache_dir("quality") / f"{Path(self.model_path).name}-{mode}-{key.hexdigest()[:16]}.json"
 
 

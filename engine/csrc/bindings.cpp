@@ -6,7 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_linear", &block_quant_linear, "residual + prologue(x) (M, K) fp32 @ dequantized GGUF blocks (N, K)^T + bias",
         py::call_guard<py::gil_scoped_release>());
-  m.def("quantize_activations", &quantize_activations, "x (M, K) rounded per block of 32 to 15 bits",
+  m.def("kernel_activations", &kernel_activations,
+        "prologue(x) (M, K) rounded per block of 32 to 15 bits, or to bf16, as the kernels multiply it",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_gemm_available", &block_quant_gemm_available, "whether block_quant_gemm runs here (AMX bf16 tiles)");
   m.def("block_quant_gemm", &block_quant_gemm,

@@ -383,13 +383,21 @@ void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch
                   norm_weight->is_contiguous() && norm_weight->numel() == K), "norm_weight: fp32 (K)");
 }
 
-torch::Tensor quantize_activations(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
-              "x: contiguous fp32 (M, K), K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1);
-  const QuantizedX qx = quantize_x(x.data_ptr<float>(), M, K);
+torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, double eps,
+                                 bool swiglu, bool bf16) {
+  const int64_t M = x.size(0), K = swiglu ? x.size(1) / 2 : x.size(1);
+  check_prologue(x, K, norm_weight, swiglu);
+  TORCH_CHECK(bf16 || K % kBlock == 0, "K: a multiple of 32 (activations quantized per block)");
+  std::unique_ptr<float[]> transformed;
+  const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   auto out = torch::empty({M, K}, x.options());
   float* op = out.data_ptr<float>();
+  if (bf16) {
+    const std::unique_ptr<float[]> xr = round_bf16(rows, M, K);
+    std::memcpy(op, xr.get(), sizeof(float) * M * K);
+    return out;
+  }
+  const QuantizedX qx = quantize_x(rows, M, K);
   at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t k = 0; k < K; ++k) op[m * K + k] = static_cast<float>(qx.q[m * K + k]) * qx.d[m * qx.nbp + k / kBlock];

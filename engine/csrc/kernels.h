@@ -17,9 +17,11 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
                                  const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
                                  const c10::optional<torch::Tensor>& residual);
 
-// block_quant_linear.cpp: x (M, K) rounded per block of 32 as the kernel rounds it (q * d), for
-// the fp32 GEMM path of larger batches.
-torch::Tensor quantize_activations(const torch::Tensor& x);
+// block_quant_linear.cpp: prologue(x) (M, K) as the kernels' products see it: rounded per block of
+// 32 (q * d), or with bf16 rounded to bf16; for the fp32 GEMM path of larger batches, which so
+// multiplies exactly the values the kernels and tiles multiply.
+torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, double eps,
+                                 bool swiglu, bool bf16);
 
 // block_quant_linear.cpp: the rows a matmul multiplies with a fused prologue: RMSNorm(x) * norm_weight
 // (x (M, K)), or SwiGLU silu(x[:, :K]) * x[:, K:] (x (M, 2K)); check_prologue checks x and the

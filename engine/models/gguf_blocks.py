@@ -8,10 +8,18 @@ for the architecture undoes it, and applied to rows of raw blocks it moves whole
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+
 import numpy as np
+import safetensors
+import safetensors.numpy
 from gguf import GGMLQuantizationType, GGUFReader
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+from engine.cache_dir import cache_dir
 from engine.models.linear import KERNEL_FORMATS
 
 # paged-model matmul -> the GGUF tensors whose rows it stacks; {i}: the layer
@@ -42,4 +50,27 @@ def read_blocks(path: str, hf_config) -> dict[str, tuple[GGMLQuantizationType, n
     blocks = {f"layers.{i}.{matmul}": stacked([f"blk.{i}.{part}.weight" for part in parts])
               for i in range(hf_config.num_hidden_layers) for matmul, parts in LAYER_MATMULS.items()}
     blocks["lm_head"] = stacked(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
+    return blocks
+
+
+def stored_blocks(path: str, hf_config) -> dict[str, tuple[GGMLQuantizationType, np.ndarray]]:
+    """read_blocks, kept in the engine's cache after the first read: parsing the file's metadata
+    (its whole vocabulary) and regrouping rows take seconds that every start and step-loop restart
+    would wait for; the cached arrays load in a fraction of one."""
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # how the rows were read and arranged
+    version = importlib.metadata.version("gguf")
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{version}|{code}".encode())
+    target = cache_dir("models") / f"{Path(path).stem}-blocks-{key.hexdigest()[:12]}.safetensors"
+    if target.is_file():
+        with safetensors.safe_open(str(target), "np") as f:  # each array's GGML type in the file's metadata
+            types = f.metadata()
+            return {name: (GGMLQuantizationType[types[name]], f.get_tensor(name)) for name in f.keys()}
+    blocks = read_blocks(path, hf_config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    safetensors.numpy.save_file({name: np.ascontiguousarray(b) for name, (_, b) in blocks.items()}, str(partial),
+                                metadata={name: qtype.name for name, (qtype, _) in blocks.items()})
+    os.replace(partial, target)  # atomic: a reader never sees half a file
     return blocks

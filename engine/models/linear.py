@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 from torch import nn
 
 from engine.config import QUANTIZATION_MODES
@@ -84,6 +83,24 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     scale = blocks.abs().amax(-1, keepdim=True) / ACTIVATION_LEVELS
     inverse = torch.where(scale != 0, 1 / scale, 0)
     return (torch.round(blocks * inverse) * scale).reshape(x.shape)
+
+
+def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """GGUF blocks (N, K / 32 * block bytes) as fp32 weights (N, K): the values gguf's own
+    dequantize gives (the same fp32 multiply, then add), in a few torch ops over all rows
+    instead of numpy's per-row groups (seconds of every start on a 135M model)."""
+    if qtype not in KERNEL_FORMATS:
+        raise ValueError(f"dequantize_blocks reads Q8_0 and Q4_1 blocks, got {qtype.name}")
+    rows = blocks.shape[0]
+    per_block = torch.from_numpy(np.ascontiguousarray(blocks)).view(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == GGMLQuantizationType.Q8_0:  # fp16 scale d, 32 int8 q: d * q
+        scale = per_block[..., :2].contiguous().view(torch.float16).float()
+        return (per_block[..., 2:].contiguous().view(torch.int8).float() * scale).reshape(rows, -1)
+    # Q4_1: fp16 scale d and offset m, 16 bytes of nibbles (low halves first): d * q + m
+    scale, offset = (per_block[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+    nibbles = per_block[..., 4:]
+    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+    return (scale * values + offset).reshape(rows, -1)
 
 
 def regroup_rows(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -176,7 +193,7 @@ class BlockQuantLinear(nn.Module):
         self.qtype, self.bf16_activations = qtype, bf16_activations
         self.format = BF16_Q8_0_FORMAT if bf16_activations else KERNEL_FORMATS[qtype]
         self.register_buffer("rows", torch.from_numpy(regroup_rows(blocks, qtype)))  # (N, K / 32 * bytes) uint8
-        self.register_buffer("weight", torch.from_numpy(dequantize(blocks, qtype)))  # (N, K) fp32
+        self.register_buffer("weight", dequantize_blocks(blocks, qtype))  # (N, K) fp32
         self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
         self.weight_bytes = self.rows.numel()  # what a decode step reads
@@ -217,14 +234,19 @@ class BlockQuantLinear(nn.Module):
     def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 GEMM of the dequantized weights on the same rounded activations."""
-        return _plus(residual, F.linear(self.activations(prologue(x, norm, swiglu)), self.weight, self.bias))
+        return _plus(residual, F.linear(self.activations(x, norm, swiglu), self.weight, self.bias))
 
-    def activations(self, x: torch.Tensor) -> torch.Tensor:
-        """x as this layer's kernels see it: rounded to bf16, or quantized per block (by the
-        compiled kernels when loaded: one pass instead of a handful of torch ops)."""
-        if self.bf16_activations:
-            return x.bfloat16().float()
-        return quantize_activations(x) if self._kernels is None else self._kernels.quantize_activations(x.contiguous())
+    def activations(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+                    swiglu: bool = False) -> torch.Tensor:
+        """prologue(x) as this layer's kernels see it: rounded to bf16, or quantized per block.
+        With the compiled kernels loaded, their own prologue and rounding compute it, so every
+        path multiplies the same values: an fp32 norm a rounding apart from torch's can land on
+        the other side of a bf16 step."""
+        if self._kernels is not None:
+            norm_weight, eps = norm if norm is not None else (None, 0.0)
+            return self._kernels.kernel_activations(x.contiguous(), norm_weight, eps, swiglu, self.bf16_activations)
+        x = prologue(x, norm, swiglu)
+        return x.bfloat16().float() if self.bf16_activations else quantize_activations(x)
 
 
 class WeightOnlyLinear(nn.Module):

@@ -57,11 +57,13 @@ def test_abort_ends_stream_and_frees_blocks(engine):
 
 def test_cancelled_consumer_aborts_request(engine):
     async def main():
+        streaming = asyncio.Event()
+
         async def consume():
             async for _ in engine.generate([9, 9, 9], SamplingParams(max_tokens=500, ignore_eos=True), "cancel-me"):
-                pass
+                streaming.set()
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.3)
+        await streaming.wait()  # cancelled mid-stream, whatever the machine's speed
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

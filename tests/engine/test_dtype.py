@@ -38,8 +38,8 @@ def test_an_fp16_kv_cache_holds_twice_the_blocks_in_the_same_memory_and_says_so(
     """The pool is sized in bytes: fp16 blocks are half as large. Swap's host pool keeps the same
     dtype, and the report (the serve app's engine labels) names it; fp32 weights through an fp16
     cache are no longer the reference, and no check scores them, so no figures are claimed."""
-    engines = {kv: LLM(tiny_llama, kv_cache_dtype=kv, kv_cache_memory_bytes=1 << 20, swap_space_bytes=1 << 20)
-               for kv in ("float32", "float16")}
+    engines = {kv: LLM(tiny_llama, kv_cache_dtype=kv, kv_cache_memory_bytes=1 << 20, swap_space_bytes=1 << 20,
+                       preemption_mode="swap") for kv in ("float32", "float16")}
     fp32, fp16 = (engines[kv].engine for kv in ("float32", "float16"))
     assert fp16.kv.pool.num_blocks == 2 * fp32.kv.pool.num_blocks
     assert fp16.runner.kv_cache.dtype == fp16.runner.host_cache.dtype == torch.float16
@@ -47,6 +47,8 @@ def test_an_fp16_kv_cache_holds_twice_the_blocks_in_the_same_memory_and_says_so(
     assert fp16.runner.host_cache.shape[blocks] == 2 * fp32.runner.host_cache.shape[blocks]
     assert (fp32.model_report.kv_cache_dtype, fp16.model_report.kv_cache_dtype) == ("float32", "float16")
     assert fp32.model_report.top1_agreement == 1.0 and fp16.model_report.top1_agreement is None
+    recompute_only = LLM(tiny_llama, kv_cache_memory_bytes=1 << 20, swap_space_bytes=1 << 20).engine
+    assert recompute_only.runner.host_cache.shape[blocks] == 1  # nothing is ever swapped out: no host pool
 
 
 def test_flash_backend_refuses_what_it_cannot_run():

@@ -1,0 +1,128 @@
+"""The default mode (quantization `auto`, engine/quantization_check.py): chosen by the serving mix
+(engine/serving_mix.py) among the modes that pass the quality check, decided once per model and
+machine and read back on every later start; `quantization: none` stays the exact reference."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import LLM
+from engine import quantization_check as qc
+from engine.config import ModelConfig
+from engine.cpu_kernels import load_cpu_kernels
+from engine.model_loader import converted_gguf, default_model_path, load_model
+from engine.quality import Quality
+from engine.serving_mix import SERVING_MIX, MixTiming
+
+
+def _timing(single: float, saturated: float) -> MixTiming:
+    """A MixTiming whose lone-stream step takes `single` and every saturated step `saturated`."""
+    return MixTiming({s.name: (single if s.single_stream_weight else saturated) for s in SERVING_MIX})
+
+
+def test_a_ggufs_own_blocks_go_ahead_of_re_quantizations_slower_on_a_lone_stream():
+    """The figures `auto` timed on an AMD EPYC (Zen 4, no AMX) for the embedded model: w4a16 is a
+    shade faster on the mix but three times slower alone; the file's own blocks are scored first."""
+    steps = [s.name for s in SERVING_MIX]
+    timings = {mode: MixTiming(dict(zip(steps, ratios))) for mode, ratios in {
+        "gguf": (0.11, 0.26, 0.96, 1.00), "int8": (0.16, 0.42, 1.00, 1.00),
+        "w4a16": (0.35, 0.45, 0.57, 0.63), "w8a16": (0.41, 0.44, 0.63, 0.76)}.items()}
+    assert timings["w4a16"].mix < timings["gguf"].mix
+    assert qc.scoring_order(timings) == ["gguf", "w4a16", "int8", "w8a16"]
+    del timings["gguf"]  # a checkpoint that is no GGUF: the mix alone orders
+    assert qc.scoring_order(timings) == ["w4a16", "int8", "w8a16"]
+    timings["w8a16"] = _timing(1.5, 1.2)  # slower than fp32 on the mix: never scored
+    assert qc.scoring_order(timings) == ["w4a16", "int8"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.05, 1.5), st.floats(0.05, 1.5), st.booleans()), min_size=1, max_size=4),
+       st.booleans())
+def test_the_first_passing_mode_is_never_beaten_on_both_a_lone_stream_and_a_saturated_server(modes, has_gguf):
+    names = ["gguf" if has_gguf else "int8", "w4a16", "w8a16", "other"][:len(modes)]
+    timings = {n: _timing(single, sat) for n, (single, sat, _) in zip(names, modes)}
+    passes = {n for n, (_, _, ok) in zip(names, modes) if ok}
+    chosen = next((m for m in qc.scoring_order(timings) if m in passes), None)
+    if chosen is None:  # fp32 stays: no passing mode beats it on the mix
+        assert all(timings[m].mix >= 1 for m in passes)
+        return
+    assert timings[chosen].mix < 1
+    assert not any(timings[chosen].beaten_on_both_by(timings[m]) for m in passes)
+
+
+def test_the_decision_is_cached_and_a_restart_neither_times_nor_scores(tiny_llama, tmp_path, monkeypatch):
+    """The first start times every candidate on the real serving-mix steps and scores the ones
+    faster than fp32 (a random model's logits are nearly flat: none passes, fp32 stays); the
+    decision file is then all a restart reads. Its contents are what the engine runs: edited to
+    w8a16 with an fp16 cache and given figures, the next start runs exactly that."""
+    load_cpu_kernels()  # the mix runs through the engine's attention kernel, built in the usual cache
+    monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(qc, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no block kernels needed
+    first = load_model(ModelConfig(model=tiny_llama, quality_check_tokens=1024))
+    assert first.quantization == "none" and first.kv_cache_dtype == torch.float32
+    [decision_file] = (tmp_path / "decisions").glob("*.json")
+    decision = json.loads(decision_file.read_text())
+    assert set(decision["timings"]) == {"w4a16", "w8a16"}
+    assert all(set(ratios) == {s.name for s in SERVING_MIX} and all(r > 0 for r in ratios.values())
+               for ratios in decision["timings"].values())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a restart must not time or score")
+
+    monkeypatch.setattr(qc, "time_mix", refuse)
+    monkeypatch.setattr(qc, "token_scores", refuse)
+    assert load_model(ModelConfig(model=tiny_llama, quality_check_tokens=1024)).quantization == "none"
+    figures = {"top1_agreement": 0.99, "perplexity": 10.1, "reference_perplexity": 10.0}
+    decision_file.write_text(json.dumps({**decision, "mode": "w8a16", "kv_cache_dtype": "float16",
+                                         "quality": figures}))
+    llm = LLM(tiny_llama, quality_check_tokens=1024, kv_cache_memory_bytes=1 << 20)
+    report = llm.engine.model_report
+    assert (report.quantization, report.kv_cache_dtype, report.top1_agreement) == ("w8a16", "float16", 0.99)
+    assert llm.engine.loaded.quality == Quality(**figures)
+    out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > 0
+    # an explicit mode or cache is not the decision's: fp32 stays the exact reference
+    assert load_model(ModelConfig(model=tiny_llama, quantization="none")).kv_cache_dtype == torch.float32
+
+
+def test_auto_is_fp32_where_the_quantized_kernels_do_not_run(tiny_llama):
+    """16-bit weights on CPU (and CUDA, config-level): the quantized kernels compute in float32."""
+    assert ModelConfig(dtype="bfloat16").quantization == "auto"
+    loaded = load_model(ModelConfig(model=tiny_llama, dtype="bfloat16"))
+    assert (loaded.quantization, loaded.kv_cache_dtype) == ("none", torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_with_no_quantization_given_the_embedded_model_runs_its_own_blocks_through_an_fp16_cache():
+    """`make install` decided it; this start reads the decision."""
+    report = LLM(kv_cache_memory_bytes=1 << 26).engine.model_report
+    assert (report.quantization, report.kv_cache_dtype) == ("gguf", "float16")
+    assert report.top1_agreement >= 0.97 and abs(report.perplexity_increase) <= 0.03
+
+
+@pytest.mark.slow
+def test_a_converted_checkpoint_runs_the_first_mode_in_scoring_order_that_passes(tmp_path, monkeypatch):
+    """The embedded GGUF converted to a Hugging Face directory (no blocks of its own): `auto` times
+    int8, w4a16 and w8a16 and runs the first in scoring order that passes; every mode before it
+    failed its check (the figures are cached beside the decision)."""
+    directory = str(converted_gguf(default_model_path()))  # in the usual cache, as the kernels
+    load_cpu_kernels()
+    monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
+    loaded = load_model(ModelConfig(model=directory, quality_check_tokens=2000))
+    [decision_file] = (tmp_path / "decisions").glob("*.json")
+    timings = {m: MixTiming(r) for m, r in json.loads(decision_file.read_text())["timings"].items()}
+    assert set(timings) == {"int8", "w4a16", "w8a16"}
+    order = qc.scoring_order(timings)
+    assert loaded.quantization in order and loaded.quality.passes, (loaded.quantization, loaded.quality)
+    for earlier in order[:order.index(loaded.quantization)]:
+        scored = [Quality(**json.loads(f.read_text())) for f in (tmp_path / "quality").glob(f"*-{earlier}-*.json")]
+        assert scored and not any(q.passes for q in scored), earlier
+    prompt = random.Random(0).sample(range(100, 1000), 24)
+    out = LLM(directory, quality_check_tokens=2000, kv_cache_memory_bytes=1 << 26).generate(
+        [prompt], use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > 0
