@@ -442,7 +442,26 @@ def _proc_label(p: Any) -> str:
     for key in ("EngineReplica", "Router", "Ingress", "ProxyActor", "ServeController"):
         if key in cmd:
             return key
+    if "haproxy" in cmd:
+        return "HAProxy"  # the front door of RAY_SERVE_ENABLE_HA_PROXY
     return "other_ray"
+
+
+def cost_table(cpu_s: dict[str, float], output_tokens: int, num_requests: int,
+               offline: dict[str, Any] | None) -> str:
+    """CPU-seconds per 1,000 output tokens and per request in each serving process, and the
+    offline engine's beside them: the serving cost as a figure to plan with."""
+    lines = ["| process | CPU-s | per 1,000 output tokens | per request |", "|---|---:|---:|---:|"]
+    rows = sorted(cpu_s.items(), key=lambda kv: -kv[1])
+    if offline and offline.get("cpu_s") is not None:
+        rows.append(("offline engine (same workload)", offline["cpu_s"]))
+    for name, seconds in rows:
+        lines.append(f"| {name} | {seconds:.2f} | {1000 * seconds / max(output_tokens, 1):.3f} | "
+                     f"{seconds / max(num_requests, 1):.3f} |")
+    serving = sum(v for k, v in cpu_s.items() if k not in ("EngineProcess", "bench_client+driver"))
+    lines.append(f"| serving processes (all but the engine process and the client) | {serving:.2f} | "
+                 f"{1000 * serving / max(output_tokens, 1):.3f} | {serving / max(num_requests, 1):.3f} |")
+    return "\n".join(lines)
 
 
 def probe_replica_threads(num_cpus: float) -> dict[str, Any]:
@@ -590,14 +609,14 @@ def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
                  [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True) for _ in warm],
                  use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate([list(p) for p in wl.prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     mism = [i for i, (o, n) in enumerate(zip(outs, wl.output_lens))
             if len(o.outputs[0].token_ids) != n]
     del llm
-    return {"wall_s": wall, "torch_num_threads": torch.get_num_threads(),
+    return {"wall_s": wall, "cpu_s": cpu_s, "torch_num_threads": torch.get_num_threads(),
             "output_tokens": out_tokens, "output_tps": out_tokens / wall,
             "total_tps": (out_tokens + wl.num_prompt_tokens) / wall,
             "output_len_mismatches": mism, "engine_args": engine_args, "model": model}
@@ -718,9 +737,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"SLO class {priority}: {row['met']}/{row['finished']} met (ttft {row['met_ttft']}, tpot "
                   f"{row['met_tpot']}), attainment {row['attainment']:.3f}, goodput {row['goodput_rps']:.2f} req/s")
         if extra.get("cpu_s_during_run"):
-            print("\nCPU seconds during the HTTP run: " + ", ".join(
-                f"{k} {v}" for k, v in sorted(extra["cpu_s_during_run"].items(),
-                                              key=lambda kv: -kv[1])))
+            print("\nCPU during the HTTP run:\n" + cost_table(extra["cpu_s_during_run"], summary["output_tokens"],
+                                                              summary["num_ok"], offline))
         if extra.get("replica_threads_probe"):
             print(f"torch threads in a Ray actor with the replica's num_cpus: "
                   f"{extra['replica_threads_probe']}", flush=True)
