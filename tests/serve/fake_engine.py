@@ -86,8 +86,8 @@ class FakeAsyncEngine(EngineClient):
         engine.block_size = config.cache.block_size
         engine.max_model_len = config.model.max_model_len or cls.max_model_len
         model = config.model
-        engine.model_report = ModelReport(model.quantization, model.resolved_dtype, model.resolved_dtype, model.device,
-                                          0, 1.0, 0.0)
+        mode = "none" if model.quantization == "auto" else model.quantization  # as the engine resolves it: no weights
+        engine.model_report = ModelReport(mode, model.resolved_dtype, model.resolved_dtype, model.device, 0, 1.0, 0.0)
         return engine
 
     def stats(self) -> EngineStats:
