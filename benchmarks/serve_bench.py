@@ -461,6 +461,14 @@ def cost_table(cpu_s: dict[str, float], output_tokens: int, num_requests: int,
     serving = sum(v for k, v in cpu_s.items() if k not in ("EngineProcess", "bench_client+driver"))
     lines.append(f"| serving processes (all but the engine process and the client) | {serving:.2f} | "
                  f"{1000 * serving / max(output_tokens, 1):.3f} | {serving / max(num_requests, 1):.3f} |")
+    if offline and offline.get("cpu_s") is not None:
+        # if the engine needed only its offline CPU and every other process what it took here,
+        # the machine's cores could run the HTTP workload no faster than this
+        others = sum(v for k, v in cpu_s.items() if k != "EngineProcess")
+        cores = os.cpu_count() or 1
+        ceiling = offline["wall_s"] * cores / (offline["cpu_s"] + others)
+        lines.append(f"\nHTTP / offline ceiling on {cores} cores with these processes' CPU: {min(ceiling, 1.0):.3f} "
+                     f"(offline wall x cores / (offline engine CPU-s + the others' CPU-s); meaningful when CPU-bound)")
     return "\n".join(lines)
 
 
