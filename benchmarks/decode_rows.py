@@ -1,6 +1,7 @@
 """Where the quantized matmul should switch from the C++ block kernel to its large-batch path (the
-AMX tile GEMM where the CPU has it, else fp32 GEMM of the dequantized weights; `decode_rows`,
-BlockQuantLinear.DECODE_ROWS / TILED_DECODE_ROWS): both paths timed on the embedded model's own
+AMX tile GEMM where the CPU has it, else the vector GEMM where the build has one, else fp32 GEMM of
+the dequantized weights; `decode_rows`, BlockQuantLinear.TILED_DECODE_ROWS / VECTOR_DECODE_ROWS /
+DECODE_ROWS): both paths timed on the embedded model's own
 matmuls (one layer's q/k/v, o, gate/up and down, plus the LM head), for each number of rows.
 
 Per row count, the matmul time of a whole step: 30 layers' four matmuls plus the LM head, each
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from benchmarks.quantization import cpu_features  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.models.linear import BlockQuantLinear  # noqa: E402
@@ -37,7 +39,7 @@ def step_matmuls(model) -> list[tuple[BlockQuantLinear, int]]:
 
 def step_seconds(matmuls: list[tuple[BlockQuantLinear, int]], inputs: list[torch.Tensor], path: str,
                  calls: int = 3) -> float:
-    """One step's matmul time on `path` ('forward_kernel', 'forward_tiles' or 'forward_gemm')."""
+    """One step's matmul time on `path` ('forward_kernel', 'forward_tiles', 'forward_vector' or 'forward_gemm')."""
     total = 0.0
     for (matmul, per_step), x in zip(matmuls, inputs):
         forward = getattr(matmul, path)
@@ -57,9 +59,11 @@ def main() -> None:
     parser.add_argument("--workload-repeats", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    print(cpu_features())
     model = load_model(ModelConfig(quantization=args.quantization)).model
     matmuls = step_matmuls(model)
-    batch_path = "forward_tiles" if all(m.tiled for m, _ in matmuls) else "forward_gemm"
+    batch_path = ("forward_tiles" if all(m.tiled for m, _ in matmuls) else
+                  "forward_vector" if all(m.vectored for m, _ in matmuls) else "forward_gemm")
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     results = []
@@ -85,15 +89,16 @@ def main() -> None:
 def compare_on_workload(quantization: str, limits: list[int], repeats: int) -> None:
     """The 64-request workload's useful tok/s with each kernel row limit, interleaved."""
     from benchmarks.quantization import bench_engine, workload
+    from engine.cpu_kernels import load_cpu_kernels
 
     llms = {}
     for limit in limits:
         llms[limit] = bench_engine(quantization)
         model = llms[limit].engine.runner.model
-        model.decode_rows = limit  # this engine's own limit: its decode stack's and each matmul's
-        for module in model.modules():
+        for module in model.modules():  # this engine's own limit: each matmul's, then its decode stack's
             if isinstance(module, BlockQuantLinear):
                 module.decode_rows = limit
+        model.fuse_decode_stack(load_cpu_kernels())
     speeds: dict[int, list[float]] = {limit: [] for limit in limits}
     for _ in range(repeats):
         for limit, llm in llms.items():

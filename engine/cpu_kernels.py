@@ -2,12 +2,14 @@
 
 `paged_decode_attention` reads K/V blocks in place through the block table, where the pure-torch
 path first gathers them into a padded copy; `block_quant_linear` multiplies activations by GGUF
-block-quantized weights (Q8_0, Q4_1) for decode-sized batches, and `kernel_activations` gives
-larger batches' activations (the fused prologue and the rounding) as the kernel computes them
-(engine/models/linear.py); `DecodeStack` runs a decode step through all of a block-quantized
+block-quantized weights (Q8_0, Q4_1) for decode-sized batches, `block_quant_gemm` (AMX tiles) and
+`vector_gemm` (AVX512-VNNI/BF16, AVX-512, AVX2) for larger ones, and `kernel_activations` gives
+the fp32 GEMM fallback's activations (the fused prologue and the rounding) as the kernels compute
+them (engine/models/linear.py); `DecodeStack` runs a decode step through all of a block-quantized
 model's layers in one call (engine/models/llama.py), and `rope_write_kv` RoPE with the KV write
 for it and for the layers' own path. They
-are compiled for the CPU's vector width (torch's cpp_extension and ninja, tens of seconds).
+are compiled for this CPU's features, -march=native (torch's cpp_extension and ninja, about two
+minutes on 2 cores).
 `make install` builds them (`python -m engine.cpu_kernels`) into a cache keyed by the sources,
 the flags, torch's version and the CPU capability, so an engine's start-up only loads the
 library; if it is missing there, the first engine builds it (its start-up, and so a replica's
@@ -33,15 +35,42 @@ from engine.cache_dir import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "block_quant_linear.cpp",
-            _CSRC / "block_quant_gemm.cpp", _CSRC / "rope_kv.cpp", _CSRC / "decode_stack.cpp"]
+            _CSRC / "block_quant_gemm.cpp", _CSRC / "vector_gemm.cpp", _CSRC / "rope_kv.cpp",
+            _CSRC / "decode_stack.cpp"]
+# Builds for older CPU families than this one (gcc's -march names), so every feature branch is
+# compiled and run here (the native build has this CPU's own): torch's vector capability each
+# implies, and the CPU flags it needs. Tests build the matmul kernels alone for each;
+# CBSERVE_CPU_MARCH=haswell, say, makes the engine load a whole build for one (benchmarks).
+TARGETS = {
+    "x86-64": ("DEFAULT", frozenset()),  # the plain loops
+    "haswell": ("AVX2", frozenset({"avx2", "fma", "f16c"})),
+    "skylake-avx512": ("AVX512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),  # no VNNI, no BF16
+}
+_MATMUL_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "block_quant_linear.cpp", _CSRC / "vector_gemm.cpp"]
 
 
-def _flags() -> tuple[str, list[str]]:
-    capability = torch.backends.cpu.get_cpu_capability()  # e.g. "AVX512", "AVX2", "DEFAULT"
+def _engine_march() -> str:
+    return os.environ.get("CBSERVE_CPU_MARCH", "native")
+
+
+def _flags(march: str, matmuls_only: bool) -> tuple[str, list[str]]:
+    """The build's vector capability and compiler flags: for "native", torch's capability here
+    (e.g. "AVX512", "AVX2", "DEFAULT") and this CPU's every feature; else a TARGETS entry."""
+    capability = torch.backends.cpu.get_cpu_capability() if march == "native" else TARGETS[march][0]
     flags = ["-O3", "-ffast-math", "-fopenmp"]
     if capability in ("AVX2", "AVX512"):
-        flags += ["-march=native", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+        flags += [f"-march={march}", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    elif march != "native":
+        flags += [f"-march={march}"]
+    if matmuls_only:
+        flags += ["-DCBSERVE_MATMULS_ONLY"]
     return capability, flags
+
+
+def runnable_targets() -> list[str]:
+    """The TARGETS this CPU can run."""
+    flags = set(_cpu_features().split())
+    return [march for march, (_, needs) in TARGETS.items() if needs <= flags]
 
 
 def _cpu_features() -> str:
@@ -52,18 +81,19 @@ def _cpu_features() -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
 
 
-def _name_and_dir() -> tuple[str, Path]:
-    capability, flags = _flags()
+def _name_and_dir(march: str, matmuls_only: bool) -> tuple[str, Path]:
+    capability, flags = _flags(march, matmuls_only)
     sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))
     key = hashlib.sha256(sources + " ".join(flags + [torch.__version__, _cpu_features()]).encode()).hexdigest()[:12]
-    name = f"cbserve_cpu_kernels_{capability.lower()}_{key}"
+    suffix = ("" if march == "native" else "_" + march.replace("-", "_")) + ("_matmuls" if matmuls_only else "")
+    name = f"cbserve_cpu_kernels_{capability.lower()}{suffix}_{key}"
     return name, cache_dir("kernels") / name
 
 
 def kernel_build_key() -> str:
-    """The kernels' build identity (sources, flags, torch, the CPU's features), without building
-    them: what timings taken through them depend on."""
-    return _name_and_dir()[0]
+    """The engine's kernels' build identity (sources, flags, torch, the CPU's features), without
+    building them: what timings taken through them depend on."""
+    return _name_and_dir(_engine_march(), False)[0]
 
 
 def _import(name: str, path: Path):
@@ -74,7 +104,7 @@ def _import(name: str, path: Path):
     return module
 
 
-def _build(name: str, directory: Path):
+def _build(name: str, directory: Path, march: str, matmuls_only: bool):
     """Compiles the kernels into `directory` and returns the loaded module."""
     import ninja  # torch's builder looks for the ninja binary on PATH; the wheel ships one
     from torch.utils.cpp_extension import load
@@ -82,25 +112,29 @@ def _build(name: str, directory: Path):
     if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     directory.mkdir(parents=True, exist_ok=True)
-    _, flags = _flags()
+    _, flags = _flags(march, matmuls_only)
     t0 = time.monotonic()
-    module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    sources = _MATMUL_SOURCES if matmuls_only else _SOURCES
+    module = load(name=name, sources=[str(p) for p in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                   build_directory=str(directory), verbose=False)
     logger.warning("built the C++ CPU kernels in %.0f s into %s", time.monotonic() - t0, directory)
     return module
 
 
 @functools.cache
-def load_cpu_kernels():
+def load_cpu_kernels(march: str | None = None, matmuls_only: bool = False):
     """The compiled module (built first if the cache lacks it), or None, with the reason
-    logged, if it cannot be built here."""
+    logged, if it cannot be built here. By default the engine's build (this CPU's, "native",
+    unless CBSERVE_CPU_MARCH names a TARGETS entry); `march` and `matmuls_only`: the matmul
+    kernels built for another family (tests)."""
     try:
-        name, directory = _name_and_dir()
+        march = march or _engine_march()
+        name, directory = _name_and_dir(march, matmuls_only)
         library = directory / f"{name}.so"
         if library.exists():
             return _import(name, library)
         logger.warning("C++ CPU kernels not built yet (`make install` builds them); building them now")
-        return _build(name, directory)
+        return _build(name, directory, march, matmuls_only)
     except Exception as e:  # no compiler, no ninja, unsupported platform: fall back, say why
         logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch paths", e)
         return None
@@ -108,6 +142,6 @@ def load_cpu_kernels():
 
 if __name__ == "__main__":  # `make install`: build (or find) the kernels, say where
     logging.basicConfig(level=logging.INFO)
-    name, directory = _name_and_dir()
+    name, directory = _name_and_dir(_engine_march(), False)
     print(f"CPU kernels: {directory / (name + '.so')}")
     sys.exit(0 if load_cpu_kernels() is not None else 1)

@@ -2,12 +2,18 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Release the GIL: the kernels touch no Python objects, and a server thread may need it.
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32 queries, fp32 or fp16 cache)",
-        py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_linear", &block_quant_linear, "residual + prologue(x) (M, K) fp32 @ dequantized GGUF blocks (N, K)^T + bias",
         py::call_guard<py::gil_scoped_release>());
   m.def("kernel_activations", &kernel_activations,
         "prologue(x) (M, K) rounded per block of 32 to 15 bits, or to bf16, as the kernels multiply it",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("vector_gemm", &vector_gemm,
+        "residual + x (M, K) fp32 @ block-quantized weights in tile order + bias, for large batches without AMX",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("vector_gemm_isa", &vector_gemm_isa, "the instructions vector_gemm's integer products use in this build");
+  m.def("vector_gemm_bf16", &vector_gemm_bf16, "whether vector_gemm takes bf16 activations in this build");
+#if !defined(CBSERVE_MATMULS_ONLY)  // cpu_kernels.TARGETS: the matmuls alone, built for other CPU families
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32 queries, fp32 or fp16 cache)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_quant_gemm_available", &block_quant_gemm_available, "whether block_quant_gemm runs here (AMX bf16 tiles)");
   m.def("block_quant_gemm", &block_quant_gemm,
@@ -20,7 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step through block-quantized Llama layers in one call")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
-                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>())
+                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
+                    std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
+                    std::vector<c10::optional<torch::Tensor>>, int64_t>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
+#endif
 }

@@ -353,9 +353,7 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   TORCH_CHECK(!offsets.has_value() || (offsets->scalar_type() == torch::kFloat && offsets->is_contiguous() &&
                   offsets->sizes() == scales.sizes()), "offsets: contiguous fp32 (K / 32, N)");
   TORCH_CHECK(!(bf16_activations && offsets.has_value()), "bf16 activations take Q8_0 blocks: no offsets");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
-  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
-                  residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
+  check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
@@ -395,9 +393,7 @@ torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles,
                   tiles.size(2) == 2 * kTileElements, "tiles: contiguous bf16 (N / 16, K / 32, 2 * 512)");
   const int64_t nb = tiles.size(1), K = nb * kBlock, M = x.size(0), groups = tiles.size(0), N = groups * 16;
   check_prologue(x, K, norm_weight, swiglu);
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
-  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
-                  residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
+  check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;

@@ -383,6 +383,13 @@ void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch
                   norm_weight->is_contiguous() && norm_weight->numel() == K), "norm_weight: fp32 (K)");
 }
 
+void check_bias_residual(const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual,
+                         int64_t M, int64_t N) {
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
+  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
+                  residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
+}
+
 torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, double eps,
                                  bool swiglu, bool bf16) {
   const int64_t M = x.size(0), K = swiglu ? x.size(1) / 2 : x.size(1);
@@ -415,9 +422,7 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
                   blocks.size(1) % block_bytes(format) == 0, "blocks: contiguous uint8 (N, K / 32 * block bytes)");
   const int64_t N = blocks.size(0), nb = blocks.size(1) / block_bytes(format), K = nb * kBlock, M = x.size(0);
   check_prologue(x, K, norm_weight, swiglu);
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == N), "bias: fp32 (N)");
-  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == torch::kFloat && residual->is_contiguous() &&
-                  residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
+  check_bias_residual(bias, residual, M, N);
   std::unique_ptr<float[]> transformed;
   const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   const bool bf16 = format == kQ8_0Bf16;

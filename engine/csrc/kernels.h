@@ -28,6 +28,10 @@ torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<tor
 // weight for K; with_prologue returns x's rows as they are without one, else the prologue's, kept
 // in `transformed`.
 void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, bool swiglu);
+// block_quant_linear.cpp: checks an (M, N) matmul's epilogue operands: bias fp32 (N), residual
+// contiguous fp32 (M, N).
+void check_bias_residual(const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual,
+                         int64_t M, int64_t N);
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
                            double eps, bool swiglu, std::unique_ptr<float[]>& transformed);
 
@@ -54,6 +58,20 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
 torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias,
                              const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
                              const c10::optional<torch::Tensor>& residual);
+
+// vector_gemm.cpp: block_quant_gemm's products for CPUs without AMX tiles, on the vector units
+// (AVX512-VNNI, AVX-512, AVX2, or a plain loop, by the build's CPU features): residual + prologue(x)
+// (M, K) times weights in tile order (N / 16, K / 32, 512): int8 q (integer formats, x quantized per
+// block of 32 inside) or bf16 q (x rounded to bf16; AVX512-BF16), with scales d and (Q4_1)
+// offsets m (K / 32, N), w = d * q (+ m), + bias.
+torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                          const c10::optional<torch::Tensor>& residual);
+// The instructions vector_gemm's integer products were built for: avx512_vnni, avx512, avx2 or plain.
+std::string vector_gemm_isa();
+// Whether vector_gemm takes bf16 activations in this build.
+bool vector_gemm_bf16();
 
 // fp32 to bf16 bits, rounded to nearest even as torch's .bfloat16() rounds (activations are finite).
 inline uint16_t bf16_bits(float v) {
@@ -84,12 +102,16 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
 // Llama layers, each layer's four matmuls (qkv, o, gate_up, down: block_quant_linear's rows,
 // formats and biases) and two RMSNorm weights (input, post-attention) held from construction.
+// Matmuls given vector_gemm's tiles, scales and offsets run it on steps of more than kernel_rows
+// tokens (BlockQuantLinear's decode_rows), block_quant_linear on the rest.
 class DecodeStack {
  public:
   static constexpr int64_t kMatmuls = 4;
   DecodeStack(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
               std::vector<c10::optional<torch::Tensor>> biases, std::vector<torch::Tensor> norms, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps);
+              int64_t num_kv_heads, int64_t head_dim, double eps, std::vector<c10::optional<torch::Tensor>> tiles,
+              std::vector<c10::optional<torch::Tensor>> scales, std::vector<c10::optional<torch::Tensor>> offsets,
+              int64_t kernel_rows);
   int64_t num_layers() const;
   // hidden (T, hidden) through the first num_layers layers; cos/sin (T, head_dim) at the tokens'
   // positions (sin's first half negated); kv_cache (layers, 2, kv_heads, blocks, block_size,
@@ -101,10 +123,16 @@ class DecodeStack {
                         int64_t num_layers) const;
 
  private:
+  // Matmul i (layer * kMatmuls + which) of x, its prologue and residual fused.
+  torch::Tensor matmul(int64_t i, const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, bool swiglu,
+                       const c10::optional<torch::Tensor>& residual) const;
+
   std::vector<torch::Tensor> rows_;
   std::vector<int64_t> formats_;
   std::vector<c10::optional<torch::Tensor>> biases_;
   std::vector<torch::Tensor> norms_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
+  std::vector<c10::optional<torch::Tensor>> tiles_, scales_, offsets_;
+  int64_t kernel_rows_;
 };

@@ -123,11 +123,12 @@ def tile_order(values: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(rows // 16, cols // BLOCK, -1).contiguous()
 
 
-def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor,
-                                                                           torch.Tensor | None]:
-    """GGUF blocks (N, K / 32 * block bytes) as the AMX GEMM reads them (engine/csrc/block_quant_gemm.cpp):
-    the integer weights q as bf16 (exact) in tile order; the scales d and (Q4_1) offsets m as
-    (K / 32, N) fp32, so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
+def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype = torch.bfloat16
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF blocks (N, K / 32 * block bytes) as the large-batch GEMMs read them
+    (engine/csrc/block_quant_gemm.cpp, vector_gemm.cpp): the integer weights q as `dtype` (bf16 or
+    int8, exact either way) in tile order; the scales d and (Q4_1) offsets m as (K / 32, N) fp32,
+    so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
     rows = blocks.shape[0]
     per_block = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])  # (N, K / 32, block bytes)
     scales = per_block[:, :, 0:2].copy().view(np.float16)[..., 0]
@@ -138,7 +139,7 @@ def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.
         offsets = per_block[:, :, 2:4].copy().view(np.float16)[..., 0]
         nibbles = per_block[:, :, 4:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weight i < 16: the low nibble
-    tiles = tile_order(torch.from_numpy(q.reshape(rows, -1).astype(np.float32)).to(torch.bfloat16))
+    tiles = tile_order(torch.from_numpy(q.reshape(rows, -1).astype(np.int8)).to(dtype))
     scales_by_block = torch.from_numpy(np.ascontiguousarray(scales.T.astype(np.float32)))
     offsets_by_block = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets.T.astype(np.float32)))
     return tiles, scales_by_block, offsets_by_block
@@ -173,14 +174,16 @@ class BlockQuantLinear(nn.Module):
     """A matmul on GGUF block-quantized weights with block-quantized activations, or with
     `bf16_activations` (Q8_0 blocks from `int8_blocks`) activations rounded to bf16. Up to
     `decode_rows` rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks.
-    Larger inputs (prefill) run, where the CPU has AMX tiles, the tile GEMM (on the blocks'
-    integers, the same integer dot products per block; or on the exact weights as bf16 pairs), else
-    fp32 GEMM of the dequantized weights on the same rounded activations: the same values either
-    way, so the same results to fp32 rounding, whatever the batch. Without the compiled kernels
-    every input takes the fp32 GEMM."""
+    Larger inputs (prefill, large decode batches) run, where the CPU has AMX tiles, the tile GEMM (on
+    the blocks' integers, the same integer dot products per block; or on the exact weights as bf16
+    pairs); else the vector GEMM (`vectored`: the same products on AVX512-VNNI, AVX-512 or AVX2, and
+    with bf16 activations on AVX512-BF16); else fp32 GEMM of the dequantized weights on the same
+    rounded activations: the same values every way, so the same results to fp32 rounding, whatever
+    the batch. Without the compiled kernels every input takes the fp32 GEMM."""
 
     DECODE_ROWS = 28  # the kernel beats fp32 GEMM by 1.26x here on this model family's shapes (BENCHMARKS.md)
     TILED_DECODE_ROWS = 8  # with AMX tiles, the tile GEMM beats the kernel from 5-8 rows on (BENCHMARKS.md)
+    VECTOR_DECODE_ROWS = 4  # the vector GEMM beats the kernel from VECTOR_DECODE_ROWS + 1 rows on (BENCHMARKS.md)
     # bf16 activations: up to these rows the integer tiles (2 bytes a weight, scaled per block) run, past
     # them the exact bf16 pairs (4 bytes a weight, no scaling inside K) (BENCHMARKS.md)
     INTEGER_TILE_ROWS = 64
@@ -197,9 +200,17 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
         self.weight_bytes = self.rows.numel()  # what a decode step reads
-        self.tiled = kernels is not None and kernels.block_quant_gemm_available() and blocks.shape[0] % 16 == 0
-        self.decode_rows = self.TILED_DECODE_ROWS if self.tiled else self.DECODE_ROWS  # rows the kernel takes
-        tiles, scales, offsets = tile_blocks(blocks, qtype) if self.tiled else (None, None, None)
+        whole_groups = kernels is not None and blocks.shape[0] % 16 == 0  # the GEMMs take 16 columns at a time
+        self.tiled = whole_groups and kernels.block_quant_gemm_available()
+        # the plain loop (a build without AVX2) is slower than fp32 GEMM: that keeps the GEMM
+        self.vectored = (whole_groups and not self.tiled and kernels.vector_gemm_isa() != "plain"
+                         and (kernels.vector_gemm_bf16() or not bf16_activations))
+        self.decode_rows = (self.TILED_DECODE_ROWS if self.tiled else self.VECTOR_DECODE_ROWS if self.vectored
+                            else self.DECODE_ROWS)  # rows the kernel takes
+        tiles, scales, offsets = (None, None, None)
+        if self.tiled or self.vectored:  # the vector GEMM's integers in int8, half the bytes
+            tile_dtype = torch.int8 if self.vectored and not bf16_activations else torch.bfloat16
+            tiles, scales, offsets = tile_blocks(blocks, qtype, tile_dtype)
         self.register_buffer("pair_tiles", bf16_pair_tiles(self.weight) if self.tiled and bf16_activations else None)
         self.register_buffer("tiles", tiles)
         self.register_buffer("scales", scales)
@@ -211,7 +222,17 @@ class BlockQuantLinear(nn.Module):
             return self.forward_kernel(x, norm, swiglu, residual)
         if self.tiled:
             return self.forward_tiles(x, norm, swiglu, residual)
+        if self.vectored:
+            return self.forward_vector(x, norm, swiglu, residual)
         return self.forward_gemm(x, norm, swiglu, residual)
+
+    def forward_vector(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The vector GEMM on the tiles, prologue and residual fused (needs `vectored`)."""
+        norm_weight, eps = norm if norm is not None else (None, 0.0)
+        residual = None if residual is None else residual.contiguous()
+        return self._kernels.vector_gemm(x.contiguous(), self.tiles, self.scales, self.offsets, self.bias, norm_weight,
+                                         eps, swiglu, residual)
 
     def forward_tiles(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                       residual: torch.Tensor | None = None) -> torch.Tensor:

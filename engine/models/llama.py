@@ -9,6 +9,7 @@ reproduced exactly. Logits are computed only at sampled positions.
 """
 from __future__ import annotations
 
+import sys
 from itertools import islice
 
 import torch
@@ -78,16 +79,21 @@ class LlamaForPagedAttention(nn.Module):
 
     def fuse_decode_stack(self, kernels) -> None:
         """With every layer's matmuls block-quantized, decode steps of up to their `decode_rows` tokens
+        (of any count where every matmul is `vectored`: the stack runs the vector GEMM past them)
         run the whole stack in one C++ call (engine/csrc/decode_stack.cpp), the same kernels
         without the per-op overhead of the layers' Python."""
         matmuls = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not all(isinstance(m, BlockQuantLinear) for m in matmuls):
             return
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
-        self.decode_rows = min(m.decode_rows for m in matmuls)
+        kernel_rows = min(m.decode_rows for m in matmuls)
+        vectored = all(m.vectored and m.decode_rows == kernel_rows for m in matmuls)
+        self.decode_rows = sys.maxsize if vectored else kernel_rows
+        tiles = [(m.tiles, m.scales, m.offsets) if vectored else (None, None, None) for m in matmuls]
         self.decode_stack = kernels.DecodeStack([m.rows for m in matmuls], [m.format for m in matmuls],
                                                 [m.bias for m in matmuls], norms, self.num_heads,
-                                                self.num_kv_heads, self.head_dim, self.eps)
+                                                self.num_kv_heads, self.head_dim, self.eps, *map(list, zip(*tiles)),
+                                                kernel_rows)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata, sample_indices,

@@ -1,0 +1,161 @@
+"""The vector GEMM (engine/csrc/vector_gemm.cpp), the large-batch path of CPUs without AMX tiles,
+in every build this CPU runs: the native one (this CPU's own branch: AVX512-VNNI and BF16 on the
+EPYCs, AVX2 on older ones) and the matmul kernels built for older families (cpu_kernels.TARGETS:
+AVX-512 without VNNI or BF16, AVX2, the plain loops). Each computes fp32 GEMM of the dequantized
+weights on the rounded activations, with the prologue and residual fusions, each row the same bits
+in any batch; the decode kernel of the same build computes the same values."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as quantize_blocks
+
+from engine import LLM, SamplingParams
+from engine.cpu_kernels import TARGETS, load_cpu_kernels, runnable_targets
+from engine.models.linear import BlockQuantLinear, dequantize_blocks, int8_blocks, tile_blocks
+from tests.engine.test_parity import _prompts
+
+BUILDS = ["native"] + runnable_targets()
+KINDS = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, "int8"]
+ROWS = (1, 2, 5, 9, 16, 33, 64, 70, 128, 257, 512)
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    return set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+
+
+def _expected_isa(build: str) -> str:
+    flags = _cpu_flags() if build == "native" else TARGETS[build][1]
+    if {"avx512f", "avx512bw"} <= flags:
+        return "avx512_vnni" if "avx512_vnni" in flags else "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "plain"
+
+
+class _Weights:
+    """One matmul's weights of a kind: the tiles, scales and offsets the vector GEMM reads, the
+    decode kernel's rows, and the dequantized fp32 values (the reference)."""
+
+    def __init__(self, kind, rows: int, cols: int, with_bias: bool):
+        weight = torch.randn(rows, cols) * 0.05
+        self.bf16 = kind == "int8"
+        qtype = GGMLQuantizationType.Q8_0 if self.bf16 else kind
+        blocks = int8_blocks(weight) if self.bf16 else quantize_blocks(weight.numpy(), kind)
+        self.tiles, self.scales, self.offsets = tile_blocks(blocks, qtype, torch.bfloat16 if self.bf16 else torch.int8)
+        self.layer = BlockQuantLinear(qtype, blocks, torch.randn(rows) if with_bias else None, load_cpu_kernels(),
+                                      bf16_activations=self.bf16)
+        self.weight = dequantize_blocks(blocks, qtype)
+
+    def want(self, x, norm=None, swiglu=False, residual=None):
+        out = torch.nn.functional.linear(self.layer.activations(x, norm, swiglu), self.weight, self.layer.bias)
+        return out if residual is None else residual + out
+
+    def vector(self, kernels, x, norm=None, swiglu=False, residual=None):
+        norm_weight, eps = norm if norm is not None else (None, 0.0)
+        return kernels.vector_gemm(x, self.tiles, self.scales, self.offsets, self.layer.bias, norm_weight, eps, swiglu,
+                                   residual)
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def kernels(request):
+    built = load_cpu_kernels() if request.param == "native" else load_cpu_kernels(request.param, matmuls_only=True)
+    assert built is not None, f"the {request.param} build failed (see the log)"
+    assert built.vector_gemm_isa() == _expected_isa(request.param)
+    return built
+
+
+def _name(kind) -> str:
+    return kind if isinstance(kind, str) else kind.name
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=_name)
+@pytest.mark.parametrize("shape", [(48, 96), (80, 160), (16, 1536)])  # a pass of 3 vectors, a tail of 1-2; 3 to 48 blocks
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_vector_gemm_computes_fp32_gemm_of_the_dequantized_weights_each_row_the_same_bits_in_any_batch(
+        kernels, kind, shape, with_bias):
+    torch.manual_seed(1)
+    w = _Weights(kind, *shape, with_bias)
+    batch = torch.randn(max(ROWS), shape[1]) * torch.logspace(-2, 2, shape[1])
+    if w.bf16 and not kernels.vector_gemm_bf16():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            w.vector(kernels, batch[:9])
+        return
+    residual = torch.randn(max(ROWS), shape[0])
+    whole = w.vector(kernels, batch, residual=residual)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * (shape[1] / 96) ** 0.5)
+    for rows in ROWS:
+        x = batch[:rows]
+        got, want = w.vector(kernels, x), w.want(x)
+        torch.testing.assert_close(got, want, **tolerance)
+        torch.testing.assert_close(kernels.block_quant_linear(x, w.layer.rows, w.layer.format, w.layer.bias, None,
+                                                              0.0, False, None), want,
+                                   rtol=1e-5, atol=4 * tolerance["atol"])  # the decode kernel, summing in another order
+        assert torch.equal(w.vector(kernels, x, residual=residual[:rows]), whole[:rows])
+        assert torch.equal(w.vector(kernels, batch[rows - 1:rows])[0], got[-1])  # alone
+    shifted = w.vector(kernels, batch[7:300], residual=residual[7:300])  # other rows around it, other row tiles
+    assert torch.equal(shifted, whole[7:300])
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=_name)
+@pytest.mark.parametrize("fusion", ["norm", "swiglu"])
+def test_the_vector_gemms_fused_prologue_and_residual_compute_what_the_torch_ops_compute(kernels, kind, fusion):
+    torch.manual_seed(2)
+    w = _Weights(kind, 48, 160, with_bias=True)
+    if w.bf16 and not kernels.vector_gemm_bf16():
+        return  # refused, as the test above checks
+    norm = (torch.rand(160) + 0.5, 1e-5) if fusion == "norm" else None
+    x = torch.randn(37, 320 if fusion == "swiglu" else 160)
+    residual = torch.randn(37, 48)
+    got = w.vector(kernels, x, norm, fusion == "swiglu", residual)
+    torch.testing.assert_close(got, w.want(x, norm, fusion == "swiglu", residual), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_past_their_decode_rows_run_the_vector_gemm_where_the_cpu_has_no_amx():
+    """Where the native build has a vector branch and no AMX tiles, a block-quantized matmul takes
+    the vector GEMM past VECTOR_DECODE_ROWS (the same bits as calling it), the decode kernel up to
+    it; a model whose matmuls all do runs decode steps of any size through the fused stack."""
+    kernels = load_cpu_kernels()
+    w = _Weights(GGMLQuantizationType.Q4_1, 48, 96, with_bias=False)
+    vector_branch = kernels.vector_gemm_isa() != "plain" and not kernels.block_quant_gemm_available()
+    assert w.layer.vectored == vector_branch
+    if not vector_branch:
+        return
+    assert w.layer.decode_rows == BlockQuantLinear.VECTOR_DECODE_ROWS
+    x = torch.randn(BlockQuantLinear.VECTOR_DECODE_ROWS + 1, 96)
+    assert torch.equal(w.layer(x), w.vector(kernels, x))
+    assert torch.equal(w.layer(x[:-1]), w.layer.forward_kernel(x[:-1]))
+
+
+class _CountingStack:
+    """Delegates to the model's compiled decode stack and records the step sizes it takes."""
+
+    def __init__(self, stack):
+        self.stack, self.sizes = stack, []
+
+    def forward(self, hidden, *args):
+        self.sizes.append(hidden.shape[0])
+        return self.stack.forward(hidden, *args)
+
+
+def test_decode_steps_past_the_kernels_rows_run_the_stack_and_compute_what_the_layers_compute(tiny_llama):
+    """Decode steps of more rows than the decode kernel takes go through the fused stack on the
+    vector GEMM (where the CPU has no AMX and the build has bf16 products), the same tokens and
+    log-probabilities bit for bit as the layers' own modules."""
+    prompts = _prompts(12, seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for fused in (True, False):
+        llm = LLM(model=tiny_llama, quantization="int8", max_num_seqs=12, max_num_batched_tokens=64)
+        paged = llm.engine.loaded.model
+        vectored = all(m.vectored for layer in paged.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        kernels = load_cpu_kernels()
+        assert vectored == (kernels.vector_gemm_bf16() and not kernels.block_quant_gemm_available()
+                            and kernels.vector_gemm_isa() != "plain")
+        counting = paged.decode_stack = _CountingStack(paged.decode_stack) if fused else None
+        runs[fused] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if fused and vectored:
+            assert max(counting.sizes) > BlockQuantLinear.VECTOR_DECODE_ROWS
+    assert [(o.token_ids, o.logprobs) for o in runs[True]] == [(o.token_ids, o.logprobs) for o in runs[False]]
