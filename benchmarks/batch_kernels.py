@@ -59,12 +59,12 @@ def main() -> None:
             for name in engines if r % 2 == 0 else reversed(engines):
                 value, sw = run(engines[name])
                 runs[name][measure].append(value)
-                print(f"run {r} {name:12} {measure:15} {value:8.1f}  cpu/wall {sw.cpu_util:.2f}  others {sw.others:.2f}",
-                      flush=True)
-    print(json.dumps({"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                      "medians": {n: {m: round(statistics.median(v), 1) for m, v in r.items()} for n, r in runs.items()},
-                      "ratio_by_round": {m: [round(k / g, 3) for k, g in zip(runs["batch kernel"][m], runs["fp32 gemm"][m])]
-                                         for m in MEASURES}}))
+                print(f"run {r} {name:12} {measure:15} {value:8.1f}  cpu/wall {sw.cpu_util:.2f}  "
+                      f"others {sw.others:.2f}", flush=True)
+    medians = {n: {m: round(statistics.median(v), 1) for m, v in r.items()} for n, r in runs.items()}
+    ratios = {m: [round(k / g, 3) for k, g in zip(runs["batch kernel"][m], runs["fp32 gemm"][m])] for m in MEASURES}
+    print(json.dumps({"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "medians": medians,
+                      "ratio_by_round": ratios}))
 
 
 if __name__ == "__main__":

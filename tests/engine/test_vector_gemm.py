@@ -72,7 +72,8 @@ def _name(kind) -> str:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=_name)
-@pytest.mark.parametrize("shape", [(48, 96), (80, 160), (16, 1536)])  # a pass of 3 vectors, a tail of 1-2; 3 to 48 blocks
+# (N, K): a pass of 3 vectors, tails of 1 and 2; 3 to 48 blocks
+@pytest.mark.parametrize("shape", [(48, 96), (80, 160), (16, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_vector_gemm_computes_fp32_gemm_of_the_dequantized_weights_each_row_the_same_bits_in_any_batch(
         kernels, kind, shape, with_bias):
