@@ -4,7 +4,7 @@ Per mode (`none` = fp32, the reference; `int8` = every matmul as GGUF Q8_0 block
 rounded to bf16; `gguf` = the file's own Q4_1/Q8_0 blocks, activations quantized per block of 32
 to 15 bits;
 `w8a16`/`w4a16` = int8/int4 weights with bf16 activations, torch's weight-only kernels):
-single-stream decode tok/s (128-token prompt, 128 new tokens, time per output
+the kernel serving each step size, single-stream decode tok/s (128-token prompt, 128 new tokens, time per output
 token after the first), prefill tok/s (one 512-token prompt), the 64-request mixed workload
 (prompts 16-512, outputs 8-256: useful output tok/s), matmul weight bytes per decode step, and
 teacher-forced quality against fp32 on the shipped text (each engine's start-up check,
@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import Stopwatch, default_model_path, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
+from engine.models.linear import BlockQuantLinear  # noqa: E402
 from engine.quality import KV_CHUNK, compare, eval_tokens, token_scores  # noqa: E402
 
 MODES = ("none", "int8", "gguf", "w8a16", "w4a16")
@@ -61,6 +63,29 @@ def cpu_features() -> str:
     wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"]
     return f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}; flags: " + \
         " ".join(f for f in wanted if f in flags)
+
+
+STEP_ROWS = (1, 4, 8, 32, 64, 512)
+PATH_NAMES = {"forward_kernel": "decode kernel", "forward_tiles": "AMX tiles", "forward_vector": "vector GEMM",
+              "forward_gemm": "fp32 GEMM"}
+
+
+def step_paths(llm: LLM) -> str:
+    """Which kernel serves each step size in an engine's matmuls (and whether decode steps of that
+    size run the fused decode stack)."""
+    model = llm.engine.runner.model
+    matmuls = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    if not matmuls:
+        return "torch's kernels at every size"
+    isa = load_cpu_kernels().vector_gemm_isa()
+    parts = []
+    for rows in STEP_ROWS:
+        paths = sorted({PATH_NAMES[m.path(rows)] + (f" ({'avx512_bf16' if m.bf16_activations else isa})"
+                                                     if m.path(rows) == "forward_vector" else "") for m in matmuls})
+        stack = ", decode steps in the fused stack" if model.decode_stack is not None and rows <= model.decode_rows \
+            else ""
+        parts.append(f"{rows} rows: {' + '.join(paths)}{stack}")
+    return "; ".join(parts)
 
 
 def bench_engine(mode: str, quality_tokens: int = 6000, kv_cache_dtype: str = "auto") -> LLM:
@@ -208,6 +233,8 @@ def main() -> None:
         reference = engines["none"] if "none" in engines else bench_engine("none", 0)
         kv_quality = quality_with_kv_cache({mode: llm for mode, llm in engines.items() if mode != "none"},
                                            reference, args.quality_tokens)
+    for mode, llm in engines.items():
+        print(f"{mode}: {step_paths(llm)}")
     for llm in engines.values():  # warm-up: kernels, allocator
         llm.generate([random_prompt(64)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     systems = {mode: {"decode_tok_s": partial(single_stream, llm), "prefill_tok_s": partial(prefill, llm),
@@ -233,7 +260,8 @@ def main() -> None:
         if server is not None:
             server.close()
 
-    results: dict = {"cpu": cpu_features(), "kv_cache_dtype": args.kv_cache_dtype, "modes": {}}
+    results: dict = {"cpu": cpu_features(), "kv_cache_dtype": args.kv_cache_dtype, "modes": {},
+                     "step_paths": {mode: step_paths(llm) for mode, llm in engines.items()}}
     for name in names:  # quality: the figures each engine's start-up check measured (engine/quantization_check.py)
         loaded = engines[name].engine.loaded if name in engines else None
         quality = kv_quality.get(name, None if loaded is None else loaded.quality)

@@ -218,13 +218,13 @@ class BlockQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self._kernels is not None and x.shape[0] <= self.decode_rows:
-            return self.forward_kernel(x, norm, swiglu, residual)
-        if self.tiled:
-            return self.forward_tiles(x, norm, swiglu, residual)
-        if self.vectored:
-            return self.forward_vector(x, norm, swiglu, residual)
-        return self.forward_gemm(x, norm, swiglu, residual)
+        return getattr(self, self.path(x.shape[0]))(x, norm, swiglu, residual)
+
+    def path(self, rows: int) -> str:
+        """The forward_* method that takes `rows` rows."""
+        if self._kernels is not None and rows <= self.decode_rows:
+            return "forward_kernel"
+        return "forward_tiles" if self.tiled else "forward_vector" if self.vectored else "forward_gemm"
 
     def forward_vector(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
