@@ -348,11 +348,7 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   const int64_t nb = tiles.size(1), K = nb * kBlock, M = x.size(0);
   check_prologue(x, K, norm_weight, swiglu);
   const int64_t groups = tiles.size(0), N = groups * 16;
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == nb &&
-                  scales.size(1) == N, "scales: contiguous fp32 (K / 32, N)");
-  TORCH_CHECK(!offsets.has_value() || (offsets->scalar_type() == torch::kFloat && offsets->is_contiguous() &&
-                  offsets->sizes() == scales.sizes()), "offsets: contiguous fp32 (K / 32, N)");
-  TORCH_CHECK(!(bf16_activations && offsets.has_value()), "bf16 activations take Q8_0 blocks: no offsets");
+  check_block_scales(scales, offsets, nb, N, bf16_activations);
   check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)

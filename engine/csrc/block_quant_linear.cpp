@@ -390,6 +390,15 @@ void check_bias_residual(const c10::optional<torch::Tensor>& bias, const c10::op
                   residual->size(0) == M && residual->size(1) == N), "residual: contiguous fp32 (M, N)");
 }
 
+void check_block_scales(const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets, int64_t nb, int64_t N,
+                        bool bf16_activations) {
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == nb &&
+                  scales.size(1) == N, "scales: contiguous fp32 (K / 32, N)");
+  TORCH_CHECK(!offsets.has_value() || (offsets->scalar_type() == torch::kFloat && offsets->is_contiguous() &&
+                  offsets->sizes() == scales.sizes()), "offsets: contiguous fp32 (K / 32, N)");
+  TORCH_CHECK(!(bf16_activations && offsets.has_value()), "bf16 activations take Q8_0 blocks: no offsets");
+}
+
 torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, double eps,
                                  bool swiglu, bool bf16) {
   const int64_t M = x.size(0), K = swiglu ? x.size(1) / 2 : x.size(1);

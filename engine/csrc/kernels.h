@@ -59,6 +59,11 @@ torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles,
                              const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
                              const c10::optional<torch::Tensor>& residual);
 
+// block_quant_linear.cpp: checks the large-batch GEMMs' per-block weight scales and (Q4_1) offsets,
+// fp32 (K / 32, N); bf16 activations take Q8_0 blocks, without offsets.
+void check_block_scales(const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets, int64_t nb, int64_t N,
+                        bool bf16_activations);
+
 // vector_gemm.cpp: block_quant_gemm's products for CPUs without AMX tiles, on the vector units
 // (AVX512-VNNI, AVX-512, AVX2, or a plain loop, by the build's CPU features): residual + prologue(x)
 // (M, K) times weights in tile order (N / 16, K / 32, 512): int8 q (integer formats, x quantized per

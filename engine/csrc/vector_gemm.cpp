@@ -320,11 +320,7 @@ torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, c
               "panels: contiguous (N / 16, K / 32, 512) in tile order");
   const int64_t nb = panels.size(1), K = nb * kBlock, M = x.size(0), N = panels.size(0) * kGroup;
   check_prologue(x, K, norm_weight, swiglu);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == nb &&
-                  scales.size(1) == N, "scales: contiguous fp32 (K / 32, N)");
-  TORCH_CHECK(!offsets.has_value() || (offsets->scalar_type() == torch::kFloat && offsets->is_contiguous() &&
-                  offsets->sizes() == scales.sizes()), "offsets: contiguous fp32 (K / 32, N)");
-  TORCH_CHECK(!(bf16 && offsets.has_value()), "bf16 activations take Q8_0 blocks: no offsets");
+  check_block_scales(scales, offsets, nb, N, bf16);
   check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
   std::unique_ptr<float[]> transformed;
