@@ -26,8 +26,9 @@ def _timing(single: float, saturated: float) -> MixTiming:
 
 
 def test_a_ggufs_own_blocks_go_ahead_of_re_quantizations_slower_on_a_lone_stream():
-    """The figures `auto` timed on an AMD EPYC (Zen 4, no AMX) for the embedded model: w4a16 is a
-    shade faster on the mix but three times slower alone; the file's own blocks are scored first."""
+    """The figures `auto` timed on an AMD EPYC (Zen 4, no AMX) for the embedded model when large
+    batches ran fp32 GEMM there: w4a16 is a shade faster on the mix but three times slower alone;
+    the file's own blocks are scored first."""
     steps = [s.name for s in SERVING_MIX]
     timings = {mode: MixTiming(dict(zip(steps, ratios))) for mode, ratios in {
         "gguf": (0.11, 0.26, 0.96, 1.00), "int8": (0.16, 0.42, 1.00, 1.00),
