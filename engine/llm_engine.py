@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.base import kv_block_bytes, resolve_kv_cache_dtype, select_backend
+from engine.attention.selector import kv_block_bytes, resolve_kv_cache_dtype, select_backend
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.kv_cache.manager import KVCacheManager

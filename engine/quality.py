@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.base import select_backend
-from engine.runner.inputs import ModelInputs
+from engine.attention.selector import select_backend
+from engine.batch import ModelInputs
 
 TEXT_PATH = Path(__file__).parent / "data" / "english.txt"
 MIN_TOP1_AGREEMENT = 0.97

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.attention.base import resolve_kv_cache_dtype
+from engine.attention.selector import resolve_kv_cache_dtype
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.cpu_kernels import kernel_build_key

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.base import select_backend
-from engine.runner.inputs import ModelInputs
+from engine.attention.selector import select_backend
+from engine.batch import ModelInputs
 
 BLOCK_SIZE = 16
 DECODE_CONTEXT = 64  # tokens each decode row attends to

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.runner.inputs import ModelInputs
+from engine.batch import ModelInputs
 
 
 @dataclass(slots=True)

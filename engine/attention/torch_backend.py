@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
-from engine.runner.inputs import ModelInputs
+from engine.batch import ModelInputs
 
 _BUCKET_GROWTH = 1.5  # a decode bucket's longest context is at most this times its shortest
 

@@ -5,14 +5,13 @@ Aging lowers (improves) a waiting request's rank by `aging_rate` per second: for
 request of class p that arrived at a ranks at time t as p - aging_rate * (t - a); for `sjf` its
 estimated work shrinks by aging_rate tokens per second. With one rate for everyone that order
 is the order of p + aging_rate * a, a key that does not change while the request waits, so the
-queue is a heap (O(log n) per add, pop and removal) instead of a sort per step.
+queue is a heap (engine/lazy_heap.py: O(log n) per add and pop, O(1) removal) instead of a sort per step.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Callable
 
+from engine.lazy_heap import LazyHeap
 from engine.request import Request
 
 LengthPredictor = Callable[[Request], float]
@@ -40,62 +39,45 @@ def rank_key(policy: str, aging_rate: float, priority: int, work: float, arrival
 
 
 class WaitingQueue:
-    # Invariant: every request in `_requests` has exactly one live heap entry, the one whose
-    # sequence number `_requests` holds; other heap entries are stale (removed) and skipped.
     def __init__(self, policy: str, aging_rate: float, predictor: LengthPredictor = default_remaining_work):
         self.policy = policy
         self.aging_rate = aging_rate
         self.predictor = predictor
-        self._heap: list[tuple[float, float, int, Request]] = []
-        self._requests: dict[str, tuple[int, Request]] = {}  # request id -> (live entry seq, request)
-        self._seq = itertools.count()
+        self._heap: LazyHeap[Request] = LazyHeap()
         self.num_tokens = 0  # tokens of the waiting requests (prompt, plus outputs for re-queued ones)
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._heap)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._heap
 
     def key(self, request: Request) -> float:
         """The request's rank key (see rank_key); valid while the request waits or runs."""
         return rank_key(self.policy, self.aging_rate, request.priority, self.predictor(request), request.arrival_time)
 
     def add(self, request: Request) -> None:
-        seq = next(self._seq)
-        self._requests[request.request_id] = (seq, request)
-        heapq.heappush(self._heap, (self.key(request), request.arrival_time, seq, request))
+        self.remove(request.request_id)  # at most once
+        self._heap.push(request.request_id, self.key(request), request.arrival_time, request)
         self.num_tokens += request.num_tokens
 
     def remove(self, request_id: str) -> Request | None:
-        """Takes the request out (its heap entry goes stale); None if it is not waiting."""
-        entry = self._requests.pop(request_id, None)
-        if entry is None:
-            return None
-        self.num_tokens -= entry[1].num_tokens
-        if len(self._heap) > 2 * len(self._requests) + 64:  # stale entries: drop them, O(n) amortised
-            self._heap = [e for e in self._heap if self._requests.get(e[3].request_id, (None,))[0] == e[2]]
-            heapq.heapify(self._heap)
-        return entry[1]
+        """Takes the request out; None if it is not waiting."""
+        request = self._heap.remove(request_id)
+        if request is not None:
+            self.num_tokens -= request.num_tokens
+        return request
 
     def peek(self) -> Request | None:
         """The best-ranked waiting request, or None."""
-        heap = self._heap
-        while heap:
-            seq, request = heap[0][2], heap[0][3]
-            live = self._requests.get(request.request_id)
-            if live is not None and live[0] == seq:
-                return request
-            heapq.heappop(heap)
-        return None
+        return self._heap.peek()
 
     def pop(self) -> Request | None:
-        request = self.peek()
+        request = self._heap.pop()
         if request is not None:
-            heapq.heappop(self._heap)
-            self.remove(request.request_id)
+            self.num_tokens -= request.num_tokens
         return request
 
     def requests(self) -> list[Request]:
         """Waiting requests, unordered."""
-        return [request for _, request in self._requests.values()]
+        return self._heap.items()

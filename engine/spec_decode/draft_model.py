@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import kv_block_bytes, select_backend
+from engine.attention.selector import kv_block_bytes, select_backend
 from engine.config import ModelConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_loader import load_model, load_vocabulary

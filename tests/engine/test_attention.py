@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import select_backend
+from engine.attention.selector import select_backend
 from engine.cpu_kernels import load_cpu_kernels
 from engine.models.llama import _rope
 from engine.runner.inputs import build_inputs

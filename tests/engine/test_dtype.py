@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.base import resolve_kv_cache_dtype, select_backend
+from engine.attention.selector import resolve_kv_cache_dtype, select_backend
 from engine.config import CacheConfig, ModelConfig
 from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy
 

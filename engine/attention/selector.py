@@ -1,0 +1,51 @@
+"""Which attention backend runs, and the KV cache's dtype and size per block: decided once, at
+engine start, from the device, the model's dtype and the config."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend
+
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and dtype in FLASH_DTYPES and torch.backends.cuda.is_flash_attention_available()
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype made concrete. A CPU cache may be fp16 under an fp32 model (both
+    CPU attention paths read it as fp32); on CUDA the flash kernels take q and the cache in one
+    dtype, so the cache keeps the model's."""
+    dtype = model_dtype if name == "auto" else getattr(torch, name)
+    if device.type == "cuda" and dtype != model_dtype:
+        raise ValueError(f"kv_cache_dtype {name!r} on CUDA: the cache keeps the model's dtype ({model_dtype}); "
+                         "use 'auto'")
+    return dtype
+
+
+def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes of one block of the model across all layers (K and V)."""
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: float) -> AttentionBackend:
+    """`auto`: flash attention on CUDA in bf16/fp16; on CPU in float32 torch with the C++ decode
+    kernel when it builds; else pure torch. `torch` forces the pure-torch path, `cpu` requires
+    the kernel, `flash` requires CUDA and a 16-bit dtype."""
+    if name == "flash" or (name == "auto" and flash_available(device, dtype)):
+        if not flash_available(device, dtype):
+            raise ValueError(f"attention_backend 'flash' needs a CUDA device with flash attention and dtype "
+                             f"bfloat16 or float16, got {device.type} and {dtype}")
+        from engine.attention.flash import FlashAttentionBackend
+        return FlashAttentionBackend(scale)
+    from engine.attention.torch_backend import TorchAttentionBackend
+    kernel = None
+    if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32:
+        from engine.cpu_kernels import load_cpu_kernels
+        kernel = load_cpu_kernels()
+    if name == "cpu" and dtype != torch.float32:
+        raise ValueError("attention_backend 'cpu' needs dtype float32")
+    if name == "cpu" and kernel is None:
+        raise ValueError("attention_backend 'cpu' needs the C++ decode kernel, which could not be built here")
+    return TorchAttentionBackend(scale, kernel)
