@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workload import Stopwatch, default_model_path, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.cpu_kernels import load_cpu_kernels  # noqa: E402
+from engine.cpu_kernels import cpu_flags, load_cpu_kernels  # noqa: E402
 from engine.models.linear import BlockQuantLinear  # noqa: E402
 from engine.quality import KV_CHUNK, compare, eval_tokens, token_scores  # noqa: E402
 
@@ -55,11 +55,7 @@ LLAMA = "llama.cpp"
 
 
 def cpu_features() -> str:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    flags = set(cpu_flags().split())
     wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"]
     return f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}; flags: " + \
         " ".join(f for f in wanted if f in flags)

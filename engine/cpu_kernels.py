@@ -69,11 +69,11 @@ def _flags(march: str, matmuls_only: bool) -> tuple[str, list[str]]:
 
 def runnable_targets() -> list[str]:
     """The TARGETS this CPU can run."""
-    flags = set(_cpu_features().split())
+    flags = set(cpu_flags().split())
     return [march for march, (_, needs) in TARGETS.items() if needs <= flags]
 
 
-def _cpu_features() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags (Linux): -march=native builds for exactly these (AMX tiles, say), so
     a cache shared by machines of one vector width still keys each CPU's build apart."""
     cpuinfo = Path("/proc/cpuinfo")
@@ -84,7 +84,7 @@ def _cpu_features() -> str:
 def _name_and_dir(march: str, matmuls_only: bool) -> tuple[str, Path]:
     capability, flags = _flags(march, matmuls_only)
     sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))
-    key = hashlib.sha256(sources + " ".join(flags + [torch.__version__, _cpu_features()]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(sources + " ".join(flags + [torch.__version__, cpu_flags()]).encode()).hexdigest()[:12]
     suffix = ("" if march == "native" else "_" + march.replace("-", "_")) + ("_matmuls" if matmuls_only else "")
     name = f"cbserve_cpu_kernels_{capability.lower()}{suffix}_{key}"
     return name, cache_dir("kernels") / name

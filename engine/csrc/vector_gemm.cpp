@@ -121,6 +121,18 @@ inline int64_t panel_at(int64_t n0, int v, int64_t nb, int64_t b, int64_t p) {
   return ((n / kGroup * nb + b) * kPairs + p) * 2 * kGroup + 2 * (n % kGroup);
 }
 
+// out (rows m0 .. m0 + MR, columns n0 .. n0 + V * kLanes) = residual + (a pass's sums + bias).
+template <int MR, int V>
+void write_out(const Simd::F (&acc)[MR][V], const Operands& o, int64_t m0, int64_t n0) {
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < V; ++v) {
+      const int64_t n = n0 + v * Simd::kLanes, at = (m0 + r) * o.N + n;
+      const Simd::F sum = Simd::add(acc[r][v], o.bias ? Simd::load(o.bias + n) : Simd::fzero());
+      Simd::store(o.out + at, o.residual ? Simd::add(Simd::load(o.residual + at), sum) : sum);
+    }
+  }
+}
+
 // out (rows m0 .. m0 + MR, columns n0 .. n0 + V * kLanes) = residual + (x's rows times the weights + bias).
 template <bool Offsets, int MR, int V>
 void integer_pass(const Operands& o, int64_t m0, int64_t n0) {
@@ -151,13 +163,7 @@ void integer_pass(const Operands& o, int64_t m0, int64_t n0) {
       }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < V; ++v) {
-      const int64_t n = n0 + v * Simd::kLanes, at = (m0 + r) * o.N + n;
-      const Simd::F sum = Simd::add(acc[r][v], o.bias ? Simd::load(o.bias + n) : Simd::fzero());
-      Simd::store(o.out + at, o.residual ? Simd::add(Simd::load(o.residual + at), sum) : sum);
-    }
-  }
+  write_out<MR, V>(acc, o, m0, n0);
 }
 
 #if defined(CBSERVE_VECTOR_AVX512) && defined(__AVX512BF16__)
@@ -186,13 +192,7 @@ void bf16_pass(const Operands& o, int64_t m0, int64_t n0) {
       for (int r = 0; r < MR; ++r) acc[r][v] = _mm512_fmadd_ps(sums[r][v], dw, acc[r][v]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < V; ++v) {
-      const int64_t n = n0 + v * 16, at = (m0 + r) * o.N + n;
-      const __m512 sum = _mm512_add_ps(acc[r][v], o.bias ? _mm512_loadu_ps(o.bias + n) : _mm512_setzero_ps());
-      _mm512_storeu_ps(o.out + at, o.residual ? _mm512_add_ps(_mm512_loadu_ps(o.residual + at), sum) : sum);
-    }
-  }
+  write_out<MR, V>(acc, o, m0, n0);
 }
 #endif
 

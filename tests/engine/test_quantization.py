@@ -468,15 +468,17 @@ def test_gguf_greedy_is_the_same_alone_and_in_a_batch_on_the_embedded_model(engi
 
 
 class _CountingStack:
-    """Delegates to the model's compiled decode stack and counts the steps it takes."""
+    """Delegates to the model's compiled decode stack and records the steps it takes: their count,
+    depths (layers) and sizes (tokens)."""
 
     def __init__(self, stack):
-        self.stack, self.calls, self.depths = stack, 0, set()
+        self.stack, self.calls, self.depths, self.sizes = stack, 0, set(), []
 
-    def forward(self, *args):
+    def forward(self, hidden, *args):
         self.calls += 1
         self.depths.add(args[-1])  # num_layers
-        return self.stack.forward(*args)
+        self.sizes.append(hidden.shape[0])
+        return self.stack.forward(hidden, *args)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])

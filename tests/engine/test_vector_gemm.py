@@ -6,30 +6,24 @@ weights on the rounded activations, with the prologue and residual fusions, each
 in any batch; the decode kernel of the same build computes the same values."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as quantize_blocks
 
 from engine import LLM, SamplingParams
-from engine.cpu_kernels import TARGETS, load_cpu_kernels, runnable_targets
+from engine.cpu_kernels import TARGETS, cpu_flags, load_cpu_kernels, runnable_targets
 from engine.models.linear import BlockQuantLinear, dequantize_blocks, int8_blocks, tile_blocks
 from tests.engine.test_parity import _prompts
+from tests.engine.test_quantization import _CountingStack, _name
 
 BUILDS = ["native"] + runnable_targets()
 KINDS = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, "int8"]
 ROWS = (1, 2, 5, 9, 16, 33, 64, 70, 128, 257, 512)
 
 
-def _cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text()
-    return set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
-
-
 def _expected_isa(build: str) -> str:
-    flags = _cpu_flags() if build == "native" else TARGETS[build][1]
+    flags = set(cpu_flags().split()) if build == "native" else TARGETS[build][1]
     if {"avx512f", "avx512bw"} <= flags:
         return "avx512_vnni" if "avx512_vnni" in flags else "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "plain"
@@ -65,10 +59,6 @@ def kernels(request):
     assert built is not None, f"the {request.param} build failed (see the log)"
     assert built.vector_gemm_isa() == _expected_isa(request.param)
     return built
-
-
-def _name(kind) -> str:
-    return kind if isinstance(kind, str) else kind.name
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=_name)
@@ -128,17 +118,6 @@ def test_layers_past_their_decode_rows_run_the_vector_gemm_where_the_cpu_has_no_
     x = torch.randn(BlockQuantLinear.VECTOR_DECODE_ROWS + 1, 96)
     assert torch.equal(w.layer(x), w.vector(kernels, x))
     assert torch.equal(w.layer(x[:-1]), w.layer.forward_kernel(x[:-1]))
-
-
-class _CountingStack:
-    """Delegates to the model's compiled decode stack and records the step sizes it takes."""
-
-    def __init__(self, stack):
-        self.stack, self.sizes = stack, []
-
-    def forward(self, hidden, *args):
-        self.sizes.append(hidden.shape[0])
-        return self.stack.forward(hidden, *args)
 
 
 def test_decode_steps_past_the_kernels_rows_run_the_stack_and_compute_what_the_layers_compute(tiny_llama):
