@@ -23,8 +23,8 @@ $(VENV)/.kernel: $(VENV)/.installed $(wildcard engine/csrc/*)
 # blocks cached beside it, and its default mode chosen (timed and quality-checked, ~1-2 min) into
 # ~/.cache/cbserve/decisions, so `make serve` only reads the decision. Again when the code it depends on changes.
 $(VENV)/.model: $(VENV)/.kernel $(wildcard engine/models/*.py) engine/quality.py engine/quantization_check.py \
-		engine/serving_mix.py engine/model_loader.py
-	$(PY) -m engine.model_loader
+		engine/serving_mix.py engine/model_loader.py engine/model_setup.py
+	$(PY) -m engine.model_setup
 	touch $@
 
 # Prometheus and promtool (the Debian package; apt-get needs root) for the metrics tests.

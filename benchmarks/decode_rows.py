@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from benchmarks.quantization import cpu_features  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
+from engine.model_setup import load_model  # noqa: E402
 from engine.models.linear import BlockQuantLinear  # noqa: E402
 
 

@@ -59,7 +59,7 @@ _LOADED: list = []  # the model, loaded once and shared by every engine of the r
 
 def make_engine(**engine_args):
     from engine import EngineConfig, LLMEngine
-    from engine.model_loader import load_model
+    from engine.model_setup import load_model
 
     gc.collect()
     args = dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)

@@ -20,6 +20,7 @@ whole run, as a server would, so the adaptive one measures its step cost as it g
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -74,13 +75,13 @@ def start_draft_actor(spec: dict, tmp: str) -> float:
     from ray import serve
 
     from engine.config import EngineConfig
-    from engine.spec_decode.messages import DraftCall
-    from serve_app.draft import DraftModel
+    from engine.drafts import DraftCall
+    from serve_app.draft import DRAFT_DEPLOYMENT, DraftModel
 
     os.environ.setdefault("RAY_TMPDIR", tmp)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig.from_kwargs(speculative_config=spec)
-    deployment = serve.deployment(DraftModel, name="DraftModel", ray_actor_options={"num_cpus": 0})
+    deployment = serve.deployment(DraftModel, name=DRAFT_DEPLOYMENT, ray_actor_options={"num_cpus": 0})
     handle = serve.run(deployment.bind(config, 2), name=DRAFT_APP, route_prefix=None)
     times = []
     for _ in range(60):
@@ -88,6 +89,15 @@ def start_draft_actor(spec: dict, tmp: str) -> float:
             handle.propose.remote(DraftCall([], [])).result()
         times.append(clock.wall_s * 1e3)
     return statistics.median(times[10:])
+
+
+def actor_transport(spec: dict | None):
+    """The transport to the DraftModel of start_draft_actor, for an actor-placed spec."""
+    if spec is None or spec.get("placement") != "actor":
+        return None
+    from serve_app.draft import ServeDraftTransport
+
+    return functools.partial(ServeDraftTransport, DRAFT_APP, spec["deadline_s"])
 
 
 def run(llm: LLM, chats: list[list[dict]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
@@ -138,12 +148,11 @@ def main() -> None:
     modes = ["plain"] + [m for m in args.modes.split(",") if m != "plain"]
     specs = {mode: None if MODES[mode] is None else {"num_speculative_tokens": args.k, **MODES[mode]}
              for mode in modes}
-    for mode, spec in specs.items():
+    for spec in specs.values():
         if spec is not None and spec.get("placement") == "actor":
             hop_ms = start_draft_actor(spec, tempfile.mkdtemp(prefix="ray-"))
             print(json.dumps({"draft_hop_ms": round(hop_ms, 2)}), flush=True)
-            specs[mode] = {**spec, "draft_app": DRAFT_APP}
-    llms = {mode: LLM(speculative_config=spec) for mode, spec in specs.items()}
+    llms = {mode: LLM(speculative_config=spec, draft_transport=actor_transport(spec)) for mode, spec in specs.items()}
     rows = []
     for name in ("extraction", "chat"):
         for batch in map(int, args.batch_sizes.split(",")):

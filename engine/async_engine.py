@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
+from engine.drafts import DraftTransportFactory
 from engine.engine_core import AbortRequest, AddRequest, CoreOutputs, ProcessCore, ThreadCore
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.metrics import EngineStats, ModelReport
@@ -48,8 +49,10 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> No
 class AsyncEngine(EngineClient):
     # Invariant (under _lock): a stream is registered only while a live core is installed, and a
     # core's exit fails every stream registered before it; so no stream waits on a dead core.
-    def __init__(self, config: EngineConfig, engine_process: bool = False, max_restarts_per_minute: int = 3):
+    def __init__(self, config: EngineConfig, engine_process: bool = False, max_restarts_per_minute: int = 3,
+                 draft_transport: DraftTransportFactory | None = None):
         self.config = config
+        self.draft_transport = draft_transport
         self.engine_process = engine_process
         self.max_restarts_per_minute = max_restarts_per_minute
         self.num_restarts = 0
@@ -65,8 +68,9 @@ class AsyncEngine(EngineClient):
         self._snapshot: tuple[EngineStats, int] = (self._info.stats, 0)  # the core's stats, AddRequests it applied
 
     @classmethod
-    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> AsyncEngine:
-        return cls(config, engine_process)
+    def from_config(cls, config: EngineConfig, engine_process: bool = False,
+                    draft_transport: DraftTransportFactory | None = None) -> AsyncEngine:
+        return cls(config, engine_process, draft_transport=draft_transport)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, engine_process: bool = False,
@@ -75,8 +79,8 @@ class AsyncEngine(EngineClient):
 
     def _start_core(self) -> ProcessCore | ThreadCore:
         if self.engine_process:
-            return ProcessCore(self.config, self._on_outputs, self._on_core_exit)
-        return ThreadCore(self.config, self._on_outputs)
+            return ProcessCore(self.config, self._on_outputs, self._on_core_exit, self.draft_transport)
+        return ThreadCore(self.config, self._on_outputs, self.draft_transport)
 
     @property
     def tokenizer(self):

@@ -1,6 +1,7 @@
 """The step's batch as the model, the attention backends and the drafters see it: one flat ragged
-batch of every scheduled token (built by engine/runner/inputs.py). A data type only, low in the
-engine's layers, so attention can take it without importing the runner, scheduler or speculation.
+batch of every scheduled token (built by engine/runner/inputs.py), and the history each sampled
+row continues. Data types only, low in the engine's layers, so attention can take them without
+importing the runner, scheduler or speculation.
 """
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the rows' owners, named in annotations only
+    from engine.drafts import SampledDraft
     from engine.request import Request
-    from engine.spec_decode.messages import SampledDraft
-    from engine.spec_decode.verify import WithDrafts
 
 
 @dataclass(slots=True)
@@ -30,3 +30,32 @@ class ModelInputs:
     sampled_requests: list[Request | WithDrafts]  # (R,) whose history each row continues
     sampled_drafts: list[SampledDraft | None]  # (R,) the sampled draft each row verifies, if any
     verified: list[tuple[Request, list[int], int]]  # (request, drafts, first row) of each request sampled
+
+
+class WithDrafts:
+    """A request as seen at a draft position: its tokens followed by the drafts before it. Reads
+    like the request for the sampler (params, ids, token history)."""
+    __slots__ = ("request", "drafts")
+
+    def __init__(self, request: Request, drafts: list[int]):
+        self.request, self.drafts = request, drafts
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sample_index(self) -> int:
+        return self.request.sample_index
+
+    @property
+    def params(self):
+        return self.request.params
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.drafts

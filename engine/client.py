@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.drafts import DraftTransportFactory
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,7 +32,8 @@ class EngineClient(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> EngineClient: ...
+    def from_config(cls, config: EngineConfig, engine_process: bool = False,
+                    draft_transport: DraftTransportFactory | None = None) -> EngineClient: ...
 
     @property
     @abstractmethod

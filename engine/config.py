@@ -149,10 +149,9 @@ class SpeculativeConfig:
     quantization: str | None = _opt(None, "draft_model: the draft's matmuls, a ModelConfig quantization mode "
                                           "(default 'none'; e.g. the target's own .gguf as a 'gguf' draft of an "
                                           "fp32 target); self_draft runs the target's own")
-    placement: str = _opt("local", "draft_model/self_draft: 'local' (in the engine process) or 'actor' (the "
-                                   "DraftModel Ray Serve deployment of `draft_app`, one batched call per step)")
-    draft_app: str | None = _opt(None, "actor: the Serve application holding the DraftModel deployment "
-                                       "(the serve app sets it)")
+    placement: str = _opt("local", "draft_model/self_draft: 'local' (in the engine process) or 'actor' (a "
+                                   "draft worker elsewhere, one batched call per step through the transport "
+                                   "the host hands the engine: the serve app's DraftModel deployment)")
     deadline_s: float = _opt(0.25, "actor: a proposal later than this means plain decoding for the step")
     adaptive: bool = _opt(True, "verify only the drafts expected to pay: k per request from its acceptance "
                                 "history and the measured step cost (0 in a full batch); off: every draft")

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.drafts import DraftTransportFactory
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError
 from engine.sampling_params import SamplingParams
@@ -131,10 +132,10 @@ class StepLoop:
 class ThreadCore:
     """The step loop on a daemon thread of this process."""
 
-    def __init__(self, config: EngineConfig, emit: Emit):
+    def __init__(self, config: EngineConfig, emit: Emit, draft_transport: DraftTransportFactory | None = None):
         from engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, draft_transport=draft_transport)
         self.info = _info(engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -170,7 +171,8 @@ class ProcessCore:
 
     `on_exit(error)` is called if the child dies while in use (its requests must fail)."""
 
-    def __init__(self, config: EngineConfig, emit: Emit, on_exit: Callable[[Exception], None]):
+    def __init__(self, config: EngineConfig, emit: Emit, on_exit: Callable[[Exception], None],
+                 draft_transport: DraftTransportFactory | None = None):
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         entry = "import sys; from engine.engine_core import run_child; run_child(int(sys.argv[1]))"
@@ -181,7 +183,7 @@ class ProcessCore:
         self._send_lock = threading.Lock()
         self._stopped = False
         try:
-            self._conn.send(config)
+            self._conn.send((config, draft_transport))
             reply = self._conn.recv()
         except (EOFError, OSError) as e:
             self._proc.kill()
@@ -232,11 +234,11 @@ def run_child(fd: int) -> None:
     """The child process's main: build the engine, report ready, run the loop until told to stop
     or the parent is gone."""
     conn = Connection(fd)
-    config: EngineConfig = conn.recv()
+    config, draft_transport = conn.recv()
     try:
         from engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, draft_transport=draft_transport)
     except Exception as e:
         conn.send(CoreFailed(e))
         return

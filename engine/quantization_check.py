@@ -33,6 +33,7 @@ from engine.attention.selector import resolve_kv_cache_dtype
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.cpu_kernels import kernel_build_key
+from engine.model_loader import Checkpoint
 from engine.models.linear import quantize
 from engine.quality import KV_CHUNK, TEXT_PATH, WINDOW, Quality, TokenScores, compare, eval_tokens, token_scores
 from engine.serving_mix import SERVING_MIX, MixTiming, time_mix
@@ -43,7 +44,7 @@ AUTO_CANDIDATES = ("gguf", "int8", "w4a16", "w8a16")
 STORED_MODE = "gguf"  # a GGUF's own blocks; the other candidates re-quantize their dequantized copy
 # the code whose arithmetic the figures measure: a change to any of these scores again
 _SCORED_CODE = ("models/linear.py", "models/llama.py", "csrc/block_quant_linear.cpp", "csrc/block_quant_gemm.cpp",
-                "csrc/paged_decode.cpp", "csrc/rope_kv.cpp", "quality.py")
+                "csrc/vector_gemm.cpp", "csrc/paged_decode.cpp", "csrc/rope_kv.cpp", "quality.py")
 
 
 @dataclass(frozen=True)
@@ -54,20 +55,19 @@ class Checked:
     kv_cache_dtype: torch.dtype  # the cache the engine keeps (`auto` resolved)
 
 
-def check_quantization(fp32_model: nn.Module, config: ModelConfig, model_path: str, tokenizer,
-                       stored_blocks, max_model_len: int, kv_cache_dtype: str = "auto") -> Checked:
-    """`fp32_model` quantized as `config.quantization` says, with its figures. `stored_blocks`:
-    a callable giving a GGUF's blocks (engine/models/gguf_blocks.py), or None for other files.
-    `max_model_len`: the positions the model's RoPE tables cover (windows stay within them).
-    `kv_cache_dtype`: CacheConfig.kv_cache_dtype, the cache the modes are scored through.
-    The fp32 model is quantized in place unless `auto` needs it to compare against."""
+def check_quantization(checkpoint: Checkpoint, config: ModelConfig, kv_cache_dtype: str = "auto") -> Checked:
+    """The checkpoint's model quantized as `config.quantization` says, with its figures.
+    `kv_cache_dtype`: CacheConfig.kv_cache_dtype, the cache the modes are scored through. The
+    fp32 model is quantized in place unless `auto` needs it to compare against."""
+    fp32_model, stored_blocks, max_model_len = checkpoint.model, checkpoint.stored_blocks, checkpoint.max_model_len
     mode = config.quantization
     device, model_dtype = torch.device(config.device), getattr(torch, config.resolved_dtype)
     if mode == "auto" and (config.device != "cpu" or model_dtype != torch.float32):
         mode = "none"
     if mode == "none":
         return Checked(fp32_model, "none", None, resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, device))
-    scorer = _Scorer(fp32_model, tokenizer, config.quality_check_tokens, model_path, min(WINDOW, max_model_len))
+    scorer = _Scorer(fp32_model, checkpoint.tokenizer, config.quality_check_tokens, checkpoint.path,
+                     min(WINDOW, max_model_len))
     if mode == "auto":
         return _Chooser(fp32_model, scorer, stored_blocks, kv_cache_dtype, max_model_len).choose()
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, device)

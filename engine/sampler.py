@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.drafts import SampledDraft
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.messages import SampledDraft
 
 DRAFT_SUPPORT = 64  # tokens a sampled draft's distribution keeps (and a DraftReply carries)
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.client import EngineClient
-from engine.spec_decode.messages import DRAFT_DEPLOYMENT
 from serve_app.config import AppConfig
-from serve_app.draft import DraftModel
+from serve_app.draft import DRAFT_DEPLOYMENT, DraftModel
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineReplica
 from serve_app.router import Router

@@ -1,26 +1,42 @@
-"""`DraftModel`: a draft model served to every engine replica (speculative `placement: actor`).
+"""`DraftModel`: a draft model served to every engine replica (speculative `placement: actor`),
+and the engines' transport to it.
 
-One replica holds one DraftWorker (engine.spec_decode.draft_model): the draft model of the
+One replica holds one DraftWorker (engine.runner.speculation.draft_model): the draft model of the
 engine's speculative_config (or the target's first layers for `self_draft`) with its own paged KV
 cache, answering each engine step's DraftCall. Calls run one at a time (one model, one set of
-cores); an engine replica that waits past its deadline decodes that step without drafts. app.py
-makes it a deployment; `bind_draft_app` points an engine at it.
+cores). app.py makes it a deployment; `draft_transport` gives an engine replica the factory of its
+ServeDraftTransport (the engine's DraftTransport protocol, engine/drafts.py).
+
+The transport makes one call per engine step, carrying every speculating request's query, and
+awaits the reply until the deadline. A late reply, a draft replica that is down or restarting, or
+no replica yet: the step decodes without drafts, and the next step asks again, unless the late
+call is still running (a call sent behind it would wait for it and be late too). In an engine
+process of its own (not a Ray worker), the transport connects to the cluster at RAY_ADDRESS,
+which `draft_transport` sets for it.
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
+import logging
 import os
 import threading
+import time
 
 from engine.config import EngineConfig
-from engine.spec_decode.messages import DraftCall, DraftReply
+from engine.drafts import DraftCall, DraftReply, DraftTransportFactory
+
+logger = logging.getLogger(__name__)
+
+DRAFT_DEPLOYMENT = "DraftModel"  # the deployment's name in its application
+_WARN_EVERY_S = 30.0
+_GIVE_UP_S = 10.0  # a late call still unanswered after this is taken for lost
 
 
 class DraftModel:
     def __init__(self, engine_config: EngineConfig, num_threads: int | None = None):
         import torch
 
-        from engine.spec_decode.draft_model import load_draft_worker
+        from engine.runner.speculation.draft_model import load_draft_worker
 
         if num_threads is not None:  # process-wide: the draft forward is this process's work
             torch.set_num_threads(num_threads)
@@ -38,15 +54,60 @@ class DraftModel:
         return {"calls": self.num_calls, "sequences": self.worker.num_sequences}
 
 
-def bind_draft_app(config: EngineConfig) -> EngineConfig:
-    """The engine config with its actor-placed drafts pointed at this Serve application's
-    DraftModel, and RAY_ADDRESS set for an engine process of its own to reach the cluster."""
+class ServeDraftTransport:
+    """An engine's DraftTransport to the DraftModel deployment of `app_name`."""
+
+    def __init__(self, app_name: str, deadline_s: float):
+        import ray
+        from ray import serve
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False,
+                     logging_level=logging.WARNING)
+        self.handle = serve.get_deployment_handle(DRAFT_DEPLOYMENT, app_name)
+        self.deadline_s = deadline_s
+        self.num_missed = 0  # steps that got no drafts
+        self._late = None  # (response, sent at) of the call that missed its deadline, until it is done
+        self._warned_at = -_WARN_EVERY_S
+
+    def __call__(self, call: DraftCall) -> DraftReply | None:
+        if self._late is not None:  # never queue a call behind a late one: it would be late too
+            response, sent_at = self._late
+            try:
+                response.result(timeout_s=0)
+            except TimeoutError:
+                if time.monotonic() - sent_at < _GIVE_UP_S:
+                    return self._missed("the previous call is still running")
+                response.cancel()  # lost (e.g. with its replica): ask again
+            except Exception:  # it failed; this call may find a replica
+                logger.debug("a late draft call failed", exc_info=True)
+            self._late = None
+        response, sent_at = self.handle.propose.remote(call), time.monotonic()
+        try:
+            return response.result(timeout_s=self.deadline_s)
+        except TimeoutError:
+            self._late = response, sent_at
+            return self._missed(f"no reply within {self.deadline_s} s")
+        except Exception as e:  # the draft replica failed or is gone
+            return self._missed(repr(e))
+
+    def _missed(self, why: str) -> None:
+        """Plain decoding this step."""
+        self.num_missed += 1
+        if time.monotonic() - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = time.monotonic()
+            logger.warning("draft proposals missed (%d steps so far): %s", self.num_missed, why)
+
+
+def draft_transport(config: EngineConfig) -> DraftTransportFactory | None:
+    """For an engine replica whose drafts come from the actor: the factory of its transport to
+    this Serve application's DraftModel, with RAY_ADDRESS set for an engine process of its own
+    to reach the cluster. None for every other engine."""
     spec = config.speculative
-    if spec is None or spec.placement != "actor" or spec.draft_app is not None:
-        return config
+    if spec is None or spec.placement != "actor":
+        return None
     import ray
     from ray import serve
 
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-    app_name = serve.get_replica_context().app_name
-    return dataclasses.replace(config, speculative=dataclasses.replace(spec, draft_app=app_name))
+    return functools.partial(ServeDraftTransport, serve.get_replica_context().app_name, spec.deadline_s)

@@ -150,9 +150,10 @@ class Ingress:
                            param="prompt", code="too_many_prompts")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         try:
-            jobs = [make_job(f"{base_id}-{i}", encode_text(info.tokenizer, p) if isinstance(p, str) else p, req,
-                             info, req.max_tokens, self.config.ingress.default_completion_max_tokens, req.logprobs,
-                             priority, i * req.n, "prompt")
+            jobs = [make_job(f"{base_id}-{i}", encode_text(info.tokenizer, p) if isinstance(p, str) else p,
+                             req=req, info=info, max_tokens=req.max_tokens,
+                             default_max_tokens=self.config.ingress.default_completion_max_tokens,
+                             num_logprobs=req.logprobs, priority=priority, choice_offset=i * req.n, param="prompt")
                     for i, p in enumerate(prompts)]
         except InvalidRequestError as e:
             raise APIError.from_invalid(e) from None
@@ -165,8 +166,9 @@ class Ingress:
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             ids = encode_chat(info.tokenizer, [m.as_template_dict() for m in req.messages])
-            job = make_job(f"{base_id}-0", ids, req, info, req.requested_max_tokens, info.max_model_len,
-                           req.num_logprobs, priority, 0, "messages")
+            job = make_job(f"{base_id}-0", ids, req=req, info=info, max_tokens=req.requested_max_tokens,
+                           default_max_tokens=info.max_model_len, num_logprobs=req.num_logprobs, priority=priority,
+                           choice_offset=0, param="messages")
         except InvalidRequestError as e:
             raise APIError.from_invalid(e) from None
         check_fits_queue([job], self.config.router.max_queued_tokens)

@@ -16,18 +16,49 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.kv_cache.hashing import extend_block_hashes
+from engine.sampling_params import SamplingParams
 from engine.tokenization import check_context_length, check_token_ids
+from serve_app.config import AppConfig
 from serve_app.formatting import Formatter
 from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
 from serve_app.protocol import SSE_DONE, APIError, sse_event
 
 logger = logging.getLogger("cbserve.ingress")
 MAX_PREFIX_BLOCKS = 32  # the router's affinity key covers at most this many leading blocks
+
+
+class SamplingRequest(Protocol):
+    """A validated API request, as a job needs it (protocol.py's request models)."""
+
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams: ...
+
+
+class _Method(Protocol):
+    def remote(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class RouterCalls(Protocol):
+    admit: _Method  # AdmitRequest -> AdmitResult
+
+
+class ReplicaStreams(Protocol):
+    generate: _Method  # (EngineRequest, replica_hint=) -> a stream of StreamChunk
+
+
+class JobHost(Protocol):
+    """What a job's flow needs of the ingress that runs it: the router and replicas as Serve
+    handles (or serve_app.local's shims), the replica accept timeout, and fire-and-forget router
+    calls that outlive the job."""
+    config: AppConfig
+    router: RouterCalls
+    replica_streams: ReplicaStreams
+
+    def call_router_later(self, method: str, arg: str | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -37,10 +68,13 @@ class Job:
     choice_offset: int  # this job's choice indices start here in the response
 
 
-def make_job(request_id: str, prompt_ids: list[int], req: Any, info: ModelInfo, max_tokens: int | None,
-             default_max_tokens: int, num_logprobs: int | None, priority: int, choice_offset: int,
-             param: str) -> Job:
-    """Raises engine.errors.InvalidRequestError (a 400) for what the engine would refuse."""
+def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, info: ModelInfo,
+             max_tokens: int | None, default_max_tokens: int, num_logprobs: int | None, priority: int,
+             choice_offset: int, param: str) -> Job:
+    """`max_tokens`: the request's own, else the largest of `default_max_tokens` that fits the
+    context; `choice_offset`: where this job's choice indices start in the response; `param`: the
+    field a refused prompt is reported under. Raises engine.errors.InvalidRequestError (a 400)
+    for what the engine would refuse."""
     check_token_ids(prompt_ids, info.vocab_size)
     num_prompt = len(prompt_ids)
     if max_tokens is None:
@@ -77,7 +111,7 @@ class JobStream:
     release as soon as the job finishes. Releasing per job, not per response, is what lets a
     request with more jobs than the fleet admits at once complete."""
 
-    def __init__(self, ingress: Any, job: Job, out: asyncio.Queue):
+    def __init__(self, ingress: JobHost, job: Job, out: asyncio.Queue):
         self.ingress, self.job, self._out = ingress, job, out
         self._gen: Any = None
         self._admitted = False
@@ -170,7 +204,7 @@ class JobStream:
             self.ingress.call_router_later("release", self.job.admit.request_id)
 
 
-async def respond(ingress: Any, jobs: list[Job], fmt: Formatter, stream: bool):
+async def respond(ingress: JobHost, jobs: list[Job], fmt: Formatter, stream: bool):
     """Starts every job; once all have their first chunk (any refusal before that is the
     response) answers with one JSON body, or an SSE stream multiplexing the jobs' chunks."""
     out: asyncio.Queue = asyncio.Queue()

@@ -22,7 +22,7 @@ from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
 from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
-from serve_app.draft import bind_draft_app
+from serve_app.draft import draft_transport
 from serve_app.messages import EngineRequest, ErrorInfo, ModelInfo, ReplicaStats, StreamChunk
 from serve_app.metrics import ReplicaMetrics
 from serve_app.slo import SLOTarget, SLOTracker
@@ -65,8 +65,8 @@ class EngineReplica:
             engine_cls = AsyncEngine
         self.config = config
         self.draft = draft  # the DraftModel deployment (placement: actor); the engine calls it by name
-        self.engine: EngineClient = engine_cls.from_config(bind_draft_app(config.engine_config),
-                                                           config.engine_process)
+        self.engine: EngineClient = engine_cls.from_config(config.engine_config, config.engine_process,
+                                                           draft_transport(config.engine_config))
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]
         self.slo = SLOTracker(slo or {})
         self.metrics = ReplicaMetrics(

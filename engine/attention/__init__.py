@@ -1,5 +1,2 @@
-"""Attention backends: write K/V into paged slots, attend over ragged queries with block tables."""
-from engine.attention.base import AttentionBackend
-from engine.attention.selector import select_backend
-
-__all__ = ["AttentionBackend", "select_backend"]
+"""Attention backends: write K/V into paged slots, attend over ragged queries with block tables.
+The interface is base.py; selector.py picks a backend and sizes its cache."""

@@ -7,15 +7,14 @@ calls per layer instead of a dozen small ops (per-op overhead, not arithmetic, d
 `none`: fp32 weights, F.linear (the reference: exact parity with transformers). `gguf`: a GGUF
 checkpoint's own blocks (Q4_1, Q8_0) as stored, so no re-quantization error
 (engine/models/gguf_blocks.py), with activations quantized per block of 32 to 15 bits, so the
-decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp): llama.cpp's 8-bit
-activations cost SmolLM2-135M ~3% of top-1 agreement with fp32 (per-tensor int8, fbgemm's, 49%);
-15 bits cost nothing measurable, with 16-bit products (madd) per block. `int8`: every matmul
+decode kernel takes integer dot products (engine/csrc/block_quant_linear.cpp) with 16-bit
+products (madd) per block: 8-bit activations (llama.cpp's) lose top-1 agreement with fp32 where
+15 bits lose none measurable (BENCHMARKS.md). `int8`: every matmul
 re-quantized to GGUF's Q8_0 blocks (int8 weights, one scale per 32) with scales of at most 8
 significant bits, and activations rounded to bf16: each weight d * q is then exactly two bf16
 values and each product exact, so on AMX tiles large batches sum them over all of K without
 leaving the tiles (engine/csrc/block_quant_gemm.cpp), where per-block scales cost a store and a
-scaling every block. On SmolLM2-135M that costs 0.1% of top-1 agreement against 15-bit
-activations and fp16 scales (BENCHMARKS.md).
+scaling every block; what the rounding costs in quality is in BENCHMARKS.md.
 
 `w8a16` / `w4a16`: torch's weight-only kernels on bf16 activations, for CPUs with bf16 dot
 products (AVX512-BF16, AMX); on AVX2 they beat fp32 only on a few rows (BENCHMARKS.md).
@@ -181,7 +180,7 @@ class BlockQuantLinear(nn.Module):
     rounded activations: the same values every way, so the same results to fp32 rounding, whatever
     the batch. Without the compiled kernels every input takes the fp32 GEMM."""
 
-    DECODE_ROWS = 28  # the kernel beats fp32 GEMM by 1.26x here on this model family's shapes (BENCHMARKS.md)
+    DECODE_ROWS = 28  # up to here the kernel beats fp32 GEMM on this model family's shapes (BENCHMARKS.md)
     TILED_DECODE_ROWS = 8  # with AMX tiles, the tile GEMM beats the kernel from 5-8 rows on (BENCHMARKS.md)
     VECTOR_DECODE_ROWS = 4  # the vector GEMM beats the kernel from VECTOR_DECODE_ROWS + 1 rows on (BENCHMARKS.md)
     # bf16 activations: up to these rows the integer tiles (2 bytes a weight, scaled per block) run, past
@@ -328,7 +327,7 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
     """Replaces the Linears of `model` by the mode's implementation, in place. `int8`, `w8a16`,
     `w4a16`: every matmul whose shape the kernel takes (input width a multiple of 32; others stay
     fp32), except that the weight-only modes keep the LM head fp32, as GPTQ and AWQ checkpoints
-    do (4-bit, the LM head alone takes SmolLM2-135M's top-1 agreement from 98.4% to 85.0%).
+    do (a 4-bit LM head alone costs more top-1 agreement than every other matmul together).
     `gguf`: `stored_blocks`, {module name: (GGML type, blocks)} from the checkpoint
     (engine/models/gguf_blocks.py)."""
     if mode not in QUANTIZATION_MODES or mode == "auto":  # auto is resolved before (engine/quantization_check.py)

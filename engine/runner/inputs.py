@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import ModelInputs
+from engine.batch import ModelInputs, WithDrafts
 from engine.scheduler.output import ScheduledRequest
-from engine.spec_decode.verify import WithDrafts
 
 
 def _as_rows(item: ScheduledRequest) -> bool:

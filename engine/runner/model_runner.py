@@ -11,11 +11,11 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.outputs import ModelRunnerOutput
 from engine.runner.inputs import build_inputs
+from engine.runner.speculation.draft_model import DraftModelDrafter
+from engine.runner.speculation.self_draft import SelfDraft
+from engine.runner.speculation.verify import accepted_tokens
 from engine.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
-from engine.spec_decode.draft_model import DraftModelDrafter
-from engine.spec_decode.self_draft import SelfDraft
-from engine.spec_decode.verify import accepted_tokens
 
 
 class ModelRunner:

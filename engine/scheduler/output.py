@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.drafts import SampledDraft
 from engine.request import Request
-from engine.spec_decode.messages import SampledDraft
 
 
 @dataclass(slots=True)

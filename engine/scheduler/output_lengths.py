@@ -3,7 +3,7 @@ finished lately: over those that ran longer than it has so far, the mean of thei
 capped at its own cap), less what it has emitted; its cap while none did.
 
 A draft model's one-time catch-up on a request is spread over these tokens
-(engine.spec_decode.adaptive). `max_tokens` alone is a loose bound where text ends on its own
+(engine.scheduler.speculation.adaptive). `max_tokens` alone is a loose bound where text ends on its own
 (a reply of 35 tokens under a cap of 96): spread over it, a catch-up looks cheap for a request a
 few tokens from its end.
 """

@@ -20,10 +20,10 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from engine.scheduler.output_lengths import OutputLengths
 from engine.scheduler.queue import WaitingQueue
+from engine.scheduler.speculation.adaptive import AdaptiveSpeculation
+from engine.scheduler.speculation.ngram import NgramProposer
+from engine.scheduler.speculation.pending import PendingDrafts
 from engine.scheduler.step_time import StepTimeModel
-from engine.spec_decode.adaptive import AdaptiveSpeculation
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.self_draft import PendingDrafts
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
 CATCH_UP_DECAY = 0.7  # weight of the past per newly timed draft-model catch-up
@@ -243,7 +243,7 @@ class Scheduler:
     def _plan_drafts(self) -> dict[str, list[int]]:
         """Drafts for each decoding request: up to num_speculative_tokens, none past its
         max_tokens or the model's length (the token after the last draft is always new), then,
-        when adaptive, cut to what is expected to pay (engine.spec_decode.adaptive)."""
+        when adaptive, cut to what is expected to pay (engine.scheduler.speculation.adaptive)."""
         decoding = [r for r in self.running if r.is_decoding]
         limits = [min(self.speculative.num_speculative_tokens, r.params.max_tokens - r.num_output_tokens - 1,
                       self.max_model_len - r.num_tokens - 1) for r in decoding]

@@ -4,11 +4,11 @@ The scheduler asks it how many tokens fit a step-latency target (`target_step_la
 that running decodes keep their time per output token under the target whatever the hardware,
 model or load, and prefill chunks take what is left. Fitted by exponentially weighted least
 squares: recent steps count most, so a change of load or of machine speed shows in ~20 steps.
-Speculative decoding asks what a step of a given size costs (engine.spec_decode.adaptive). Step
-time is not linear in tokens at small sizes on a CPU (one row is a matrix-vector product; two rows
-already cost a matrix-matrix product that reads the weights more slowly: 1 token 50 ms, 2 tokens
-93 ms, 5 tokens 105 ms on SmolLM2-135M in fp32 here), so each size seen keeps its own recent
-time (`measured`), and sizes not seen yet are priced from the nearest one seen (`estimate`). The
+Speculative decoding asks what a step of a given size costs (engine.scheduler.speculation.adaptive).
+Step time is not linear in tokens at small sizes on a CPU (one row is a matrix-vector product; two
+rows already cost a matrix-matrix product that reads the weights more slowly, and the kernels
+change with the step's size), so each size seen keeps its own recent time (`measured`), and sizes
+not seen yet are priced from the nearest one seen (`estimate`). The
 scheduler keeps a second one for a draft model's passes, sized by the requests a pass drafts for.
 """
 from __future__ import annotations
@@ -77,8 +77,8 @@ class StepTimeModel:
         per-token cost of the difference where one could be separated (else nothing for it);
         None before any step. Optimistic where `fit` is cautious: it prices a size to try, and a
         size tried is then measured. The line's own value, or all of a size's time charged per
-        token while every step had one size, priced a draft pass over 4 requests at 4x one over
-        1 (33 ms against ~8), and a size priced so was never tried."""
+        token while every step had one size, would price a draft pass over 4 requests at 4x one
+        over 1, and a size priced so would never be tried."""
         if not self._by_size:
             return None
         nearest = min(self._by_size, key=lambda size: (abs(size - tokens), size))

@@ -7,8 +7,8 @@ import pytest
 from engine.config import SpeculativeConfig
 from engine.outputs import ModelRunnerOutput
 from engine.request import FinishReason
+from engine.scheduler.speculation.adaptive import AdaptiveSpeculation
 from engine.scheduler.step_time import StepTimeModel
-from engine.spec_decode.adaptive import AdaptiveSpeculation
 from tests.engine.helpers import make_request, make_scheduler
 
 K = 4

@@ -2,7 +2,8 @@
 continuation of each request's tokens after every rollback, eviction and restart of the worker;
 the engine's output is the target's whatever the draft (the target itself: every draft accepted;
 an unrelated random model: most rejected; a worker that misses calls: plain steps, counted); a
-draft with another vocabulary, or an actor placement with no draft model, is refused."""
+worker behind the transport an actor placement is handed drafts the same way; a draft with
+another vocabulary, or an actor placement with no draft model or no transport, is refused."""
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import ModelConfig, SpeculativeConfig
+from engine.drafts import DraftCall, DraftQuery
 from engine.models.linear import BlockQuantLinear
-from engine.spec_decode.draft_model import load_draft_worker
-from engine.spec_decode.messages import DraftCall, DraftQuery
+from engine.runner.speculation.draft_model import load_draft_worker
 from tests.conftest import save_tiny_model
 from tests.engine.helpers import hf_greedy, repetitive_prompts, save_first_layer
 
@@ -153,6 +154,25 @@ def test_a_draft_worker_that_misses_calls_means_plain_steps_with_the_same_output
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
+def test_an_actor_placement_drafts_through_the_transport_the_host_hands_the_engine(reference, draft_dir):
+    """placement `actor`: each step's call goes through the transport the factory builds (here a
+    worker in this process, standing in for the serve app's DraftModel deployment)."""
+    model_dir, prompts, expected = reference
+    spec = {"method": "draft_model", "model": draft_dir, "adaptive": False}
+    worker = LLMEngine.from_engine_args(model_dir, speculative_config=spec).runner.drafter.transport
+    calls = []
+
+    def transport(call: DraftCall):
+        calls.append(call)
+        return worker(call)
+
+    llm = LLM(model_dir, speculative_config={**spec, "placement": "actor"}, draft_transport=lambda: transport)
+    assert _generate(llm, prompts) == expected
+    stats = llm.engine.get_stats()
+    assert len(calls) > 4 and stats.num_spec_unfilled_steps == 0 and stats.num_spec_accepted_tokens > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
 def test_a_draft_pass_is_priced_without_the_prompts_the_draft_catches_up_on(reference, draft_dir):
     """The call that brings the worker new requests also computes their tokens so far: it reports
     them, its time beyond its passes prices a catch-up token, and it prices no pass (a one-time
@@ -195,5 +215,5 @@ def test_a_draft_of_another_vocabulary_or_with_no_draft_model_is_refused(tiny_ll
         SpeculativeConfig(method="draft_model", model=tiny_llama, quantization="auto")
     with pytest.raises(ValueError, match="placement 'actor' runs a draft model"):
         SpeculativeConfig(method="ngram", placement="actor")
-    with pytest.raises(ValueError, match="needs draft_app"):  # the serve app names the DraftModel's app
+    with pytest.raises(ValueError, match="needs a draft transport"):  # the serve app hands one to its engines
         LLM(tiny_llama, speculative_config={"method": "self_draft", "placement": "actor"})

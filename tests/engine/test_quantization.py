@@ -17,7 +17,7 @@ from gguf.quants import quantize as quantize_blocks
 from engine import LLM, SamplingParams, quantization_check
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_kernels import load_cpu_kernels
-from engine.model_loader import load_model
+from engine.model_setup import load_model
 from engine.models.gguf_blocks import read_blocks
 from engine.models.linear import (
     ACTIVATION_LEVELS,

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.drafts import SampledDraft
 from engine.outputs import SpecCounts
 from engine.request import Request
+from engine.runner.speculation.verify import accepted_tokens
 from engine.sampler import Sampler, sampling_probs
-from engine.spec_decode.messages import SampledDraft
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.verify import accepted_tokens
+from engine.scheduler.speculation.ngram import NgramProposer
 from tests.engine.helpers import hf_greedy, repetitive_prompts, save_first_layer
 
 MAX_NEW = 32

@@ -14,6 +14,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -79,7 +80,8 @@ class FakeAsyncEngine(EngineClient):
         return type("FakeAsyncEngineVariant", (cls,), dict(options))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> FakeAsyncEngine:
+    def from_config(cls, config: EngineConfig, engine_process: bool = False,
+                    draft_transport: Any = None) -> FakeAsyncEngine:
         """Sizes from the class (with_options), unless the config sets them."""
         engine = cls()
         engine.num_blocks = config.cache.num_blocks or cls.num_blocks

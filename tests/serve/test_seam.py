@@ -94,7 +94,7 @@ def test_the_routers_prefix_hashes_are_the_engines_block_hashes():
     an engine's KV cache stores that prompt's full blocks."""
     block_size, prompt = 4, [random.Random(3).randrange(1, 1000) for _ in range(23)]
     info = ModelInfo("m", max_model_len=256, block_size=block_size, vocab_size=1000, tokenizer=None)
-    job = make_job("j", prompt, CompletionRequest(prompt=prompt), info, max_tokens=4, default_max_tokens=16,
+    job = make_job("j", prompt, req=CompletionRequest(prompt=prompt), info=info, max_tokens=4, default_max_tokens=16,
                    num_logprobs=None, priority=0, choice_offset=0, param="prompt")
     kv = KVCacheManager(num_blocks=16, block_size=block_size, enable_prefix_caching=True)
     request = Request("j", prompt, SamplingParams(max_tokens=4))

@@ -6,8 +6,8 @@ verifying forward rewrites the same slots (identical values for the same tokens 
 layers), and slots past the last accepted token are rolled back with the rest of the rejected
 positions (computed tokens end there, blocks holding only them are freed).
 
-The scheduler reserves the drafts (PendingDrafts: how many, per request, adaptive or not); the
-runner fills them in (SelfDraft) before the target's forward, k one-token passes for the whole
+The scheduler reserves the drafts (engine/scheduler/speculation/pending.py: how many, per request,
+adaptive or not); the runner fills them in (SelfDraft) before the target's forward, k one-token passes for the whole
 batch of speculating requests. Drafts are the draft model's argmax (a one-hot draft distribution)
 for greedy and seeded requests, else drawn from the draft's own sampling distribution
 (engine.sampler.sample_drafts), which verification accepts with probability min(1, p/q).
@@ -16,24 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from engine.drafts import SampledDraft
 from engine.runner.inputs import build_inputs
 from engine.sampler import draft_params, sample_drafts
 from engine.scheduler.output import ScheduledRequest
-from engine.spec_decode.messages import SampledDraft
-
-PENDING = -1  # a reserved draft the runner has not filled in yet (never a valid token id)
-
-
-class PendingDrafts:
-    """The scheduler's proposer when the drafts come from a model in the runner: reserves up to
-    each request's limit."""
-
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[list[int]]:
-        return [[PENDING] * max(k, 0) for k in max_drafts]
-
-    def forget(self, request_id: str) -> None:
-        """Nothing is kept per request."""
 
 
 def self_draft_layers(num_layers: int | None, num_target_layers: int) -> int:

@@ -4,7 +4,7 @@ The request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_m
 up in its own earlier tokens (prompt and output); the tokens that followed the latest earlier
 occurrence are the draft. It pays where outputs repeat spans of their context: extraction,
 quoting, code edits. A draft is a guess with probability one (a one-hot draft distribution), so
-verification reduces to sampling the target at each draft position (engine.spec_decode.verify).
+verification reduces to sampling the target at each draft position (engine.runner.speculation.verify).
 
 Each request keeps an index from every n-gram of its tokens to where it last ended, extended by
 the tokens added since the last step, so a lookup costs O(new tokens), not a scan of the context.

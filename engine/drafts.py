@@ -1,12 +1,14 @@
-"""What crosses between an engine and its draft worker, in-process or to the DraftModel
-deployment (engine.spec_decode.draft_model). Torch-free, so the serve app imports it."""
+"""What crosses between speculation's sides: the scheduler's drafts to the runner, and the
+runner's calls to a draft worker (engine/runner/speculation/draft_model.py), in-process or
+through a DraftTransport the host hands the engine (placement `actor`: the serve app's DraftModel
+deployment). Torch-free, so the serve app imports it."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.sampling_params import SamplingParams
-
-DRAFT_DEPLOYMENT = "DraftModel"  # the Serve deployment engines call with placement `actor`
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,3 +40,15 @@ class DraftCall:
 class DraftReply:
     drafts: list[list[int] | None]  # per query; None: the worker lacks its first num_kept tokens
     sampled: list[list[SampledDraft] | None]  # per query with params: its drafts' distributions
+
+
+class DraftTransport(Protocol):
+    """Carries one step's call to a draft worker the engine does not hold; None when no reply
+    came in time (the step decodes without drafts)."""
+
+    def __call__(self, call: DraftCall) -> DraftReply | None: ...
+
+
+# Builds the transport where the engine runs: the factory crosses to an engine process of its own
+# (pickled with the config), the connection it opens does not.
+DraftTransportFactory = Callable[[], DraftTransport]

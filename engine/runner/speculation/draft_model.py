@@ -15,7 +15,7 @@ deadline, means plain decoding for that step: the reserved slots are released li
 Drafts are the draft model's argmax (one-hot) for greedy and seeded requests, else drawn from
 its sampling distribution under the request's settings, cut to its most likely tokens and sent
 with the draft (SampledDraft) so the target accepts it with probability min(1, p/q)
-(engine.spec_decode.verify).
+(engine.runner.speculation.verify).
 """
 from __future__ import annotations
 
@@ -28,15 +28,16 @@ import torch
 
 from engine.attention.selector import kv_block_bytes, select_backend
 from engine.config import ModelConfig, SpeculativeConfig
+from engine.drafts import DraftCall, DraftQuery, DraftReply, SampledDraft
 from engine.kv_cache.manager import KVCacheManager
-from engine.model_loader import load_model, load_vocabulary
+from engine.model_loader import load_vocabulary
+from engine.model_setup import load_model
 from engine.request import Request
 from engine.runner.inputs import build_inputs
+from engine.runner.speculation.self_draft import self_draft_layers
 from engine.sampler import draft_params, sample_drafts
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import ScheduledRequest
-from engine.spec_decode.messages import DraftCall, DraftQuery, DraftReply, SampledDraft
-from engine.spec_decode.self_draft import self_draft_layers
 
 _SEQUENCE_PARAMS = SamplingParams(max_tokens=1)  # a worker's sequences are never sampled by params
 

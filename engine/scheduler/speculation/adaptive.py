@@ -116,8 +116,8 @@ class AdaptiveSpeculation:
             """A step's time: the plain step's plus the fitted cost of its extra tokens, or its
             own measured time where that is more (a larger step measured faster is noise, and
             taking it for free drafts would pay for that noise every step). Not the line's own
-            value: its fixed part is fitted over prefills and warm-up steps, and priced the step
-            one token past a plain one of 2.3 ms at 2.6 ms, so no draft was ever tried."""
+            value: its fixed part is fitted over prefills and warm-up steps, and can price the
+            step one token past a plain one far above it, so that no draft is ever tried."""
             anchored = base + per_token * (tokens - num_decodes)
             measured = step_time.measured(tokens)
             return anchored if measured is None else max(measured, anchored)
