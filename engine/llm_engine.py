@@ -27,7 +27,7 @@ from engine.runner.speculation.draft_model import DraftModelDrafter, load_draft_
 from engine.runner.speculation.self_draft import SelfDraft
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
-from engine.tokenization import check_context_length, check_token_ids, encode_chat, encode_text
+from engine.tokenization import check_context_length, check_logit_bias, check_token_ids, encode_chat, encode_text
 
 Event = RequestOutput | RequestError
 
@@ -79,7 +79,7 @@ class LLMEngine:
                                    PreemptionCosts(block_bytes), clock, config.speculative)
         backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
-                                  config.model.seed, kv_dtype, self._drafter(num_blocks))
+                                  config.model.seed, kv_dtype, self._drafter(num_blocks), loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self._last_step = StepStats()
 
@@ -127,6 +127,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(None, f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.encode_prompt(prompt)
+        check_logit_bias(params, self.vocab_size)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         request = Request(request_id, token_ids, params, priority=priority, arrival_time=self.clock() - waited_s)
         self.scheduler.add_request(request)

@@ -128,7 +128,7 @@ class OutputProcessor:
         else:
             sample.text += sample.decoder.step(self.tokenizer, token_id) or ""
         stops = request.params.stop
-        if not stops:
+        if not stops or len(sample.token_ids) < request.params.min_tokens:  # nothing ends it before min_tokens
             return False
         search_from = max(0, previous_len - max(map(len, stops)) + 1)
         hits = [i for i in (sample.text.find(s, search_from) for s in stops) if i >= 0]

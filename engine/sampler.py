@@ -1,6 +1,8 @@
 """Samples one token per row from logits, every row with its own parameters, in one pass.
 
-Greedy rows take the argmax. Other rows go through penalties, temperature, top-k, top-p and min-p,
+A row's logits first take its adjustments: penalties, `logit_bias`, and while its output is
+shorter than `min_tokens`, no end-of-sequence or stop token (they are masked, as vLLM does).
+Greedy rows then take the argmax. Other rows go through temperature, top-k, top-p and min-p,
 then an exponential race (argmax of p / E, E ~ Exp(1)), which equals drawing from p. A seeded
 request draws its noise from its own generator (kept here, by request id, until the runner says
 the request ended), so its tokens do not depend on what else is in the batch.
@@ -30,9 +32,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device = torch.device("cpu")):
-        """`device`: where the logits are; the noise and every per-row tensor are made there."""
+    def __init__(self, seed: int, device: torch.device = torch.device("cpu"),
+                 eos_token_ids: frozenset[int] = frozenset()):
+        """`device`: where the logits are; the noise and every per-row tensor are made there.
+        `eos_token_ids`: the model's, masked with each request's stop tokens below min_tokens."""
         self.device = device
+        self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
@@ -70,11 +75,11 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.params.logprobs is not None for r in requests) else None)
-        penalized = [row for row, r in enumerate(requests) if r.params.has_penalties]
-        if penalized:
+        adjusted = [row for row, r in enumerate(requests) if _has_adjustments(r)]
+        if adjusted:
             logits = logits.clone()  # the caller's logits stay intact for a row-by-row retry
-            for row in penalized:
-                _apply_penalties(logits[row], requests[row])
+            for row in adjusted:
+                self._adjust(logits[row], requests[row])
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -95,6 +100,18 @@ class Sampler:
             if draft is not None:
                 probs[row] = self._verify(probs[row], draft)
         return (probs / noise).argmax(dim=-1)
+
+    def _adjust(self, row: torch.Tensor, request: Request) -> None:
+        """In place: the row's penalties, logit bias and min_tokens mask."""
+        params = request.params
+        if params.has_penalties:
+            _apply_penalties(row, request)
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+            row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device))
+        if _below_min_tokens(request):
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            row.index_fill_(0, torch.tensor(sorted(stops), dtype=torch.long, device=row.device), float("-inf"))
 
     def _verify(self, p: torch.Tensor, draft: SampledDraft) -> torch.Tensor:
         """Leviathan et al. / Chen et al.: the draft d, drawn from q, is accepted with probability
@@ -190,6 +207,14 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop |= before >= top_p[:, None]
     drop[:, 0] = False
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _below_min_tokens(request: Request) -> bool:
+    return bool(request.params.min_tokens) and len(request.output_token_ids) < request.params.min_tokens
+
+
+def _has_adjustments(request: Request) -> bool:
+    return request.params.has_penalties or bool(request.params.logit_bias) or _below_min_tokens(request)
 
 
 def _apply_penalties(row: torch.Tensor, request: Request) -> None:

@@ -17,6 +17,7 @@ GREEDY_EPS = 1e-5
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -59,6 +60,10 @@ _RULES = (  # field, accepts, rule as the error message states it
     ("stop", lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
      f"must be at most {MAX_STOP_STRINGS} non-empty strings"),
     ("stop_token_ids", lambda v: all(_int_in(0, INT32_MAX)(t) for t in v), f"must be ints in [0, {INT32_MAX}]"),
+    ("min_tokens", _int_in(0, INT32_MAX), f"must be an int in [0, {INT32_MAX}]"),
+    ("logit_bias", lambda v: len(v) <= MAX_LOGIT_BIAS and all(_int_in(0, INT32_MAX)(t) and _number_in(-100, 100)(b)
+                                                             for t, b in v.items()),
+     f"must map at most {MAX_LOGIT_BIAS} token ids (ints in [0, {INT32_MAX}]) to numbers in [-100, 100]"),
 )
 
 
@@ -78,6 +83,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return per token (plus the sampled one)
+    min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -87,12 +94,19 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of ints, got "
                                                         f"{_show(self.stop_token_ids)}")
+        if not isinstance(self.logit_bias, (dict, type(None))):
+            raise InvalidRequestError("logit_bias", f"logit_bias must map token ids to numbers, got "
+                                                    f"{_show(self.logit_bias)}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         for name, accepts, rule in _RULES:
             value = getattr(self, name)
             if not accepts(value):
                 raise InvalidRequestError(name, f"{name} {rule}, got {_show(value)}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                                                    f"got {self.min_tokens}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -1,39 +1,49 @@
 """Prompts to token ids, and the rules a prompt must satisfy: the one home of templating, prompt
-tokenization and the context-length check. The engine applies them when a request arrives as
-text; the serve app's ingress applies the same functions at its edge, tokenizes each prompt
-once and sends the engine the token ids. Torch-free.
+tokenization, the context-length check and the vocabulary checks (prompt ids, logit_bias). The
+engine applies them when a request arrives as text; the serve app's ingress applies the same
+functions at its edge, tokenizes each prompt once and sends the engine the token ids. Torch-free.
 """
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     if not isinstance(text, str) or not text:
         raise InvalidRequestError("prompt", "prompt must be a non-empty string")
     try:
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except Exception as e:  # e.g. a lone surrogate the tokenizer cannot take
         raise InvalidRequestError("prompt", f"prompt could not be tokenized: {e}") from None
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template applied, generation prompt added."""
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The chat template applied, with the assistant's generation prompt unless told otherwise."""
     if not messages:
         raise InvalidRequestError("messages", "messages must not be empty")
     try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as e:  # the template refuses the conversation (roles, order, content)
         raise InvalidRequestError("messages", f"could not apply the chat template: {e}") from None
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt",
+                    name: str = "prompt_token_ids") -> None:
+    """`param`: the request field at fault; `name`: the ids as the message calls them."""
     if not token_ids:
-        raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
+        raise InvalidRequestError(param, f"{name} must not be empty")
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError("prompt", f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        raise InvalidRequestError(param, f"{name}: {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    bad = [t for t in params.logit_bias or {} if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError("logit_bias", f"logit_bias: token ids {bad[:5]} outside the vocabulary "
+                                                f"[0, {vocab_size})")
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str = "prompt"

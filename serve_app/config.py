@@ -188,6 +188,9 @@ class IngressConfig(_Strict):
     grpc_transport: bool = Field(
         True, description="Admission calls and replica streams over Serve's gRPC transport "
                           "(_by_reference=False) instead of the object store.")
+    ignore_unknown_fields: bool = Field(
+        False, description="Accept request fields this server does not know, logging their names, for clients "
+                           "that send vendor fields; off: such a request gets a 400 naming the field.")
 
 
 class AppConfig(_Strict):

@@ -65,7 +65,7 @@ class Formatter:
             event = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
                      "model": self.model, "choices": [choice]}
             if self.req.include_usage:
-                event["usage"] = None
+                event["usage"] = self.usage().model_dump() if self.req.continuous_usage else None
             events.append(event)
         return events
 
@@ -86,7 +86,18 @@ class Formatter:
 
 
 class CompletionFormatter(Formatter):
+    """With `echo`, each choice's text starts with its prompt's (streamed: in its first chunk)."""
     chunk_object = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._echoed: set[int] = set()
+
+    def _echo(self, index: int) -> str:
+        if not self.req.echo:
+            return ""
+        prompt = self.req.prompts()[index // self.req.n]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def _logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets, pos = [], [], [], [], 0
@@ -105,11 +116,15 @@ class CompletionFormatter(Formatter):
         lp = None
         if d.logprobs is not None:
             lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
-        return {"index": index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        text = d.text
+        if index not in self._echoed:
+            self._echoed.add(index)
+            text = self._echo(index) + text
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
 
     def response(self) -> dict[str, Any]:
         choices = [
-            CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+            CompletionChoice(index=c.index, text=self._echo(c.index) + c.text, finish_reason=c.finish_reason,
                              logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
             for c in map(self._choice, self._choice_indices())
         ]

@@ -14,6 +14,7 @@ the code path is the same.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -28,16 +29,25 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from engine.errors import InvalidRequestError
-from engine.tokenization import encode_chat, encode_text
+from engine.tokenization import check_token_ids, encode_chat, encode_text
 from serve_app.auth import Authorizer, resolve_priority
 from serve_app.config import AppConfig
 from serve_app.formatting import ChatFormatter, CompletionFormatter
 from serve_app.jobs import check_fits_queue, make_job, respond
 from serve_app.messages import ModelInfo
-from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, model_list
+from serve_app.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    model_card,
+)
 
 logger = logging.getLogger("cbserve.ingress")
-_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
+           "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest), "/detokenize": (DetokenizeRequest,)}
 
 
 def _refuse_constant(name: str) -> None:
@@ -119,18 +129,32 @@ class Ingress:
         return bytes(body)
 
     def _parse(self, model_cls: type[BaseModel], data: dict) -> Any:
+        """The body as `model_cls`, or a 400 naming the first field at fault. Fields no model
+        declares are refused, or with ingress.ignore_unknown_fields dropped and logged."""
         try:
             return model_cls.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[")))
-            msg = err["msg"].removeprefix("Value error, ")
-            raise APIError(400, f"Invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None
+            errors = e.errors()
+        unknown = [err["loc"] for err in errors if err["type"] == "extra_forbidden"]
+        if self.config.ingress.ignore_unknown_fields and any([_drop(data, loc) for loc in unknown]):
+            logger.info("ignored unknown request fields: %s", ", ".join(map(_field_name, unknown)))
+            return self._parse(model_cls, data)  # the body shrank: this ends
+        err = errors[0]
+        loc = _field_name(err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc)
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"Invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.model_name}'.", code="model_not_found", param="model")
+
+    async def _model_card(self) -> dict:
+        info = await self.model_info()
+        return model_card(self.model_name, self._created, self.config.engine.model or self.model_name,
+                          info.max_model_len)
 
     async def _accept(self, request: Request, model_cls: type[BaseModel]) -> tuple[Any, int, ModelInfo]:
         """Auth, body, parse, model name, priority: the parsed request, its priority, the model."""
@@ -149,6 +173,7 @@ class Ingress:
             raise APIError(400, f"A request may hold at most {limit} prompts, got {len(prompts)}.",
                            param="prompt", code="too_many_prompts")
         base_id = f"cmpl-{uuid.uuid4().hex}"
+        _log_user(base_id, req)
         try:
             jobs = [make_job(f"{base_id}-{i}", encode_text(info.tokenizer, p) if isinstance(p, str) else p,
                              req=req, info=info, max_tokens=req.max_tokens,
@@ -164,6 +189,7 @@ class Ingress:
     async def chat_completions(self, request: Request):
         req, priority, info = await self._accept(request, ChatCompletionRequest)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        _log_user(base_id, req)
         try:
             ids = encode_chat(info.tokenizer, [m.as_template_dict() for m in req.messages])
             job = make_job(f"{base_id}-0", ids, req=req, info=info, max_tokens=req.requested_max_tokens,
@@ -174,6 +200,37 @@ class Ingress:
         check_fits_queue([job], self.config.router.max_queued_tokens)
         fmt = ChatFormatter(base_id, self.model_name, req, info.tokenizer, req.n)
         return await respond(self, [job], fmt, req.stream)
+
+    async def tokenize(self, request: Request) -> dict:
+        """vLLM's /tokenize: a prompt (completion form) or messages through the chat template."""
+        self.auth.authorize(request.headers.get("authorization"))
+        data = await self._read_json(request)
+        req = self._parse(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
+        self._check_model(req.model)
+        info = await self.model_info()
+        try:
+            if isinstance(req, TokenizeChatRequest):
+                ids = encode_chat(info.tokenizer, [m.as_template_dict() for m in req.messages],
+                                  req.add_generation_prompt)
+            else:
+                ids = encode_text(info.tokenizer, req.prompt, req.add_special_tokens)
+        except InvalidRequestError as e:
+            raise APIError.from_invalid(e) from None
+        body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = info.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    async def detokenize(self, request: Request) -> dict:
+        self.auth.authorize(request.headers.get("authorization"))
+        req = self._parse(DetokenizeRequest, await self._read_json(request))
+        self._check_model(req.model)
+        info = await self.model_info()
+        try:
+            check_token_ids(req.tokens, info.vocab_size, "tokens", "tokens")
+        except InvalidRequestError as e:
+            raise APIError.from_invalid(e) from None
+        return {"prompt": info.tokenizer.decode(req.tokens)}
 
     async def health(self) -> JSONResponse:
         """Ready when the router knows an engine replica that takes requests."""
@@ -210,7 +267,17 @@ class Ingress:
         @app.get("/v1/models")
         async def models(request: Request) -> dict:
             self.auth.authorize(request.headers.get("authorization"))
-            return model_list(self.model_name, self._created)
+            return {"object": "list", "data": [await self._model_card()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str, request: Request) -> dict:
+            self.auth.authorize(request.headers.get("authorization"))
+            self._check_model(model_id)
+            return await self._model_card()
+
+        @app.get("/version")
+        async def version() -> dict:
+            return {"version": importlib.metadata.version("cbserve")}
 
         schema: dict = {}  # built on first request: the routes are all registered by then
 
@@ -222,19 +289,47 @@ class Ingress:
             return schema
 
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         for path, endpoint in (("/v1/completions", self.completions), ("/v1/chat/completions", self.chat_completions)):
             app.add_api_route(path, endpoint, methods=["POST"])
         return app
 
 
+def _log_user(request_id: str, req: Any) -> None:
+    """OpenAI's `user`: an end-user id for abuse monitoring, logged beside the request id."""
+    if req.user is not None:
+        logger.info("%s from user %r", request_id, req.user[:128])
+
+
+def _field_name(loc: tuple) -> str:
+    """A validation error's location as the client wrote it (pydantic's union-member tags dropped)."""
+    return ".".join(str(p) for p in loc if not str(p).startswith(("function-", "list[")))
+
+
+def _drop(data: Any, loc: tuple) -> bool:
+    """Removes the field at a validation error's location (tags that name no key are skipped);
+    False if it is not there."""
+    for part in loc[:-1]:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+    if isinstance(data, dict) and loc[-1] in data:
+        del data[loc[-1]]
+        return True
+    return False
+
+
 def openapi_schema(app: FastAPI) -> dict:
     """FastAPI's schema of the routes, with the request bodies we parse ourselves declared."""
     schema = get_openapi(title="cbserve", version="1", routes=app.routes)
-    _, defs = models_json_schema([(m, "validation") for m in _BODIES.values()],
+    _, defs = models_json_schema([(m, "validation") for models in _BODIES.values() for m in models],
                                  ref_template="#/components/schemas/{model}")
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
-    for path, model in _BODIES.items():
-        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-        body = {"required": True, "content": {"application/json": {"schema": ref}}}
+    for path, models in _BODIES.items():
+        refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
+        body = {"required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1
+                                                                   else {"anyOf": refs}}}}
         schema["paths"][path]["post"]["requestBody"] = body
     return schema

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.sampling_params import SamplingParams
-from engine.tokenization import check_context_length, check_token_ids
+from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
 from serve_app.config import AppConfig
 from serve_app.formatting import Formatter
 from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
@@ -80,6 +80,7 @@ def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, in
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, info.max_model_len - num_prompt))
     params = req.sampling_params(max_tokens, num_logprobs)
+    check_logit_bias(params, info.vocab_size)
     check_context_length(num_prompt, max_tokens, info.max_model_len, param)
     bs = info.block_size
     hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs))

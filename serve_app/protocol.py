@@ -2,7 +2,9 @@
 
 Owns: what crosses the HTTP boundary and its type validation (-> 400 at parse time); value
 ranges are the engine's SamplingParams'. Does not own: tokenization, admission, or anything
-about replicas. Unknown request fields are ignored (as OpenAI and vLLM do).
+about replicas. A field no model here declares is refused (as OpenAI refuses unknown
+arguments), so a client never gets 200 for a feature it asked for and did not get; the
+ingress may be told to drop such fields instead (ingress.ignore_unknown_fields).
 """
 
 from __future__ import annotations
@@ -62,14 +64,15 @@ class APIError(Exception):
 
 class _Wire(BaseModel):
     """Request bodies: strict JSON types as OpenAI's API has them (no "5" for 5, no true for 1,
-    no 2.0 for an int); unknown fields ignored, as OpenAI and vLLM do. Value ranges are the
-    engine's (engine.sampling_params), checked when the SamplingParams is built."""
+    no 2.0 for an int); unknown fields refused. Value ranges are the engine's
+    (engine.sampling_params), checked when the SamplingParams is built."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Wire):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="Usage so far on every chunk (vLLM's).")
 
 
 class _SamplingFields(_Wire):
@@ -93,11 +96,28 @@ class _SamplingFields(_Wire):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
+                                                                  "added to its logit.")
+    min_tokens: int = 0
+    best_of: int | None = Field(None, description="Only n (or null): returning the best n of more samples is not "
+                                                  "built.")
     priority: int | None = Field(None, description="Lower is served sooner; None: the API key's default.")
+
+    @model_validator(mode="after")
+    def _best_of(self) -> _SamplingFields:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) or be null: this server does not sample more "
+                             f"choices than it returns, got {self.best_of}")
+        return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: continuous_usage_stats with include_usage, as vLLM reads them."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; raises InvalidRequestError naming the field."""
@@ -106,7 +126,18 @@ class _SamplingFields(_Wire):
             top_p=self.top_p, min_p=self.min_p, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=num_logprobs)
+            repetition_penalty=self.repetition_penalty, logprobs=num_logprobs, min_tokens=self.min_tokens,
+            logit_bias=_token_id_keys(self.logit_bias))
+
+
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    if logit_bias is None:
+        return None
+    bad = [key for key in logit_bias if not (key.isascii() and key.isdigit() and len(key) <= 10)]
+    if bad:
+        raise InvalidRequestError("logit_bias", f"logit_bias keys must be token ids, got {bad[0][:40]!r}")
+    return {int(key): bias for key, bias in logit_bias.items()}
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -135,8 +166,8 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported: the engine does not score prompt tokens")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -178,6 +209,27 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(_Wire):
+    """/tokenize, completion form (vLLM's)."""
+    model: str | None = None
+    prompt: str = Field(min_length=1)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Wire):
+    """/tokenize, chat form: the messages through the chat template (vLLM's)."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Wire):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
 
 
 # ---------------------------------------------------------------- responses
@@ -234,11 +286,10 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-def model_list(model_name: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "cbserve"}],
-    }
+def model_card(model_name: str, created: int, root: str, max_model_len: int) -> dict[str, Any]:
+    """A /v1/models entry, with vLLM's `root` (the checkpoint served) and `max_model_len`."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "cbserve", "root": root,
+            "parent": None, "max_model_len": max_model_len}
 
 
 # ---------------------------------------------------------------- SSE

@@ -21,8 +21,9 @@ from engine.scheduler.output import SchedulerOutput
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, num_blocks: int, num_host_blocks: int,
                  block_size: int, device: torch.device, seed: int, kv_cache_dtype: torch.dtype = torch.float32,
-                 drafter: SelfDraft | DraftModelDrafter | None = None):
-        """`drafter`: fills in the drafts the scheduler reserved, before the target's forward."""
+                 drafter: SelfDraft | DraftModelDrafter | None = None, eos_token_ids: frozenset[int] = frozenset()):
+        """`drafter`: fills in the drafts the scheduler reserved, before the target's forward;
+        `eos_token_ids`: the model's (the sampler keeps them from ending an output before min_tokens)."""
         self.model = model
         self.drafter = drafter
         self.backend = backend
@@ -34,7 +35,7 @@ class ModelRunner:
         self.host_cache = backend.allocate_kv_cache(*host_shape, dtype=kv_cache_dtype, device=torch.device("cpu"))
         if device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
-        self.sampler = Sampler(seed, device)
+        self.sampler = Sampler(seed, device, eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

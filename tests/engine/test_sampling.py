@@ -1,4 +1,4 @@
-"""Sampling through the real engine: seeds, top-k, stops, lengths, logprobs."""
+"""Sampling through the real engine: seeds, top-k, stops, lengths, logprobs, logit_bias, min_tokens."""
 from __future__ import annotations
 
 import pytest
@@ -74,3 +74,54 @@ def test_heterogeneous_params_share_one_batch(llm):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == _tokens(llm, [PROMPTS[0]], params[0])[0]
     assert outs[1].outputs[0].token_ids == _tokens(llm, [PROMPTS[1]], params[1])[0]
+
+
+def test_logit_bias_forces_and_forbids_tokens_in_greedy_and_sampled_rows(llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    free = _tokens(llm, [PROMPTS[0]], greedy)[0]
+    forced = _tokens(llm, [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                       logit_bias={77: 100}))[0]
+    assert forced == [77] * 12 != free
+    banned = _tokens(llm, [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                       logit_bias={free[0]: -100}))[0]
+    assert banned[0] != free[0] and free[0] not in banned
+    sampled = _tokens(llm, PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True,
+                                                   logit_bias={free[0]: -100, 3: -100}))
+    assert all(free[0] not in out and 3 not in out for out in sampled)
+    with pytest.raises(ValueError, match="logit_bias"):  # the vocabulary is the engine's to check
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={llm.engine.vocab_size: 1.0}), use_tqdm=False)
+
+
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(llm):
+    eos = min(llm.engine.scheduler.eos_token_ids)
+    wants_eos = {eos: 100}  # EOS would end the output at once
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, logit_bias=wants_eos),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, logit_bias=wants_eos, min_tokens=6),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.token_ids[-1] == eos and eos not in out.token_ids[:6]
+    assert out.finish_reason == "stop"
+
+    full = _tokens(llm, [PROMPTS[1]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    held = _tokens(llm, [PROMPTS[1]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                     stop_token_ids=[full[2]], min_tokens=8))[0]
+    assert held[:2] == full[:2] and full[2] not in held[:8] and len(held) >= 8
+
+    text = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = text.text[2:5]
+    late = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
+                                                   min_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= 20 and late.token_ids[:20] == text.token_ids[:20]
+
+
+def test_logit_bias_and_min_tokens_keep_greedy_output_under_speculative_decoding(tiny_llama, llm):
+    params = [SamplingParams(max_tokens=16, temperature=0, logit_bias={5: 8.0, 17: -100}, min_tokens=10),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logit_bias={42: 5.0}),
+              SamplingParams(max_tokens=16, temperature=0, min_tokens=16, stop_token_ids=[8, 30])]
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    for spec in ({"method": "ngram", "adaptive": False}, {"method": "self_draft", "adaptive": False}):
+        spec_llm = LLM(tiny_llama, max_num_batched_tokens=64, speculative_config={**spec, "num_speculative_tokens": 3})
+        assert [o.outputs[0].token_ids for o in spec_llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+        assert spec_llm.engine.get_stats().num_spec_proposed_tokens > 0

@@ -27,7 +27,9 @@ VOCAB = 64
 
 
 class FakeTokenizer:
-    def encode(self, text: str) -> list[int]:
+    """Words as token ids ("t7" is 7); no special tokens, so add_special_tokens changes nothing."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = []
         for word in text.split():
             if word.startswith("t") and word[1:].isdigit():
@@ -45,6 +47,9 @@ class FakeTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(f" t{i}" for i in ids)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"t{i}" for i in ids]
 
 
 @dataclass

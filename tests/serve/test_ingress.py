@@ -167,6 +167,28 @@ BAD = [
      {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("messages wrong type", "/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("huge body", "/v1/completions", {"prompt": "x" * 5000}, 413, "exceeds the limit"),
+    ("unknown field", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     "Unrecognized request argument supplied: response_format"),
+    ("unknown nested field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     400, "Unrecognized request argument supplied: messages.0.tool_calls"),
+    ("logit_bias key not an id", "/v1/completions", {"prompt": "x", "logit_bias": {"cat": 5}}, 400, "logit_bias"),
+    ("logit_bias over 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias id out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"999": 1}}, 400, "logit_bias"),
+    ("logit_bias wrong type", "/v1/completions", {"prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias"),
+    ("min_tokens negative", "/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ("min_tokens over max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400,
+     "min_tokens"),
+    ("min_tokens wrong type", "/v1/completions", {"prompt": "x", "min_tokens": 1.5}, 400, "min_tokens"),
+    ("best_of over n", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("echo with logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("continuous_usage_stats wrong type", "/v1/completions",
+     {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400, "continuous_usage_stats"),
+    ("user wrong type", "/v1/completions", {"prompt": "x", "user": 7}, 400, "user"),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [999]}, 400, "tokens"),
+    ("detokenize empty", "/detokenize", {"tokens": []}, 400, "tokens"),
+    ("tokenize unknown field", "/tokenize", {"prompt": "x", "add_special_token": True}, 400,
+     "Unrecognized request argument supplied: add_special_token"),
+    ("tokenize chat bad role", "/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
 ]
 
 
@@ -187,6 +209,79 @@ def test_bad_input_matrix(name, path, body, status, needle):
             ok = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert ok.status_code == 200
             assert not replicas[0].engine._running
+
+    run(go())
+
+
+def test_unknown_fields_are_dropped_and_logged_with_the_switch_on(caplog):
+    async def go():
+        async with local_stack(ingress={"ignore_unknown_fields": True}) as (client, _, _):
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi", "vendor_tag": 1}], "max_tokens": 3,
+                "temperature": 0, "vendor_field": {"a": 1}})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == greedy_text(
+                TOK.apply_chat_template([{"role": "user", "content": "hi"}]), 3)
+            bad = await client.post("/v1/completions", json={"prompt": "x", "vendor": 1, "top_p": 2})
+            assert bad.status_code == 400 and "top_p" in bad.json()["error"]["message"]  # known fields still checked
+
+    with caplog.at_level("INFO", logger="cbserve.ingress"):
+        run(go())
+    assert any("vendor_field" in r.message and "messages.0.vendor_tag" in r.message for r in caplog.records)
+
+
+def test_echo_prepends_each_prompt_streamed_and_not():
+    async def go():
+        async with local_stack() as (client, _, _):
+            for prompts, texts in (
+                    (["hello world", "t7 t8"], ["hello world", "t7 t8"]),  # as written
+                    ([[7, 8], [9]], [TOK.decode([7, 8]), TOK.decode([9])])):  # token ids decoded
+                body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "echo": True, "n": 2}
+                ids = [TOK.encode(p) if isinstance(p, str) else p for p in prompts]
+                expected = [text + greedy_text(i, 3) for text, i in zip(texts, ids) for _ in range(2)]
+                full = (await client.post("/v1/completions", json=body)).json()
+                assert [c["text"] for c in sorted(full["choices"], key=lambda c: c["index"])] == expected
+                events = sse_events((await client.post("/v1/completions", json={**body, "stream": True})).text)
+                streamed: dict[int, str] = {}
+                for event in events[:-1]:
+                    for choice in event["choices"]:
+                        streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+                assert [streamed[i] for i in range(4)] == expected
+
+    run(go())
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
+    async def go():
+        async with local_stack() as (client, _, _):
+            r = await client.post("/v1/completions", json={
+                "prompt": "hello world", "max_tokens": 4, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+            chunks = [e for e in sse_events(r.text)[:-1] if e["choices"]]
+            completion = [c["usage"]["completion_tokens"] for c in chunks]
+            assert completion == sorted(completion) and completion[-1] == 4 and len(chunks) >= 2
+            assert all(c["usage"]["prompt_tokens"] == 2 for c in chunks)
+
+    run(go())
+
+
+def test_tokenize_detokenize_version_and_model_cards():
+    async def go():
+        async with local_stack() as (client, _, _):
+            r = (await client.post("/tokenize", json={"prompt": "hello t5", "return_token_strs": True})).json()
+            ids = TOK.encode("hello t5")
+            assert r == {"count": 2, "max_model_len": 256, "tokens": ids, "token_strs": TOK.convert_ids_to_tokens(ids)}
+            messages = [{"role": "user", "content": "hi"}]
+            chat = (await client.post("/tokenize", json={"messages": messages})).json()
+            assert chat["tokens"] == TOK.apply_chat_template(messages)
+            bare = (await client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})).json()
+            assert bare["tokens"] == TOK.apply_chat_template(messages, add_generation_prompt=False)
+            assert (await client.post("/detokenize", json={"tokens": [5, 9]})).json() == {"prompt": TOK.decode([5, 9])}
+            assert (await client.get("/version")).json()["version"]
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert [m["id"] for m in listed] == ["fake"] and listed[0]["max_model_len"] == 256 and listed[0]["root"]
+            assert (await client.get("/v1/models/fake")).json() == listed[0]
+            assert (await client.get("/v1/models/other")).status_code == 404
 
     run(go())
 

@@ -1,0 +1,78 @@
+"""The OpenAI fields beyond the basics, through the official openai client against the app on the
+real engine (tiny random Llama with a word tokenizer, its step loop in a child process):
+logit_bias forces and forbids tokens, min_tokens holds back the end, echo returns the prompt, a
+field the server does not implement is a 400 naming it, and the vLLM endpoints answer."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import served_local_stack
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_words):
+    config = {"engine": {"model": tiny_llama_words, "served_model_name": "tiny", "stream_flush_interval_s": 0.0,
+                         "engine_args": {"max_model_len": 128, "max_num_seqs": 8, "seed": 0}}}
+    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none")
+
+
+def _ids(server: str, text: str) -> list[int]:
+    return httpx.post(server + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_logit_bias_forces_and_forbids_a_token(server, client):
+    free = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=6, temperature=0)
+    first = _ids(server, free.choices[0].text)[0]
+    (word,) = _ids(server, "cat")
+    assert httpx.post(server + "/detokenize", json={"tokens": [word]}).json()["prompt"].strip() == "cat"
+    forced = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=4, temperature=0,
+                                       logit_bias={str(word): 100})
+    assert _ids(server, forced.choices[0].text) == [word] * 4
+    banned = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=6, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert first not in _ids(server, banned.choices[0].text)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                            temperature=0, logit_bias={str(word): 100}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).split() == ["cat"] * 3
+
+
+def test_min_tokens_holds_back_the_end_of_the_output(server, client):
+    stop = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=8, temperature=0)
+    words = stop.choices[0].text.split()
+    held = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=8, temperature=0,
+                                     stop=[words[0]], extra_body={"min_tokens": 8})
+    assert held.usage.completion_tokens == 8 and held.choices[0].finish_reason == "length"
+    cut = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=8, temperature=0, stop=[words[0]])
+    assert cut.usage.completion_tokens < 8 and cut.choices[0].finish_reason == "stop"
+
+
+def test_echo_returns_the_prompt_before_the_completion(client):
+    plain = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "the cat sat" + plain.choices[0].text
+
+
+def test_a_field_the_server_does_not_implement_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: tools"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, best_of=2)
+
+
+def test_vllm_endpoints_answer_for_the_real_tokenizer(server, client):
+    ids = _ids(server, "the cat sat")
+    assert httpx.post(server + "/detokenize", json={"tokens": ids}).json()["prompt"].strip() == "the cat sat"
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.model_extra["max_model_len"] == 128
+    assert httpx.get(server + "/version").json()["version"]
