@@ -4,7 +4,8 @@ Owns per-request output state (text so far, what was already emitted); tells the
 requests a stop string ended, and which failed to detokenize (those fail alone). Text never
 includes a stop string or a stop token; while a request
 runs, the last (longest stop string - 1) characters are held back, so a stream never shows the
-start of a stop string that is later cut.
+start of a stop string that is later cut. A request with best_of > n emits once, when its
+samples are done: the n with the highest cumulative logprob, as choices 0..n-1.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class OutputProcessor:
         state = self.states.get(request_id)
         if state is None:
             return None
-        for index in range(state.params.n):
+        for index in range(state.params.best_of):
             sample = state.samples.setdefault(index, _SampleState(DecodeStream(skip_special_tokens=True), SpecCounts()))
             sample.finish_reason = sample.finish_reason or FinishReason.ABORT.value
         state.metrics.finished_time = self._clock() + self._wall_offset
@@ -147,9 +148,12 @@ class OutputProcessor:
             state.num_cached_tokens = request.num_cached_prompt_tokens
 
     def _emit(self, request_id: str, state: _RequestState) -> RequestOutput:
-        holdback = max(map(len, state.params.stop), default=1) - 1
+        params = state.params
+        finished = (len(state.samples) == params.best_of
+                    and all(s.finish_reason is not None for s in state.samples.values()))
+        holdback = max(map(len, params.stop), default=1) - 1
         deltas = []
-        for index, sample in sorted(state.samples.items()):
+        for index, sample in self._returned(state, finished):
             end = len(sample.text) if sample.finish_reason else max(sample.num_emitted_chars,
                                                                      len(sample.text) - holdback)
             text, tokens = sample.text[sample.num_emitted_chars:end], sample.token_ids[sample.num_emitted_tokens:]
@@ -158,16 +162,29 @@ class OutputProcessor:
             sample.finish_emitted = sample.finish_reason is not None
             deltas.append(CompletionOutput(index, text, tokens, sample.finish_reason,
                                            sample.logprobs[sample.num_emitted_tokens:]
-                                           if state.params.logprobs is not None else None))
+                                           if params.logprobs is not None else None))
             sample.num_emitted_chars, sample.num_emitted_tokens = end, len(sample.token_ids)
         state.metrics.spec = sum((s.spec for s in state.samples.values()), SpecCounts())
-        finished = (len(state.samples) == state.params.n
-                    and all(s.finish_reason is not None for s in state.samples.values()))
         if finished:
             del self.states[request_id]
             state.metrics.finished_time = state.metrics.finished_time or self._clock() + self._wall_offset
         return RequestOutput(request_id, state.prompt, state.prompt_token_ids, deltas, finished,
                              state.metrics, state.num_cached_tokens)
+
+    @staticmethod
+    def _returned(state: _RequestState, finished: bool) -> list[tuple[int, _SampleState]]:
+        """(choice index, sample) of what the request returns: every sample as it goes, or with
+        best_of > n, once all are done, the n highest by cumulative logprob."""
+        if not state.params.ranks_samples:
+            return sorted(state.samples.items())
+        if not finished:
+            return []
+        best = sorted(state.samples.values(), key=_cumulative_logprob, reverse=True)[:state.params.n]
+        return list(enumerate(best))
+
+
+def _cumulative_logprob(sample: _SampleState) -> float:
+    return sum(entry[token] for token, entry in zip(sample.token_ids, sample.logprobs))
 
 
 def _failure(group_id: str, error: Exception) -> RequestError:

@@ -74,7 +74,7 @@ class Sampler:
                       drafts: list[SampledDraft | None]) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if any(r.params.logprobs is not None for r in requests) else None)
+                        if any(r.params.logprobs is not None or r.params.ranks_samples for r in requests) else None)
         adjusted = [row for row, r in enumerate(requests) if _has_adjustments(r)]
         if adjusted:
             logits = logits.clone()  # the caller's logits stay intact for a row-by-row retry
@@ -233,11 +233,13 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
 
 
 def _logprobs(raw: torch.Tensor | None, row: int, token_id: int, request: Request) -> dict[int, float] | None:
+    """The sampled token's logprob and the top-`logprobs` ones; the sampled one alone where only
+    best_of's ranking needs it."""
     num = request.params.logprobs
-    if num is None or raw is None:
+    if raw is None or (num is None and not request.params.ranks_samples):
         return None
     result = {token_id: float(raw[row, token_id])}
-    if num > 0:
+    if num:
         values, ids = raw[row].topk(num)
         result.update(zip(ids.tolist(), values.tolist()))
     return result

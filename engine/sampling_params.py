@@ -85,6 +85,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (plus the sampled one)
     min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    best_of: int | None = None  # samples generated, the n with the highest cumulative logprob returned; None: n
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,6 +105,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not accepts(value):
                 raise InvalidRequestError(name, f"{name} {rule}, got {_show(value)}")
+        if self.best_of is None:
+            self.best_of = self.n
+        if not (_is_int(self.best_of) and self.n <= self.best_of <= MAX_N):
+            raise InvalidRequestError("best_of", f"best_of must be an int in [n, {MAX_N}] (n is {self.n}), "
+                                                 f"got {_show(self.best_of)}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                                                     f"got {self.min_tokens}")
@@ -113,6 +119,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def ranks_samples(self) -> bool:
+        """More samples are generated than returned: each sampled token's logprob is kept to rank them."""
+        return self.best_of > self.n
 
     @property
     def has_penalties(self) -> bool:

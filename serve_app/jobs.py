@@ -85,7 +85,7 @@ def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, in
     bs = info.block_size
     hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs))
     return Job(EngineRequest(request_id, prompt_ids, params, priority),
-               AdmitRequest(request_id, priority, num_prompt, max_tokens, params.n, tuple(hashes)), choice_offset)
+               AdmitRequest(request_id, priority, num_prompt, max_tokens, params.best_of, tuple(hashes)), choice_offset)
 
 
 def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:

@@ -99,15 +99,14 @@ class _SamplingFields(_Wire):
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
                                                                   "added to its logit.")
     min_tokens: int = 0
-    best_of: int | None = Field(None, description="Only n (or null): returning the best n of more samples is not "
-                                                  "built.")
+    best_of: int | None = Field(None, description="Samples generated, the n with the highest cumulative logprob "
+                                                  "returned (not with stream); null: n.")
     priority: int | None = Field(None, description="Lower is served sooner; None: the API key's default.")
 
     @model_validator(mode="after")
     def _best_of(self) -> _SamplingFields:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n ({self.n}) or be null: this server does not sample more "
-                             f"choices than it returns, got {self.best_of}")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best choices are known when all are done")
         return self
 
     @property
@@ -127,7 +126,7 @@ class _SamplingFields(_Wire):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=num_logprobs, min_tokens=self.min_tokens,
-            logit_bias=_token_id_keys(self.logit_bias))
+            logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of)
 
 
 def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -421,7 +421,7 @@ class Scheduler:
                 request.num_computed_tokens += 1
             request.append_token(token)
             self.counters.num_generation_tokens += 1
-            if request.params.n > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
+            if request.params.best_of > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
                 self._fork(request)
             reason = self._stop_reason(request)
             if reason is not None:
@@ -439,7 +439,7 @@ class Scheduler:
             self.adaptive.observe(request.request_id, num_proposed, num_accepted)
 
     def _fork(self, parent: Request) -> None:
-        for index in range(1, parent.params.n):
+        for index in range(1, parent.params.best_of):
             child = parent.fork(index)
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING

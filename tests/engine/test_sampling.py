@@ -125,3 +125,18 @@ def test_logit_bias_and_min_tokens_keep_greedy_output_under_speculative_decoding
         spec_llm = LLM(tiny_llama, max_num_batched_tokens=64, speculative_config={**spec, "num_speculative_tokens": 3})
         assert [o.outputs[0].token_ids for o in spec_llm.generate(PROMPTS, params, use_tqdm=False)] == expected
         assert spec_llm.engine.get_stats().num_spec_proposed_tokens > 0
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
+    """A seeded sample is the same whichever request size it is drawn in, so best_of's samples are
+    those of n=best_of: it returns the two of them its logprobs rank highest, as choices 0 and 1."""
+    common = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    every = llm.generate(PROMPTS[0], SamplingParams(n=5, logprobs=0, **common), use_tqdm=False)[0].outputs
+    ranked = sorted(every, key=lambda o: sum(lp[t] for t, lp in zip(o.token_ids, o.logprobs)), reverse=True)
+    best = llm.generate(PROMPTS[0], SamplingParams(n=2, best_of=5, **common), use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in best] == [o.token_ids for o in ranked[:2]]
+    assert [o.index for o in best] == [0, 1] and all(o.logprobs is None for o in best)
+    assert len({tuple(o.token_ids) for o in every}) > 2  # the ranking chose among different samples
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks  # every sample's blocks freed

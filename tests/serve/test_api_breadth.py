@@ -1,7 +1,8 @@
 """The OpenAI fields beyond the basics, through the official openai client against the app on the
 real engine (tiny random Llama with a word tokenizer, its step loop in a child process):
-logit_bias forces and forbids tokens, min_tokens holds back the end, echo returns the prompt, a
-field the server does not implement is a 400 naming it, and the vLLM endpoints answer."""
+logit_bias forces and forbids tokens, min_tokens holds back the end, echo returns the prompt,
+best_of returns its most likely samples, a field the server does not implement is a 400 naming
+it, and the vLLM endpoints answer."""
 
 from __future__ import annotations
 
@@ -67,7 +68,16 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="best_of"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, best_of=2)
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, best_of=2, stream=True)
+
+
+def test_best_of_returns_the_n_most_likely_of_its_samples(client):
+    kwargs = {"model": "tiny", "prompt": "the cat sat", "max_tokens": 5, "temperature": 1.0, "seed": 11}
+    every = client.completions.create(n=4, logprobs=0, **kwargs)
+    ranked = sorted(every.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
 
 
 def test_vllm_endpoints_answer_for_the_real_tokenizer(server, client):
