@@ -74,7 +74,7 @@ class Sampler:
                       drafts: list[SampledDraft | None]) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if any(r.params.logprobs is not None or r.params.ranks_samples for r in requests) else None)
+                        if any(r.params.keeps_logprobs for r in requests) else None)
         adjusted = [row for row, r in enumerate(requests) if _has_adjustments(r)]
         if adjusted:
             logits = logits.clone()  # the caller's logits stay intact for a row-by-row retry
@@ -236,7 +236,7 @@ def _logprobs(raw: torch.Tensor | None, row: int, token_id: int, request: Reques
     """The sampled token's logprob and the top-`logprobs` ones; the sampled one alone where only
     best_of's ranking needs it."""
     num = request.params.logprobs
-    if raw is None or (num is None and not request.params.ranks_samples):
+    if raw is None or not request.params.keeps_logprobs:
         return None
     result = {token_id: float(raw[row, token_id])}
     if num:

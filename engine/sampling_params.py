@@ -126,5 +126,10 @@ class SamplingParams:
         return self.best_of > self.n
 
     @property
+    def keeps_logprobs(self) -> bool:
+        """The sampled tokens' logprobs are computed: asked for, or needed to rank best_of's samples."""
+        return self.logprobs is not None or self.ranks_samples
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -40,7 +40,7 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt"
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
-    bad = [t for t in params.logit_bias or {} if t >= vocab_size]
+    bad = [t for t in params.logit_bias if t >= vocab_size]
     if bad:
         raise InvalidRequestError("logit_bias", f"logit_bias: token ids {bad[:5]} outside the vocabulary "
                                                 f"[0, {vocab_size})")

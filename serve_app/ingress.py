@@ -158,10 +158,19 @@ class Ingress:
 
     async def _accept(self, request: Request, model_cls: type[BaseModel]) -> tuple[Any, int, ModelInfo]:
         """Auth, body, parse, model name, priority: the parsed request, its priority, the model."""
-        allowed = self.auth.authorize(request.headers.get("authorization"))
-        req = self._parse(model_cls, await self._read_json(request))
+        allowed, data = await self._authorized_json(request)
+        req, info = await self._validated(model_cls, data)
+        return req, resolve_priority(req.priority, allowed), info
+
+    async def _authorized_json(self, request: Request) -> tuple[Any, dict]:
+        """What the caller's key allows, and the body."""
+        return self.auth.authorize(request.headers.get("authorization")), await self._read_json(request)
+
+    async def _validated(self, model_cls: type[BaseModel], data: dict) -> tuple[Any, ModelInfo]:
+        """The body as `model_cls` with its model name checked, and the served model's info."""
+        req = self._parse(model_cls, data)
         self._check_model(req.model)
-        return req, resolve_priority(req.priority, allowed), await self.model_info()
+        return req, await self.model_info()
 
     # ------------------------------------------------------------ routes
 
@@ -203,11 +212,9 @@ class Ingress:
 
     async def tokenize(self, request: Request) -> dict:
         """vLLM's /tokenize: a prompt (completion form) or messages through the chat template."""
-        self.auth.authorize(request.headers.get("authorization"))
-        data = await self._read_json(request)
-        req = self._parse(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
-        self._check_model(req.model)
-        info = await self.model_info()
+        _, data = await self._authorized_json(request)
+        req, info = await self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest,
+                                          data)
         try:
             if isinstance(req, TokenizeChatRequest):
                 ids = encode_chat(info.tokenizer, [m.as_template_dict() for m in req.messages],
@@ -222,10 +229,8 @@ class Ingress:
         return body
 
     async def detokenize(self, request: Request) -> dict:
-        self.auth.authorize(request.headers.get("authorization"))
-        req = self._parse(DetokenizeRequest, await self._read_json(request))
-        self._check_model(req.model)
-        info = await self.model_info()
+        _, data = await self._authorized_json(request)
+        req, info = await self._validated(DetokenizeRequest, data)
         try:
             check_token_ids(req.tokens, info.vocab_size, "tokens", "tokens")
         except InvalidRequestError as e:

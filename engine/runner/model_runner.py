@@ -62,7 +62,7 @@ class ModelRunner:
                 continue
             tokens = accepted_tokens(result.token_ids[row:row + len(drafts) + 1], drafts)
             sampled[request.request_id] = tokens
-            if request.params.logprobs is not None or request.params.ranks_samples:
+            if request.params.keeps_logprobs:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
         return ModelRunnerOutput(sampled, logprobs, result.errors, draft_passes, draft_seconds, unfilled,
                                  catch_up_tokens)
