@@ -53,6 +53,10 @@ class WithDrafts:
         return self.request.params
 
     @property
+    def constraint(self):
+        return self.request.constraint
+
+    @property
     def token_ids(self) -> list[int]:
         return self.request.token_ids + self.drafts
 

@@ -3,12 +3,15 @@
 `step()` is schedule -> execute -> update -> outputs; everything else belongs to one owner.
 A request that fails while running (its sampling, stop check or detokenization) fails alone:
 its stream gets a RequestError and its blocks are freed, and the step goes on for the others.
+A structured output's request waits outside the scheduler until its constraint is compiled
+(on the compiler's thread); the step loop goes on for the others meanwhile.
 Not thread-safe: AsyncEngine drives it from one thread.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -16,6 +19,7 @@ from engine.attention.selector import kv_block_bytes, resolve_kv_cache_dtype, se
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.errors import InvalidRequestError, RequestFailedError
+from engine.grammar import GrammarCompiler, RequestGrammar
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineStats, ModelReport, StepStats
 from engine.model_setup import LoadedModel, load_model
@@ -30,6 +34,7 @@ from engine.scheduler.scheduler import PreemptionCosts, Scheduler
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids, encode_chat, encode_text
 
 Event = RequestOutput | RequestError
+COMPILE_WAIT_S = 0.01  # a step with nothing but compiling requests waits this long for one
 
 
 class LLMEngine:
@@ -81,6 +86,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
                                   config.model.seed, kv_dtype, self._drafter(num_blocks), loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)
+        self._compiling: dict[str, tuple[Request, Future]] = {}
         self._last_step = StepStats()
 
     def _drafter(self, num_blocks: int) -> SelfDraft | DraftModelDrafter | None:
@@ -130,12 +137,36 @@ class LLMEngine:
         check_logit_bias(params, self.vocab_size)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         request = Request(request_id, token_ids, params, priority=priority, arrival_time=self.clock() - waited_s)
-        self.scheduler.add_request(request)
+        if params.structured_outputs is not None:
+            self._compiling[request_id] = (request, self.grammars.compile(params.structured_outputs))
+        else:
+            self.scheduler.add_request(request)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                   request.arrival_time)
 
+    def _admit_compiled(self) -> list[Event]:
+        """Hands the requests whose constraint compiled to the scheduler; refuses those whose
+        constraint did not. With nothing else to run, waits a little for one first."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished():
+            wait([future for _, future in self._compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
+        events = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if error is not None:
+                events.append(self.output_processor.refuse(request_id, error))
+                continue
+            request.constraint = RequestGrammar(future.result())
+            self.scheduler.add_request(request)
+        return events
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends every sample of the request and frees its blocks; its final output, or None."""
+        self._compiling.pop(request_id, None)
         self.scheduler.finish_group(request_id, FinishReason.ABORT)
         return self.output_processor.abort(request_id)
 
@@ -147,7 +178,7 @@ class LLMEngine:
         return [RequestError(rid, RequestFailedError(f"engine step failed: {error}")) for rid in failed]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def get_stats(self) -> EngineStats:
         return self.scheduler.make_stats(self._last_step)
@@ -156,6 +187,9 @@ class LLMEngine:
     def step(self) -> list[Event]:
         """One iteration: schedule, run the ragged batch, update requests. Returns deltas, and
         errors for the requests that failed."""
+        compiled = self._admit_compiled()
+        if not self.scheduler.has_unfinished():
+            return compiled
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         num_drafting = sum(bool(item.draft_token_ids) for item in out.scheduled)  # before the runner fills them
@@ -174,4 +208,4 @@ class LLMEngine:
                                     result.draft_catch_up_tokens)
         self._last_step = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, t3 - t0,
                                     (t1 - t0) + (t3 - t2), self._last_step.num_steps + 1)
-        return events
+        return compiled + events

@@ -94,6 +94,11 @@ class OutputProcessor:
         events += [self._emit(group_id, state) for group_id, state in changed.items()]
         return events, stopped, failed
 
+    def refuse(self, request_id: str, error: Exception) -> RequestError:
+        """Drops a request refused before it ran (its constraint did not compile): the error as is."""
+        del self.states[request_id]
+        return RequestError(request_id, error)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Final output of an aborted request: every unfinished sample ends with "abort"."""
         state = self.states.get(request_id)
@@ -124,7 +129,7 @@ class OutputProcessor:
             sample.finish_reason = request.finish_reason.value
         previous_len = len(sample.text)
         if finished:  # flush bytes the stream decoder still holds; a stop token is not text
-            text_ids = sample.token_ids[:-1] if request.finish_reason is FinishReason.STOP else sample.token_ids
+            text_ids = sample.token_ids[:-1] if request.ended_on_stop_token else sample.token_ids
             sample.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         else:
             sample.text += sample.decoder.step(self.tokenizer, token_id) or ""

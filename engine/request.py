@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from engine.outputs import SpecCounts
 from engine.sampling_params import SamplingParams
@@ -26,6 +27,17 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request failed; its stream ends with the error, not a finish reason
 
 
+class OutputConstraint(Protocol):
+    """What a structured output's tokens must match (engine.grammar.RequestGrammar)."""
+
+    def accept(self, token_id: int) -> None: ...  # raises if the token breaks the constraint
+
+    def fresh(self) -> OutputConstraint: ...  # the same constraint from its start
+
+    @property
+    def is_finished(self) -> bool: ...
+
+
 class Request:
     # Invariants:
     #   token_ids == prompt_token_ids + output_token_ids
@@ -33,17 +45,19 @@ class Request:
     #   forward pass (the whole prompt when new, the last sampled token when decoding).
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group_id: str | None = None, sample_index: int = 0, priority: int = 0,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, constraint: OutputConstraint | None = None):
         self.request_id = request_id
         self.group_id = group_id or request_id  # the user request this sample belongs to
         self.sample_index = sample_index
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
+        self.constraint = constraint  # advanced by every appended token
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.ended_on_stop_token = False  # its last token is an EOS or stop token: not part of its text
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (last admission)
         self.num_preemptions = 0
@@ -87,6 +101,8 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
         self.token_ids.append(token_id)
 
     def fork(self, sample_index: int) -> Request:
@@ -94,7 +110,8 @@ class Request:
         (so it draws its own first token) into the blocks it shares copy-on-write."""
         child = Request(f"{self.group_id}#{sample_index}", self.prompt_token_ids, self.params,
                         group_id=self.group_id, sample_index=sample_index, priority=self.priority,
-                        arrival_time=self.arrival_time)
+                        arrival_time=self.arrival_time,
+                        constraint=self.constraint.fresh() if self.constraint is not None else None)
         child.num_computed_tokens = self.num_prompt_tokens - 1
         child.first_scheduled_time = self.first_scheduled_time
         return child

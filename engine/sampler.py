@@ -2,7 +2,9 @@
 
 A row's logits first take its adjustments: penalties, `logit_bias`, and while its output is
 shorter than `min_tokens`, no end-of-sequence or stop token (they are masked, as vLLM does).
-Greedy rows then take the argmax. Other rows go through temperature, top-k, top-p and min-p,
+A structured output's row then keeps only the tokens its constraint allows after the tokens
+before the row (a draft row's too, so a draft the constraint rejects is never accepted); where
+min_tokens and the constraint leave nothing, the constraint wins. Greedy rows then take the argmax. Other rows go through temperature, top-k, top-p and min-p,
 then an exponential race (argmax of p / E, E ~ Exp(1)), which equals drawing from p. A seeded
 request draws its noise from its own generator (kept here, by request id, until the runner says
 the request ended), so its tokens do not depend on what else is in the batch.
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafts import SampledDraft
+from engine.grammar import allowed_tokens, new_bitmask
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -53,14 +56,16 @@ class Sampler:
         row is sampled as it is (a one-hot draft is verified by comparing with that sample)."""
         drafts = drafts or [None] * len(requests)
         snapshot = self._snapshot(requests)
+        allowed = _constraint_masks(requests, logits.shape[-1])
         try:
-            return self._sample_batch(logits, requests, drafts)
+            return self._sample_batch(logits, requests, drafts, allowed)
         except Exception:
             self._restore(snapshot)
         token_ids, logprobs, errors = [], [], {}
         for row, request in enumerate(requests):
             try:
-                one = self._sample_batch(logits[row:row + 1], [request], drafts[row:row + 1])
+                one = self._sample_batch(logits[row:row + 1], [request], drafts[row:row + 1],
+                                         allowed[row:row + 1] if allowed is not None else None)
             except Exception as e:  # this request's own fault: fail it, keep its batch-mates
                 token_ids.append(None)
                 logprobs.append(None)
@@ -70,9 +75,9 @@ class Sampler:
             logprobs += one.logprobs
         return SamplerOutput(token_ids, logprobs, errors)
 
-    def _sample_batch(self, logits: torch.Tensor, requests: list[Request],
-                      drafts: list[SampledDraft | None]) -> SamplerOutput:
-        logits = logits.float()
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None],
+                      allowed: torch.Tensor | None) -> SamplerOutput:
+        logits = raw = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.params.keeps_logprobs for r in requests) else None)
         adjusted = [row for row, r in enumerate(requests) if _has_adjustments(r)]
@@ -80,6 +85,8 @@ class Sampler:
             logits = logits.clone()  # the caller's logits stay intact for a row-by-row retry
             for row in adjusted:
                 self._adjust(logits[row], requests[row])
+        if allowed is not None:
+            logits = _constrain(logits, raw, requests, allowed)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -207,6 +214,32 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop |= before >= top_p[:, None]
     drop[:, 0] = False
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _constraint_masks(rows: list[Request], vocab_size: int) -> torch.Tensor | None:
+    """(R, vocab) bool, the tokens each row may sample (all, where it has no constraint); None
+    when no row has one."""
+    if all(row.constraint is None for row in rows):
+        return None
+    bitmask = new_bitmask(len(rows), vocab_size)
+    for i, row in enumerate(rows):
+        if row.constraint is not None:
+            row.constraint.fill(bitmask, i, getattr(row, "drafts", ()))
+    return allowed_tokens(bitmask, vocab_size)
+
+
+def _constrain(logits: torch.Tensor, raw: torch.Tensor, rows: list[Request], allowed: torch.Tensor) -> torch.Tensor:
+    """The constrained rows keep only their allowed tokens; a row its adjustments (min_tokens'
+    masked ends) left with no allowed token takes its raw logits, constrained."""
+    constrained = torch.tensor([i for i, row in enumerate(rows) if row.constraint is not None])
+    allowed = allowed.to(logits.device)[constrained]
+    kept = logits[constrained].masked_fill(~allowed, float("-inf"))
+    dead = torch.isneginf(kept).all(dim=-1)
+    if bool(dead.any()):
+        kept[dead] = raw[constrained][dead].masked_fill(~allowed[dead], float("-inf"))
+    logits = logits.clone() if logits is raw else logits
+    logits[constrained] = kept
+    return logits
 
 
 def _below_min_tokens(request: Request) -> bool:

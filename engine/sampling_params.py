@@ -8,6 +8,7 @@ by 1e-300 would overflow them). Torch-free.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -67,6 +68,72 @@ _RULES = (  # field, accepts, rule as the error message states it
 )
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """What an output must match (vLLM's `structured_outputs`), exactly one of: a JSON schema
+    (`json`, a dict or its JSON text), a regular expression, one of `choice`'s strings, a Lark or
+    GBNF `grammar`, or any JSON object (`json_object`, OpenAI's response_format json_object).
+    Checked here as far as it can be without the tokenizer: the kind, the types, and the schema
+    against its JSON Schema metaschema; what the grammar engine cannot compile is refused by the
+    engine before the request runs."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs", "structured_outputs must give exactly one of "
+                                      f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as e:
+                raise InvalidRequestError("structured_outputs", f"the JSON schema is not valid JSON: {e}") from None
+        if self.json is not None:
+            check_json_schema(self.json)
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            raise InvalidRequestError("structured_outputs", f"regex must be a non-empty string, got {_show(self.regex)}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured_outputs", "choice must be a non-empty list of non-empty strings, "
+                                                            f"got {_show(self.choice)}")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            raise InvalidRequestError("structured_outputs", f"grammar must be a non-empty string, got "
+                                                            f"{_show(self.grammar)}")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("structured_outputs", f"json_object must be a bool, got {_show(self.json_object)}")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """The constraint as one string: compiled grammars are cached by it."""
+        value = getattr(self, self.kind)
+        return self.kind + ":" + (value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+
+
+def check_json_schema(schema) -> None:
+    """A JSON schema is an object valid against its metaschema."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("structured_outputs", f"a JSON schema must be an object, got {_show(schema)}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise InvalidRequestError("structured_outputs", f"invalid JSON schema{' at ' + where if where else ''}: "
+                                                        f"{e.message[:200]}") from None
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -86,6 +153,7 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     best_of: int | None = None  # samples generated, the n with the highest cumulative logprob returned; None: n
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match (constrained decoding)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -113,6 +181,9 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                                                     f"got {self.min_tokens}")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise InvalidRequestError("structured_outputs", "structured_outputs must be a StructuredOutputsParams, "
+                                                            f"got {_show(self.structured_outputs)}")
         if self.top_k == -1:
             self.top_k = 0
 

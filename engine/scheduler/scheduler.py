@@ -450,6 +450,9 @@ class Scheduler:
         last = request.token_ids[-1]
         params = request.params
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            request.ended_on_stop_token = True
+            return FinishReason.STOP
+        if request.constraint is not None and request.constraint.is_finished:
             return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
