@@ -6,6 +6,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from engine.llm_engine import LLMEngine
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -72,6 +73,8 @@ class LLM:
                     bar.set_postfix_str(f"output {num_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
         bar.close()
         if errors:
+            if isinstance(errors[0].error, InvalidRequestError):  # refused before it ran (its constraint)
+                raise errors[0].error
             raise RuntimeError(f"{len(errors)} request(s) failed, first {errors[0].request_id!r}: "
                                f"{errors[0].error}") from errors[0].error
         return [results[i] for i in request_ids]
