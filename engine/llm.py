@@ -5,8 +5,8 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from engine.llm_engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
 

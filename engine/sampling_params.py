@@ -98,7 +98,8 @@ class StructuredOutputsParams:
         if self.json is not None:
             check_json_schema(self.json)
         if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
-            raise InvalidRequestError("structured_outputs", f"regex must be a non-empty string, got {_show(self.regex)}")
+            raise InvalidRequestError("structured_outputs",
+                                      f"regex must be a non-empty string, got {_show(self.regex)}")
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice
                                             and all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("structured_outputs", "choice must be a non-empty list of non-empty strings, "
@@ -107,7 +108,8 @@ class StructuredOutputsParams:
             raise InvalidRequestError("structured_outputs", f"grammar must be a non-empty string, got "
                                                             f"{_show(self.grammar)}")
         if not isinstance(self.json_object, bool):
-            raise InvalidRequestError("structured_outputs", f"json_object must be a bool, got {_show(self.json_object)}")
+            raise InvalidRequestError("structured_outputs",
+                                      f"json_object must be a bool, got {_show(self.json_object)}")
 
     @property
     def kind(self) -> str:

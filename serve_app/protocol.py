@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # ---------------------------------------------------------------- errors
 
@@ -75,6 +75,35 @@ class StreamOptions(_Wire):
     continuous_usage_stats: bool = Field(False, description="Usage so far on every chunk (vLLM's).")
 
 
+class JsonSchemaFormat(_Wire):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema; none: any JSON object.")
+    strict: bool | None = Field(None, description="Accepted; outputs always follow the schema.")
+
+
+class ResponseFormat(_Wire):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+
+class StructuredOutputs(_Wire):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, choices, a grammar
+    (Lark or GBNF), or any JSON object."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Wire):
     """Fields shared by /v1/completions and /v1/chat/completions (incl. vLLM extensions)."""
 
@@ -102,6 +131,12 @@ class _SamplingFields(_Wire):
     best_of: int | None = Field(None, description="Samples generated, the n with the highest cumulative logprob "
                                                   "returned (not with stream); null: n.")
     priority: int | None = Field(None, description="Lower is served sooner; None: the API key's default.")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older spelling of structured_outputs.")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _best_of(self) -> _SamplingFields:
@@ -126,7 +161,35 @@ class _SamplingFields(_Wire):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=num_logprobs, min_tokens=self.min_tokens,
-            logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of)
+            logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of,
+            structured_outputs=self.output_constraint())
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match, from whichever field gave it (one at most)."""
+        given = {name: value for name, value in (
+            ("response_format", _response_format_constraint(self.response_format)),
+            ("structured_outputs",
+             self.structured_outputs and self.structured_outputs.model_dump(by_alias=True, exclude_none=True)),
+            ("guided_json", self.guided_json and {"json": self.guided_json}),
+            ("guided_regex", self.guided_regex and {"regex": self.guided_regex}),
+            ("guided_choice", self.guided_choice and {"choice": self.guided_choice}),
+            ("guided_grammar", self.guided_grammar and {"grammar": self.guided_grammar})) if value}
+        if len(given) > 1:
+            raise InvalidRequestError(list(given)[1], f"give one output constraint, got {', '.join(given)}")
+        for field, spec in given.items():
+            try:
+                return StructuredOutputsParams(**spec)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(field, f"{field}: {e.message}") from None
+        return None
+
+
+def _response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema" and fmt.json_schema.schema_ is not None:
+        return {"json": fmt.json_schema.schema_}
+    return {"json_object": True}
 
 
 def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
