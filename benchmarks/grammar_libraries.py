@@ -22,7 +22,7 @@ import time
 import torch
 
 from benchmarks.quantization import cpu_features
-from engine.grammar import allowed_tokens
+from engine.grammar import disallowed_tokens
 from engine.model_loader import load_vocabulary
 
 SCHEMA = {
@@ -140,7 +140,7 @@ class OutlinesCore:
 
 def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """The engine's own apply, the same for every library: the bitmask unpacked, logits masked."""
-    logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+    logits.masked_fill_(disallowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
 
 
 def measure(engine, tokens: list[int], batch: int, steps: int, repeats: int) -> tuple[float, float]:
@@ -175,7 +175,7 @@ def admits_control_characters(engine, tokenizer) -> bool:
     (quote,) = tokenizer.encode('"', add_special_tokens=False)
     engine.accept(matchers, quote)
     engine.fill(matchers, bitmask)
-    allowed = allowed_tokens(bitmask, engine.vocab_size)[0].nonzero().flatten().tolist()
+    allowed = (~disallowed_tokens(bitmask, engine.vocab_size))[0].nonzero().flatten().tolist()
     return any(any(ord(ch) < 32 for ch in tokenizer.decode([t])) for t in allowed)
 
 

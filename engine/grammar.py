@@ -118,10 +118,11 @@ class RequestGrammar:
             self._matcher.rollback(consumed)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(R, words) int32 bitmask, bit i of word w for token 32w + i -> (R, vocab_size) bool."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(bits).bool()
+def disallowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, words) int32 bitmask, bit i of word w set if token 32w + i is allowed -> (R, vocab_size)
+    bool, True where a token is not allowed."""
+    bits = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

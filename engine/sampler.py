@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafts import SampledDraft
-from engine.grammar import allowed_tokens, new_bitmask
+from engine.grammar import disallowed_tokens, new_bitmask
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -57,16 +57,16 @@ class Sampler:
         row is sampled as it is (a one-hot draft is verified by comparing with that sample)."""
         drafts = drafts or [None] * len(requests)
         snapshot = self._snapshot(requests)
-        allowed = _constraint_masks(requests, logits.shape[-1])
+        masks = _constraint_masks(requests, logits.shape[-1])
         try:
-            return self._sample_batch(logits, requests, drafts, allowed)
+            return self._sample_batch(logits, requests, drafts, masks)
         except Exception:
             self._restore(snapshot)
         token_ids, logprobs, errors = [], [], {}
         for row, request in enumerate(requests):
             try:
                 one = self._sample_batch(logits[row:row + 1], [request], drafts[row:row + 1],
-                                         allowed[row:row + 1] if allowed is not None else None)
+                                         masks.of_row(row) if masks is not None else None)
             except Exception as e:  # this request's own fault: fail it, keep its batch-mates
                 token_ids.append(None)
                 logprobs.append(None)
@@ -77,7 +77,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs, errors)
 
     def _sample_batch(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None],
-                      allowed: torch.Tensor | None) -> SamplerOutput:
+                      masks: _ConstraintMasks | None) -> SamplerOutput:
         logits = raw = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.params.keeps_logprobs for r in requests) else None)
@@ -86,8 +86,8 @@ class Sampler:
             logits = logits.clone()  # the caller's logits stay intact for a row-by-row retry
             for row in adjusted:
                 self._adjust(logits[row], requests[row])
-        if allowed is not None:
-            logits = _constrain(logits, raw, requests, allowed)
+        if masks is not None:
+            logits = _constrain(logits, raw, requests, masks)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -217,29 +217,43 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def _constraint_masks(rows: list[Request], vocab_size: int) -> torch.Tensor | None:
-    """(R, vocab) bool, the tokens each row may sample (all, where it has no constraint); None
-    when no row has one."""
-    if all(row.constraint is None for row in rows):
+@dataclass(slots=True)
+class _ConstraintMasks:
+    rows: list[int]  # the rows with a constraint
+    disallowed: torch.Tensor  # (len(rows), vocab) bool: the tokens each may not sample
+
+    def of_row(self, row: int) -> _ConstraintMasks | None:
+        """The one row's mask, as a batch of one (the row-by-row retry)."""
+        if row not in self.rows:
+            return None
+        j = self.rows.index(row)
+        return _ConstraintMasks([0], self.disallowed[j:j + 1])
+
+
+def _constraint_masks(rows: list[Request], vocab_size: int) -> _ConstraintMasks | None:
+    """Each constrained row's disallowed tokens; None when no row has a constraint."""
+    constrained = [i for i, row in enumerate(rows) if row.constraint is not None]
+    if not constrained:
         return None
-    bitmask = new_bitmask(len(rows), vocab_size)
-    for i, row in enumerate(rows):
-        if row.constraint is not None:
-            row.constraint.fill(bitmask, i, getattr(row, "drafts", ()))
-    return allowed_tokens(bitmask, vocab_size)
+    bitmask = new_bitmask(len(constrained), vocab_size)
+    for j, i in enumerate(constrained):
+        rows[i].constraint.fill(bitmask, j, getattr(rows[i], "drafts", ()))  # a WithDrafts row: after its drafts
+    return _ConstraintMasks(constrained, disallowed_tokens(bitmask, vocab_size))
 
 
-def _constrain(logits: torch.Tensor, raw: torch.Tensor, rows: list[Request], allowed: torch.Tensor) -> torch.Tensor:
-    """The constrained rows keep only their allowed tokens; a row its adjustments (min_tokens'
-    masked ends) left with no allowed token takes its raw logits, constrained."""
-    constrained = torch.tensor([i for i, row in enumerate(rows) if row.constraint is not None])
-    allowed = allowed.to(logits.device)[constrained]
-    kept = logits[constrained].masked_fill(~allowed, float("-inf"))
-    dead = torch.isneginf(kept).all(dim=-1)
-    if bool(dead.any()):
-        kept[dead] = raw[constrained][dead].masked_fill(~allowed[dead], float("-inf"))
+def _constrain(logits: torch.Tensor, raw: torch.Tensor, rows: list[Request], masks: _ConstraintMasks) -> torch.Tensor:
+    """The constrained rows keep only their allowed tokens; a row that min_tokens' masked ends
+    left with none takes its raw logits, constrained."""
     logits = logits.clone() if logits is raw else logits
-    logits[constrained] = kept
+    disallowed = masks.disallowed.to(logits.device)
+    if len(masks.rows) == logits.shape[0]:
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        index = torch.tensor(masks.rows, device=logits.device)
+        logits[index] = logits[index].masked_fill_(disallowed, float("-inf"))
+    for j, i in enumerate(masks.rows):
+        if _below_min_tokens(rows[i]) and bool(torch.isneginf(logits[i]).all()):
+            logits[i] = raw[i].masked_fill(disallowed[j], float("-inf"))
     return logits
 
 

@@ -166,14 +166,14 @@ class _SamplingFields(_Wire):
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """What the output must match, from whichever field gave it (one at most)."""
-        given = {name: value for name, value in (
-            ("response_format", _response_format_constraint(self.response_format)),
-            ("structured_outputs",
-             self.structured_outputs and self.structured_outputs.model_dump(by_alias=True, exclude_none=True)),
-            ("guided_json", self.guided_json and {"json": self.guided_json}),
-            ("guided_regex", self.guided_regex and {"regex": self.guided_regex}),
-            ("guided_choice", self.guided_choice and {"choice": self.guided_choice}),
-            ("guided_grammar", self.guided_grammar and {"grammar": self.guided_grammar})) if value}
+        so = self.structured_outputs
+        fields = {"response_format": _response_format_constraint(self.response_format),
+                  "structured_outputs": so.model_dump(by_alias=True, exclude_none=True) if so is not None else None}
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            value = getattr(self, field)
+            fields[field] = {kind: value} if value is not None else None
+        given = {field: spec for field, spec in fields.items() if spec is not None}
         if len(given) > 1:
             raise InvalidRequestError(list(given)[1], f"give one output constraint, got {', '.join(given)}")
         for field, spec in given.items():
