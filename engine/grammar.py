@@ -68,8 +68,12 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
-                                                           eos_token=self._eos_token_ids or None)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
+                                                               eos_token=self._eos_token_ids or None)
+            except (ValueError, TypeError, AssertionError) as e:  # e.g. a decoder whose bytes it cannot read
+                raise InvalidRequestError("structured_outputs", "structured outputs are not available for this "
+                                                                f"model's tokenizer: {e}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError("structured_outputs", f"the {spec.kind} constraint cannot be compiled: "

@@ -227,3 +227,11 @@ def test_aborting_a_request_while_its_constraint_compiles_ends_it(tiny_llama):
     final = engine.abort_request("r")
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_refuses_constrained_requests_only(tiny_llama_words):
+    """The word-level test tokenizer's decoder is one llguidance cannot map to bytes."""
+    llm = LLM(tiny_llama_words)
+    with pytest.raises(InvalidRequestError, match="not available for this model's tokenizer"):
+        llm.generate("the cat", constrained("regex"), use_tqdm=False)
+    assert llm.generate("the cat", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
