@@ -54,3 +54,27 @@ def test_the_converted_gguf_in_the_cache_is_the_gguf():
     text = "Hello, wörld! 12345 <|im_start|>user\nok"
     assert direct_tokenizer.encode(text) == tokenizer.encode(text)
     assert direct_tokenizer.apply_chat_template(CHATS[1]) == tokenizer.apply_chat_template(CHATS[1])
+
+
+@pytest.mark.slow
+def test_the_embedded_model_answers_in_json_that_validates_against_the_schema():
+    """Its real 49k-token vocabulary under llguidance, sampled, n > 1, in the default mode."""
+    import json
+
+    import jsonschema
+
+    from engine.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer", "minimum": 0},
+        "languages": {"type": "array", "items": {"enum": ["English", "French", "German", "Spanish"]},
+                      "minItems": 1, "maxItems": 3}},
+        "required": ["city", "country", "population", "languages"], "additionalProperties": False}
+    llm = LLM()
+    params = SamplingParams(max_tokens=96, temperature=0.7, n=3, seed=0,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    outputs = llm.chat([{"role": "user", "content": "Describe Paris as JSON."}], params, use_tqdm=False)
+    for choice in outputs[0].outputs:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), schema)
