@@ -4,10 +4,10 @@ the token bitmask the sampler applies.
 Built on llguidance: of the maintained grammar engines it is the one whose JSON always parses
 (xgrammar and outlines-core let a length-bounded string hold raw control characters), its mask
 costs microseconds per row, and it needs nothing else installed (benchmarks/grammar_libraries.py,
-BENCHMARKS.md). A
-constraint is compiled once, on a thread of its own (never on the step loop), into a matcher at
-its start state; each request gets a copy. JSON is written the way `json.dumps` writes it (", "
-and ": ", no other whitespace): free whitespace lets a small model spend its whole budget on it.
+BENCHMARKS.md). A constraint is compiled once, on a thread of its own (never on the step loop),
+into a matcher at its start state; each request gets a copy. JSON is written the way `json.dumps`
+writes it (", " and ": ", no other whitespace): free whitespace lets a small model spend its
+whole budget on it.
 """
 from __future__ import annotations
 
@@ -52,36 +52,41 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # made on the compile thread, once
+        self._tokenizer_error: InvalidRequestError | None = None  # or why it cannot be made
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
 
     def compile(self, spec: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
         """The constraint's matcher at its start state, when compiled; its exception is an
         InvalidRequestError saying what the grammar engine could not compile."""
-        future = self._cache.get(spec.key)
+        key = spec.key
+        future = self._cache.get(key)
         if future is None:
-            future = self._cache[spec.key] = self._executor.submit(self._compile, spec)
+            future = self._cache[key] = self._executor.submit(self._compile, spec)
             while len(self._cache) > CACHED_CONSTRAINTS:
                 self._cache.popitem(last=False)
-        self._cache.move_to_end(spec.key)
+        self._cache.move_to_end(key)
         return future
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
-                                                               eos_token=self._eos_token_ids or None)
-            except (ValueError, TypeError, AssertionError) as e:  # e.g. a decoder whose bytes it cannot read
-                raise InvalidRequestError("structured_outputs", "structured outputs are not available for this "
-                                                                f"model's tokenizer: {e}") from None
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar_text(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError("structured_outputs", f"the {spec.kind} constraint cannot be compiled: "
                                                             f"{matcher.get_error()}")
         return matcher
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
+        """The model's tokenizer as llguidance reads it, made once (or refused once)."""
+        if self._tokenizer is None and self._tokenizer_error is None:
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
+                                                               eos_token=self._eos_token_ids or None)
+            except (ValueError, TypeError, AssertionError) as e:  # e.g. a decoder whose bytes it cannot read
+                self._tokenizer_error = InvalidRequestError(
+                    "structured_outputs", f"structured outputs are not available for this model's tokenizer: {e}")
+        if self._tokenizer_error is not None:
+            raise self._tokenizer_error
+        return self._tokenizer
 
 
 class RequestGrammar:

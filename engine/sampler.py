@@ -5,8 +5,8 @@ shorter than `min_tokens`, no end-of-sequence or stop token (they are masked, as
 A structured output's row then keeps only the tokens its constraint allows after the tokens
 before the row (a draft row's too, so a draft the constraint rejects is never accepted); where
 min_tokens and the constraint leave nothing, the constraint wins. Greedy rows then take the
-argmax. Other rows go through temperature, top-k, top-p and min-p,
-then an exponential race (argmax of p / E, E ~ Exp(1)), which equals drawing from p. A seeded
+argmax. Other rows go through temperature, top-k, top-p and min-p, then an exponential race
+(argmax of p / E, E ~ Exp(1)), which equals drawing from p. A seeded
 request draws its noise from its own generator (kept here, by request id, until the runner says
 the request ended), so its tokens do not depend on what else is in the batch.
 

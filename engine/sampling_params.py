@@ -86,7 +86,7 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def __post_init__(self):
-        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise InvalidRequestError("structured_outputs", "structured_outputs must give exactly one of "
                                       f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
@@ -111,9 +111,12 @@ class StructuredOutputsParams:
             raise InvalidRequestError("structured_outputs",
                                       f"json_object must be a bool, got {_show(self.json_object)}")
 
+    def _given(self) -> list[str]:
+        return [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+        return self._given()[0]
 
     @property
     def key(self) -> str:

@@ -174,14 +174,15 @@ class _SamplingFields(_Wire):
             value = getattr(self, field)
             fields[field] = {kind: value} if value is not None else None
         given = {field: spec for field, spec in fields.items() if spec is not None}
+        if not given:
+            return None
         if len(given) > 1:
             raise InvalidRequestError(list(given)[1], f"give one output constraint, got {', '.join(given)}")
-        for field, spec in given.items():
-            try:
-                return StructuredOutputsParams(**spec)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(field, f"{field}: {e.message}") from None
-        return None
+        ((field, spec),) = given.items()
+        try:
+            return StructuredOutputsParams(**spec)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(field, f"{field}: {e.message}") from None
 
 
 def _response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any] | None:
