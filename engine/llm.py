@@ -1,6 +1,7 @@
 """Offline batch API, vLLM-compatible: `LLM(...).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from tqdm.auto import tqdm
@@ -9,6 +10,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tools import forced_calls, parse_tools, resolve_tool_choice
 
 Prompt = str | list[int]
 
@@ -45,11 +47,23 @@ class LLM:
                 raise
         return self._run(request_ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
-             ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation (OpenAI-format messages, tool
+        calls and results included), then generates. `tools`, `tool_choice`: as OpenAI's; a
+        `required` or named choice constrains the output to calls whose arguments validate.
+        `engine.tools.parse_tool_calls` reads the calls out of an output's text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+        offered = parse_tools(tools)
+        params = sampling_params or SamplingParams()
+        forced = forced_calls(offered, resolve_tool_choice(tool_choice, offered), parallel_tool_calls)
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError("tool_choice", "a required or named tool_choice constrains the output; "
+                                                         "it cannot be given with structured_outputs")
+            params = dataclasses.replace(params, structured_outputs=forced)
+        return self.generate([self.engine.encode_chat(c, offered) for c in conversations], params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Steps until every request ends. A request that failed raises its error once the

@@ -32,6 +32,7 @@ from engine.runner.speculation.self_draft import SelfDraft
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids, encode_chat, encode_text
+from engine.tools import Tool
 
 Event = RequestOutput | RequestError
 COMPILE_WAIT_S = 0.01  # a step with nothing but compiling requests waits this long for one
@@ -121,8 +122,8 @@ class LLMEngine:
         check_context_length(len(token_ids), None, self.max_model_len)
         return token_ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
+        return encode_chat(self.tokenizer, messages, tools=tools)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, waited_s: float = 0.0) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.tools import Tool, conversation, template_reads_tools
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -18,12 +19,18 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
         raise InvalidRequestError("prompt", f"prompt could not be tokenized: {e}") from None
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The chat template applied, with the assistant's generation prompt unless told otherwise."""
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[Tool] | None = None) -> list[int]:
+    """The chat template applied to OpenAI-format messages (tool calls and results included),
+    with the `tools` offered and the assistant's generation prompt unless told otherwise."""
     if not messages:
         raise InvalidRequestError("messages", "messages must not be empty")
+    native = template_reads_tools(getattr(tokenizer, "chat_template", None))
+    extra = {"tools": [t.as_openai() for t in tools]} if native and tools else {}
+    messages = conversation(messages, tools or [], native)
     try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                **extra)
     except Exception as e:  # the template refuses the conversation (roles, order, content)
         raise InvalidRequestError("messages", f"could not apply the chat template: {e}") from None
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from engine.outputs import CompletionOutput, merge_deltas
+from engine.tools import ToolCallParser, parse_tool_calls
 from serve_app.messages import StreamChunk
 from serve_app.protocol import (
     ChatChoice,
@@ -133,11 +134,15 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
+    """With tools offered (tool_choice other than `none`), each choice's calls are parsed out of
+    its text: `message.tool_calls`, streamed as each call completes, and finish_reason
+    `tool_calls` (OpenAI's `stop` when the call was forced by name)."""
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._role_sent: set[int] = set()
+        self._parsers: dict[int, ToolCallParser] | None = {} if self.req.chosen_tool != "none" else None
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         s = self._token_str(token_id)
@@ -152,21 +157,40 @@ class ChatFormatter(Formatter):
             content.append(e)
         return {"content": content}
 
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if reason == "stop" and called and self.req.chosen_tool in ("auto", "required") else reason
+
     def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": d.text}
+        finish_reason = d.finish_reason
+        if self._parsers is not None:
+            parser = self._parsers.setdefault(index, ToolCallParser())
+            content, calls = parser.feed(d.text)
+            if d.finish_reason is not None:
+                content += parser.finish()
+            delta["content"] = content or (None if calls else "")
+            if calls:
+                first = parser.num_calls - len(calls)
+                delta["tool_calls"] = [{"index": first + i} | call.as_openai() for i, call in enumerate(calls)]
+            finish_reason = self._finish_reason(d.finish_reason, parser.num_calls > 0)
         if index not in self._role_sent:
             self._role_sent.add(index)
             delta["role"] = "assistant"
         lp = None
         if d.logprobs is not None:
             lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+    def _choice_out(self, c: CompletionOutput) -> ChatChoice:
+        message, finish_reason = ChatMessageOut(content=c.text), c.finish_reason
+        if self._parsers is not None:
+            content, calls = parse_tool_calls(c.text)
+            message = ChatMessageOut(content=content, tool_calls=[call.as_openai() for call in calls])
+            finish_reason = self._finish_reason(c.finish_reason, bool(calls))
+        return ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                          logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
 
     def response(self) -> dict[str, Any]:
-        choices = [
-            ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                       logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
-            for c in map(self._choice, self._choice_indices())
-        ]
+        choices = [self._choice_out(c) for c in map(self._choice, self._choice_indices())]
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                       choices=choices, usage=self.usage()).model_dump()

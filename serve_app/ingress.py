@@ -200,7 +200,7 @@ class Ingress:
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         _log_user(base_id, req)
         try:
-            ids = encode_chat(info.tokenizer, [m.as_template_dict() for m in req.messages])
+            ids = encode_chat(info.tokenizer, req.template_messages(), tools=req.offered_tools)
             job = make_job(f"{base_id}-0", ids, req=req, info=info, max_tokens=req.requested_max_tokens,
                            default_max_tokens=info.max_model_len, num_logprobs=req.num_logprobs, priority=priority,
                            choice_offset=0, param="messages")
@@ -217,8 +217,8 @@ class Ingress:
                                           data)
         try:
             if isinstance(req, TokenizeChatRequest):
-                ids = encode_chat(info.tokenizer, [m.as_template_dict() for m in req.messages],
-                                  req.add_generation_prompt)
+                ids = encode_chat(info.tokenizer, req.template_messages(), req.add_generation_prompt,
+                                  req.offered_tools)
             else:
                 ids = encode_text(info.tokenizer, req.prompt, req.add_special_tokens)
         except InvalidRequestError as e:

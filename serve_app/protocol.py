@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import time
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.tools import Tool, forced_calls, parse_tools, resolve_tool_choice
 
 # ---------------------------------------------------------------- errors
 
@@ -166,14 +168,7 @@ class _SamplingFields(_Wire):
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """What the output must match, from whichever field gave it (one at most)."""
-        so = self.structured_outputs
-        fields = {"response_format": _response_format_constraint(self.response_format),
-                  "structured_outputs": so.model_dump(by_alias=True, exclude_none=True) if so is not None else None}
-        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                            ("guided_grammar", "grammar")):
-            value = getattr(self, field)
-            fields[field] = {kind: value} if value is not None else None
-        given = {field: spec for field, spec in fields.items() if spec is not None}
+        given = {field: spec for field, spec in self._constraint_fields().items() if spec is not None}
         if not given:
             return None
         if len(given) > 1:
@@ -183,6 +178,17 @@ class _SamplingFields(_Wire):
             return StructuredOutputsParams(**spec)
         except InvalidRequestError as e:
             raise InvalidRequestError(field, f"{field}: {e.message}") from None
+
+    def _constraint_fields(self) -> dict[str, dict[str, Any] | None]:
+        """Each field that can constrain the output -> its StructuredOutputsParams arguments."""
+        so = self.structured_outputs
+        fields = {"response_format": _response_format_constraint(self.response_format),
+                  "structured_outputs": so.model_dump(by_alias=True, exclude_none=True) if so is not None else None}
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            value = getattr(self, field)
+            fields[field] = {kind: value} if value is not None else None
+        return fields
 
 
 def _response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any] | None:
@@ -246,24 +252,98 @@ class ContentPart(_Wire):
     text: str
 
 
+class FunctionCall(_Wire):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCallIn(_Wire):
+    """A call the assistant made earlier in the conversation."""
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only for assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs the tool_call_id it answers, and only a tool message takes one")
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message in OpenAI's format, as engine.tokenization.encode_chat takes it."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ChatCompletionRequest(_SamplingFields):
+class FunctionDefinition(_Wire):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object.")
+    strict: bool | None = Field(None, description="Accepted; forced calls always follow the schema.")
+
+
+class ToolDefinition(_Wire):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class _ChatFields(_Wire):
+    """The conversation and its tools (chat completions and chat-form /tokenize)."""
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+
+    @cached_property
+    def offered_tools(self) -> list[Tool]:
+        """The tools, checked (each parameters schema against its metaschema)."""
+        return parse_tools([t.model_dump(exclude_none=True) for t in self.tools or []])
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_dict() for m in self.messages]
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @cached_property
+    def chosen_tool(self) -> str:
+        """`none`, `auto`, `required`, or the function the output must call."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return resolve_tool_choice(choice, self.offered_tools)
+
+    def _constraint_fields(self) -> dict[str, dict[str, Any] | None]:
+        forced = forced_calls(self.offered_tools, self.chosen_tool, self.parallel_tool_calls)
+        return super()._constraint_fields() | {"tool_choice": {"grammar": forced.grammar} if forced else None}
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -282,10 +362,9 @@ class TokenizeCompletionRequest(_Wire):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Wire):
-    """/tokenize, chat form: the messages through the chat template (vLLM's)."""
+class TokenizeChatRequest(_ChatFields):
+    """/tokenize, chat form: the messages (and tools) through the chat template (vLLM's)."""
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
@@ -330,7 +409,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
