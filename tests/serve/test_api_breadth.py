@@ -62,9 +62,9 @@ def test_echo_returns_the_prompt_before_the_completion(client):
 
 
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(client):
-    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: tools"):
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: prediction"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+                                       prediction={"type": "content", "content": "hi there"})
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="best_of"):

@@ -1,0 +1,125 @@
+"""Tool calls over HTTP through the official openai client, against the app on the real engine
+(tiny random Llama, byte-level BPE): named and required choices give calls whose arguments
+validate, streamed and not, with n > 1; `auto` parses the calls the model writes (here forced by
+a choice constraint) into `tool_calls` with finish_reason `tool_calls`; `none` leaves the text
+alone; a conversation with calls and tool results goes through the template."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import served_local_stack
+
+from tests.conftest import save_tiny_model
+from tests.engine.test_tools import SCHEMAS, TOOLS
+
+MESSAGES = [{"role": "user", "content": "the cat sat on a mat"}]
+WRITTEN = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+           '</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    model = save_tiny_model(tmp_path_factory.mktemp("tiny-tools"), "llama", max_position_embeddings=2048)
+    config = {"engine": {"model": model, "served_model_name": "tiny", "stream_flush_interval_s": 0.0,
+                         "engine_args": {"max_model_len": 2048, "max_num_seqs": 8, "seed": 0}}}
+    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none")
+
+
+def _check(name: str, arguments: str, allowed: set[str]) -> None:
+    assert name in allowed
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def _streamed(stream) -> dict[int, dict]:
+    """Each choice's content, calls (accumulated as OpenAI's stream helpers do) and finish_reason."""
+    choices: dict[int, dict] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            choice = choices.setdefault(c.index, {"content": "", "calls": {}, "finish_reason": None})
+            choice["content"] += c.delta.content or ""
+            for call in c.delta.tool_calls or []:
+                got = choice["calls"].setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                got["id"] = call.id or got["id"]
+                got["name"] += call.function.name or ""
+                got["arguments"] += call.function.arguments or ""
+            choice["finish_reason"] = c.finish_reason or choice["finish_reason"]
+    return choices
+
+
+def test_a_named_choice_calls_that_function_with_valid_arguments(client):
+    named = {"type": "function", "function": {"name": "add"}}
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, temperature=1.0, n=2,
+                                         seed=5, tools=TOOLS, tool_choice=named)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        _check(call.function.name, call.function.arguments, {"add"})
+    streamed = _streamed(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, n=2,
+                                                        temperature=1.0, seed=5, tools=TOOLS, tool_choice=named,
+                                                        stream=True))
+    assert set(streamed) == {0, 1}
+    for choice in streamed.values():
+        assert choice["finish_reason"] == "stop" and choice["content"] == "" and len(choice["calls"]) == 1
+        _check(choice["calls"][0]["name"], choice["calls"][0]["arguments"], {"add"})
+
+
+def test_a_required_choice_calls_one_of_the_tools(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, temperature=1.0, n=3,
+                                         seed=9, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        _check(choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments,
+               set(SCHEMAS))
+    streamed = _streamed(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200,
+                                                        temperature=0, tools=TOOLS, tool_choice="required",
+                                                        parallel_tool_calls=False, stream=True))
+    assert streamed[0]["finish_reason"] == "tool_calls" and len(streamed[0]["calls"]) == 1
+    _check(streamed[0]["calls"][0]["name"], streamed[0]["calls"][0]["arguments"], set(SCHEMAS))
+
+
+def test_auto_parses_the_calls_the_model_writes(client):
+    forced = {"structured_outputs": {"choice": [WRITTEN]}}  # the tiny model writes what a tuned one would
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, temperature=0, tools=TOOLS,
+                                         tool_choice="auto", extra_body=forced)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "unit": "c"})
+    streamed = _streamed(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200,
+                                                        temperature=0, tools=TOOLS, extra_body=forced, stream=True))
+    assert streamed[0]["content"] == "Let me check.\n" and streamed[0]["finish_reason"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed[0]["calls"].values()] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]
+    untouched = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, temperature=0,
+                                               tools=TOOLS, tool_choice="none", extra_body=forced)
+    assert untouched.choices[0].message.content == WRITTEN and not untouched.choices[0].message.tool_calls
+    assert untouched.choices[0].finish_reason == "stop"
+
+
+def test_a_tool_result_round_trips_through_the_template(client, url):
+    conversation = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    tokens = httpx.post(url + "/tokenize", json={"messages": conversation, "tools": TOOLS}).json()["tokens"]
+    text = httpx.post(url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    out = client.chat.completions.create(model="tiny", messages=conversation, max_tokens=200, temperature=0,
+                                         tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert out.usage.prompt_tokens == len(tokens)
+    _check(out.choices[0].message.tool_calls[0].function.name, out.choices[0].message.tool_calls[0].function.arguments,
+           set(SCHEMAS))
