@@ -81,12 +81,14 @@ def test_a_template_without_tools_gets_them_as_text_with_calls_and_results():
     text = tokenizer.decode(encode_chat(tokenizer, messages, tools=parse_tools(TOOLS)))
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert json.dumps(TOOLS[1]) in text and '"description": "Weather in a city"' in text
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
-            '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>') in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": '
+            '{"a": 1, "b": 2}}\n</tool_call><|im_end|>') in text
     assert ('<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\n3\n'
             '</tool_response><|im_end|>\n<|im_start|>assistant\n') in text
     no_system = conversation(CHAT, parse_tools(TOOLS), native=False)
-    assert no_system[0]["role"] == "system" and no_system[0]["content"].startswith("# Tools") and no_system[1] == CHAT[0]
+    assert no_system[0]["role"] == "system" and no_system[0]["content"].startswith("# Tools")
+    assert no_system[1:] == CHAT
     assert conversation(CHAT, [], native=False) == CHAT
 
 
@@ -101,13 +103,15 @@ def test_a_template_that_reads_tools_renders_them_itself():
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "cold"}]
     text = tokenizer.decode(encode_chat(tokenizer, messages, add_generation_prompt=False, tools=parse_tools(TOOLS)))
-    assert text == "TOOLS get_weather,add | user: the cat sat on a mat | assistant:  CALL get_weather Oslo | tool: cold FOR c1 | "
+    assert text == ("TOOLS get_weather,add | user: the cat sat on a mat | assistant:  CALL get_weather Oslo | "
+                    "tool: cold FOR c1 | ")
 
 
 @pytest.mark.parametrize("tools,choice,param,message", [
     ([{"type": "function"}], None, "tools", "a tool must be"),
     ([{"type": "function", "function": {"name": "no spaces"}}], None, "tools", "must match"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}], None, "tools", "the parameters of f"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}], None, "tools",
+     "the parameters of f"),
     (TOOLS + TOOLS[:1], None, "tools", "unique"),
     (TOOLS, "sometimes", "tool_choice", "tool_choice must be one of"),
     ([], "required", "tool_choice", "needs tools"),
