@@ -95,6 +95,10 @@ class AsyncEngine(EngineClient):
         return self._info.vocab_size
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._info.eos_token_ids
+
+    @property
     def model_report(self) -> ModelReport:
         return self._info.model_report
 

@@ -72,6 +72,7 @@ class CoreInfo:
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    eos_token_ids: frozenset[int]
     model_report: ModelReport
     stats: EngineStats
 
@@ -85,7 +86,8 @@ Emit = Callable[[CoreOutputs], None]
 
 
 def _info(engine: LLMEngine) -> CoreInfo:
-    return CoreInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size, engine.model_report, engine.get_stats())
+    return CoreInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size, engine.eos_token_ids,
+                    engine.model_report, engine.get_stats())
 
 
 class StepLoop:

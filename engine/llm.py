@@ -6,6 +6,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestError, RequestOutput
@@ -64,6 +65,24 @@ class LLM:
                                                          "it cannot be given with structured_outputs")
             params = dataclasses.replace(params, structured_outputs=forced)
         return self.generate([self.engine.encode_chat(c, offered) for c in conversations], params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+                    ) -> list[RequestOutput]:
+        """Beam search as transformers' generate(num_beams=params.beam_width, do_sample=False):
+        per prompt, its beam_width finished beams best first (engine.beam_search.BeamOutput: the
+        tokens, text, each token's logprob, the cumulative logprob and the ranking score). The
+        beams of every prompt step together, one batch per step."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        searches = [BeamSearch(self.engine.encode_prompt(p), params, self.engine.eos_token_ids,
+                               self.engine.max_model_len) for p in prompts]
+        while live := [s for s in searches if not s.done]:
+            owners = [s for s in live for _ in s.running]
+            outputs = self.generate([p for s in live for p in s.prompts()], [s.step_params() for s in owners],
+                                    use_tqdm)
+            for s in live:
+                s.advance([out.outputs[0].logprobs[0] for owner, out in zip(owners, outputs) if owner is s])
+        return [s.output(str(next(self._ids)), self.tokenizer) for s in searches]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Steps until every request ends. A request that failed raises its error once the

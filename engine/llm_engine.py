@@ -55,6 +55,7 @@ class LLMEngine:
         if self.max_model_len > loaded.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the loaded model's {loaded.max_model_len}")
         self.vocab_size = model.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
         cache = config.cache
         device = torch.device(config.model.device)
         kv_dtype = (loaded.kv_cache_dtype if cache.kv_cache_dtype == "auto"  # as the loader resolved it

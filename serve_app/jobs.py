@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.beam_search import BeamSearchParams
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
@@ -36,6 +37,8 @@ class SamplingRequest(Protocol):
     """A validated API request, as a job needs it (protocol.py's request models)."""
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams: ...
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None: ...
 
 
 class _Method(Protocol):
@@ -84,7 +87,7 @@ def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, in
     check_context_length(num_prompt, max_tokens, info.max_model_len, param)
     bs = info.block_size
     hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs))
-    return Job(EngineRequest(request_id, prompt_ids, params, priority),
+    return Job(EngineRequest(request_id, prompt_ids, params, priority, beam_search=req.beam_search_params(max_tokens)),
                AdmitRequest(request_id, priority, num_prompt, max_tokens, params.best_of, tuple(hashes)), choice_offset)
 
 

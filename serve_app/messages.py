@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.beam_search import BeamSearchParams
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class EngineRequest:
     params: SamplingParams  # validated at the ingress
     priority: int = 0  # lower = sooner
     waited_s: float = 0.0  # time already spent in the router's queue: the engine ages it from there
+    beam_search: BeamSearchParams | None = None  # set: a beam search (params' n and max_tokens are its own)
 
 
 @dataclass(slots=True)

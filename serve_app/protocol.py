@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tools import Tool, forced_calls, parse_tools, resolve_tool_choice
@@ -166,6 +167,10 @@ class _SamplingFields(_Wire):
             logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of,
             structured_outputs=self.output_constraint())
 
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """A beam search's parameters, or None for sampling (completions override it)."""
+        return None
+
     def output_constraint(self) -> StructuredOutputsParams | None:
         """What the output must match, from whichever field gave it (one at most)."""
         given = {field: spec for field, spec in self._constraint_fields().items() if spec is not None}
@@ -209,6 +214,12 @@ def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | No
     return {int(key): bias for key, bias in logit_bias.items()}
 
 
+_NOT_WITH_BEAM_SEARCH = ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                         "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "best_of", "logprobs",
+                         "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                         "guided_grammar")
+
+
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
@@ -222,6 +233,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    use_beam_search: bool = Field(False, description="Beam search (vLLM's): n beams, the n best returned, as "
+                                                     "transformers' generate(num_beams=n) finds them.")
+    length_penalty: float = Field(1.0, description="With use_beam_search: scores are divided by length ** this.")
 
     @field_validator("prompt")
     @classmethod
@@ -240,6 +254,22 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """Refuses a field beam search would not apply (it is deterministic: temperature 0 only)."""
+        given = self.model_fields_set
+        if not self.use_beam_search:
+            if "length_penalty" in given:
+                raise InvalidRequestError("length_penalty", "length_penalty applies to beam search only "
+                                                            "(use_beam_search)")
+            return None
+        defaults = type(self).model_fields
+        unapplied = [f for f in _NOT_WITH_BEAM_SEARCH if f in given and getattr(self, f) != defaults[f].default]
+        if "temperature" in given and self.temperature != 0:
+            unapplied.insert(0, "temperature")
+        if unapplied:
+            raise InvalidRequestError(unapplied[0], f"{unapplied[0]} does not apply to beam search (use_beam_search)")
+        return BeamSearchParams(self.n, max_tokens, self.length_penalty, self.ignore_eos)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""

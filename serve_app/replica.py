@@ -112,8 +112,12 @@ class EngineReplica:
         coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
         failed = False
         yield StreamChunk(accepted=True)
-        stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
-                                      request.priority, request.waited_s)
+        if request.beam_search is None:
+            stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
+                                          request.priority, request.waited_s)
+        else:
+            stream = self.engine.beam_search(request.prompt_token_ids, request.beam_search, request.request_id,
+                                             request.priority, request.waited_s)
         try:
             async with contextlib.aclosing(coalescer.coalesce(stream)) as chunks:
                 async for chunk in chunks:

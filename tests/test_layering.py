@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_LAYERS = [
     ("foundations", ["engine.errors", "engine.config", "engine.outputs", "engine.sampling_params",
                      "engine.metrics", "engine.cache_dir", "engine.lazy_heap", "engine.cpu_kernels"]),
-    ("requests", ["engine.request", "engine.tokenization", "engine.tools", "engine.drafts"]),
+    ("requests", ["engine.request", "engine.tokenization", "engine.tools", "engine.beam_search", "engine.drafts"]),
     ("model", ["engine.batch", "engine.kv_cache", "engine.models", "engine.attention", "engine.sampler",
                "engine.grammar"]),
     ("loading", ["engine.model_loader", "engine.quality", "engine.serving_mix", "engine.quantization_check",

@@ -66,6 +66,7 @@ class FakeAsyncEngine(EngineClient):
     block_size = 16
     max_model_len = 256
     vocab_size = VOCAB
+    eos_token_ids = frozenset()
     is_ready = True
     tokenizer = FakeTokenizer()
     model_report = ModelReport("none", "float32", "float32", "cpu", 0, 1.0, 0.0)
