@@ -1,15 +1,17 @@
 """The OpenAI fields beyond the basics, through the official openai client against the app on the
 real engine (tiny random Llama with a word tokenizer, its step loop in a child process):
 logit_bias forces and forbids tokens, min_tokens holds back the end, echo returns the prompt,
-best_of returns its most likely samples, a field the server does not implement is a 400 naming
-it, and the vLLM endpoints answer."""
+best_of returns its most likely samples, use_beam_search returns transformers' beams, a field
+the server does not implement is a 400 naming it, and the vLLM endpoints answer."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
+import torch
 from conftest import served_local_stack
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,30 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        prediction={"type": "content", "content": "hi there"})
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"use_beam_search": True})
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2, best_of=2, stream=True)
+
+
+def test_use_beam_search_returns_transformers_beams(tiny_llama_words, client):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_words)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_words, dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode("the cat sat")])
+    rows = hf.generate(ids, num_beams=3, num_return_sequences=3, do_sample=False, max_new_tokens=8,
+                       attention_mask=torch.ones_like(ids))[:, ids.shape[1]:]
+    expected = [tokenizer.decode(row, skip_special_tokens=True) for row in rows.tolist()]
+    beams = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=8, n=3, temperature=0,
+                                      extra_body={"use_beam_search": True})
+    assert [c.text for c in beams.choices] == expected and [c.index for c in beams.choices] == [0, 1, 2]
+    assert beams.usage.completion_tokens == sum(len(r) for r in rows.tolist())
+    streamed = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=8, n=3, stream=True,
+                                         extra_body={"use_beam_search": True})
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == expected
 
 
 def test_best_of_returns_the_n_most_likely_of_its_samples(client):
