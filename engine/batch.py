@@ -5,7 +5,7 @@ importing the runner, scheduler or speculation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +30,10 @@ class ModelInputs:
     sampled_requests: list[Request | WithDrafts]  # (R,) whose history each row continues
     sampled_drafts: list[SampledDraft | None]  # (R,) the sampled draft each row verifies, if any
     verified: list[tuple[Request, list[int], int]]  # (request, drafts, first row) of each request sampled
+    # prompt logprobs: flat index of each prompt token whose logits are scored, and per request
+    # (request, first position scored, number of positions)
+    scored_indices: list[int] = field(default_factory=list)
+    scored_prompts: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class WithDrafts:

@@ -43,6 +43,7 @@ class _RequestState:
     metrics: RequestMetrics
     samples: dict[int, _SampleState] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked, until emitted
 
 
 class OutputProcessor:
@@ -151,6 +152,7 @@ class OutputProcessor:
             metrics.first_token_time = request.first_token_time + self._wall_offset
             metrics.first_scheduled_time = request.first_scheduled_time + self._wall_offset
             state.num_cached_tokens = request.num_cached_prompt_tokens
+            state.prompt_logprobs = request.prompt_logprobs
 
     def _emit(self, request_id: str, state: _RequestState) -> RequestOutput:
         params = state.params
@@ -173,8 +175,10 @@ class OutputProcessor:
         if finished:
             del self.states[request_id]
             state.metrics.finished_time = state.metrics.finished_time or self._clock() + self._wall_offset
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, deltas, finished,
-                             state.metrics, state.num_cached_tokens)
+        output = RequestOutput(request_id, state.prompt, state.prompt_token_ids, deltas, finished,
+                               state.metrics, state.num_cached_tokens, state.prompt_logprobs)
+        state.prompt_logprobs = None  # sent once, with the first output
+        return output
 
     @staticmethod
     def _returned(state: _RequestState, finished: bool) -> list[tuple[int, _SampleState]]:

@@ -14,6 +14,8 @@ class ModelRunnerOutput:
     draft_seconds: float = 0.0  # the time they took (with the call to a remote draft model, and the catch-up)
     drafts_unfilled: bool = False  # drafts were reserved and the draft model gave none (late, down, no room)
     draft_catch_up_tokens: int = 0  # tokens the draft model computed first, for requests it did not hold
+    # request id -> (the first position scored, the logprobs of the prompt tokens after each position)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (None for the first), once
 
     def merge(self, delta: RequestOutput) -> None:
         """Folds a delta of the same request into this cumulative output."""
@@ -96,6 +99,7 @@ class RequestOutput:
         self.finished = delta.finished
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
 
 
 def merge_deltas(by_index: dict[int, CompletionOutput], deltas: list[CompletionOutput], offset: int = 0) -> None:

@@ -62,6 +62,10 @@ class Request:
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (last admission)
         self.num_preemptions = 0
         self.spec = SpecCounts()  # its drafts verified and accepted
+        # per prompt token so far (None for the first), when asked: prompt tokens are computed
+        # (not served by the prefix cache) until each has its logprobs
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if params.prompt_logprobs is not None \
+            else None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -97,6 +101,29 @@ class Request:
         return self.num_uncomputed_tokens + self.params.max_tokens - self.num_output_tokens
 
     @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens the prefix cache may serve: not the last (its logits are needed), nor
+        a prompt token whose next token's logprobs are still to be computed."""
+        if self.prompt_logprobs is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 1, len(self.prompt_logprobs) - 1)
+
+    @property
+    def first_unscored_position(self) -> int | None:
+        """The first prompt position whose logits give prompt logprobs still missing; None if
+        none are asked for or missing."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens:
+            return None
+        return len(self.prompt_logprobs) - 1
+
+    def record_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
+        """The logprobs of the prompt tokens after positions start, start + 1, ... (those already
+        known, recomputed after a preemption, are kept)."""
+        for i, entry in enumerate(entries):
+            if start + 1 + i == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(entry)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -113,5 +140,6 @@ class Request:
                         arrival_time=self.arrival_time,
                         constraint=self.constraint.fresh() if self.constraint is not None else None)
         child.num_computed_tokens = self.num_prompt_tokens - 1
+        child.prompt_logprobs = None  # the prompt's are reported once, by the first sample
         child.first_scheduled_time = self.first_scheduled_time
         return child

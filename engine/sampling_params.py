@@ -58,6 +58,8 @@ _RULES = (  # field, accepts, rule as the error message states it
     ("frequency_penalty", _number_in(-2, 2), "must be a number in [-2, 2]"),
     ("repetition_penalty", _number_in(0, math.inf, lo_open=True), "must be a finite number > 0"),
     ("logprobs", lambda v: v is None or _int_in(0, MAX_LOGPROBS)(v), f"must be an int in [0, {MAX_LOGPROBS}] or null"),
+    ("prompt_logprobs", lambda v: v is None or _int_in(0, MAX_LOGPROBS)(v),
+     f"must be an int in [0, {MAX_LOGPROBS}] or null"),
     ("stop", lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
      f"must be at most {MAX_STOP_STRINGS} non-empty strings"),
     ("stop_token_ids", lambda v: all(_int_in(0, INT32_MAX)(t) for t in v), f"must be ints in [0, {INT32_MAX}]"),
@@ -155,6 +157,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return per token (plus the sampled one)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's)
     min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     best_of: int | None = None  # samples generated, the n with the highest cumulative logprob returned; None: n

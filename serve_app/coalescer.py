@@ -26,6 +26,7 @@ class StreamCoalescer:
         self.num_output_tokens = 0
         self.metrics: RequestMetrics | None = None  # the engine's timings, from the latest output
         self.finished = False  # the engine's final output arrived
+        self._prompt_logprobs: list[tuple[int, dict[int, float] | None]] | None = None  # until sent
 
     async def coalesce(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[StreamChunk]:
         """Yields merged deltas: on the first token, then when `interval_s` has passed since the
@@ -49,6 +50,8 @@ class StreamCoalescer:
                     except StopAsyncIteration:
                         break
                     self.metrics, num_prompt = output.metrics, len(output.prompt_token_ids)
+                    if output.prompt_logprobs is not None:
+                        self._prompt_logprobs = list(zip(output.prompt_token_ids, output.prompt_logprobs))
                     merge_deltas(buffer, output.outputs)
                     finished = self.finished = output.finished
                     if not finished and self.clock() - last_flush < self.interval_s:
@@ -74,4 +77,5 @@ class StreamCoalescer:
         self.num_messages += 1
         outputs = [buffer[i] for i in sorted(buffer)]
         self.num_output_tokens += sum(len(o.token_ids) for o in outputs)
-        return StreamChunk(outputs, num_prompt, finished)
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        return StreamChunk(outputs, num_prompt, finished, prompt_logprobs=prompt_logprobs)

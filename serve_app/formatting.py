@@ -87,12 +87,19 @@ class Formatter:
 
 
 class CompletionFormatter(Formatter):
-    """With `echo`, each choice's text starts with its prompt's (streamed: in its first chunk)."""
+    """With `echo`, each choice's text starts with its prompt's (streamed: in its first chunk), and
+    with `logprobs` too, its logprobs start with the prompt tokens' (the first one's null)."""
     chunk_object = "text_completion"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._echoed: set[int] = set()
+        self._prompt_logprobs: dict[int, list[tuple[int, dict[int, float] | None]]] = {}  # by prompt index
+
+    def _account(self, chunk: StreamChunk, offset: int) -> None:
+        super()._account(chunk, offset)
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs[offset // self.req.n] = chunk.prompt_logprobs
 
     def _echo(self, index: int) -> str:
         if not self.req.echo:
@@ -100,33 +107,37 @@ class CompletionFormatter(Formatter):
         prompt = self.req.prompts()[index // self.req.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def _logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
+    def _logprobs(self, pairs: list[tuple[int, dict[int, float] | None]]) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets, pos = [], [], [], [], 0
         k = self.req.logprobs or 0
         for token_id, entries in pairs:
             s = self._token_str(token_id)
             tokens.append(s)
-            token_logprobs.append(entries.get(token_id))
-            top.append({self._token_str(t): lp for t, lp in self._top(entries)[:k]})
+            token_logprobs.append(entries.get(token_id) if entries is not None else None)
+            top.append({self._token_str(t): lp for t, lp in self._top(entries)[:k]} if entries is not None else None)
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 
+    def _choice_logprobs(self, index: int, c: CompletionOutput, first: bool) -> dict[str, Any] | None:
+        """The choice's (new) tokens' logprobs, after its prompt's in its first part when echoed."""
+        if c.logprobs is None:
+            return None
+        echoed = self._prompt_logprobs.get(index // self.req.n, []) if first and self.req.echo else []
+        return self._logprobs(echoed + list(zip(c.token_ids, c.logprobs)))
+
     def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
-        lp = None
-        if d.logprobs is not None:
-            lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
-        text = d.text
-        if index not in self._echoed:
-            self._echoed.add(index)
-            text = self._echo(index) + text
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
+        first = index not in self._echoed
+        self._echoed.add(index)
+        text = (self._echo(index) if first else "") + d.text
+        return {"index": index, "text": text, "logprobs": self._choice_logprobs(index, d, first),
+                "finish_reason": d.finish_reason}
 
     def response(self) -> dict[str, Any]:
         choices = [
             CompletionChoice(index=c.index, text=self._echo(c.index) + c.text, finish_reason=c.finish_reason,
-                             logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
+                             logprobs=self._choice_logprobs(c.index, c, True))
             for c in map(self._choice, self._choice_indices())
         ]
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model,

@@ -148,6 +148,11 @@ class _SamplingFields(_Wire):
         return self
 
     @property
+    def prompt_logprobs(self) -> int | None:
+        """Logprobs asked of the prompt's tokens (completions' echo with logprobs)."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -164,7 +169,7 @@ class _SamplingFields(_Wire):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=num_logprobs, min_tokens=self.min_tokens,
-            logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of,
+            logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of, prompt_logprobs=self.prompt_logprobs,
             structured_outputs=self.output_constraint())
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
@@ -249,11 +254,13 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: the engine does not score prompt tokens")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
         """Refuses a field beam search would not apply (it is deterministic: temperature 0 only)."""

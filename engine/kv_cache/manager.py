@@ -64,12 +64,11 @@ class KVCacheManager:
         return extend_block_hashes(hashes, request.token_ids, self.block_size, request.num_tokens)
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest cached prefix of the request's tokens, leaving at least one token to compute
-        (its logits are needed)."""
+        """Longest cached prefix of the tokens the request lets the cache serve."""
         if not self.enable_prefix_caching:
             return NO_COMPUTED_BLOCKS
         block_ids = []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = request.num_cacheable_tokens // self.block_size
         for block_hash in self._hashes(request)[:max_blocks]:
             block_id = self.pool.get_cached_block(block_hash)
             if block_id is None:

@@ -23,6 +23,7 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
     ordered = sorted(scheduled, key=lambda s: (not _as_rows(s), s.start_pos if _as_rows(s) else 0))
     input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [], [], []
     query_start_loc, sample_indices, sampled_requests, sampled_drafts, verified = [0], [], [], [], []
+    scored_indices, scored_prompts = [], []
     num_decodes = 0
     for item in ordered:
         n, start = len(item.token_ids), item.start_pos
@@ -38,6 +39,13 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
             tables.append(table)
             query_start_loc.append(query_start_loc[-1] + end - first)
         num_decodes += len(sequences) if rows else 0
+        first = item.request.first_unscored_position
+        if first is not None and first < start + n:  # prompt logprobs: positions up to the last but one
+            first, end = max(first, start), min(start + n, item.request.num_prompt_tokens - 1)
+            if first < end:
+                row0 = query_start_loc[-1] - n - start
+                scored_indices.extend(range(row0 + first, row0 + end))
+                scored_prompts.append((item.request, first, end - first))
         if item.sample:  # the last token's logits, and each draft's: the target's token after it
             drafts = item.draft_token_ids
             verified.append((item.request, drafts, len(sample_indices)))
@@ -64,4 +72,6 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         sampled_requests=sampled_requests,
         sampled_drafts=sampled_drafts,
         verified=verified,
+        scored_indices=scored_indices,
+        scored_prompts=scored_prompts,
     )

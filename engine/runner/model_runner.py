@@ -53,9 +53,12 @@ class ModelRunner:
             unfilled = not any(item.draft_token_ids for item in out.scheduled)
         inputs = build_inputs(out.scheduled, self.block_size, self.device)
         metadata = self.backend.build_metadata(inputs)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,
-                            inputs.sample_indices)
-        result = self.sampler(logits, inputs.sampled_requests, inputs.sampled_drafts)
+        indices = inputs.sample_indices
+        if inputs.scored_indices:
+            indices = torch.cat([indices, torch.tensor(inputs.scored_indices, dtype=torch.long, device=self.device)])
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata, indices)
+        num_sampled = len(inputs.sample_indices)
+        result = self.sampler(logits[:num_sampled], inputs.sampled_requests, inputs.sampled_drafts)
         sampled, logprobs = {}, {}
         for request, drafts, row in inputs.verified:
             if request.request_id in result.errors:
@@ -65,7 +68,7 @@ class ModelRunner:
             if request.params.keeps_logprobs:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
         return ModelRunnerOutput(sampled, logprobs, result.errors, draft_passes, draft_seconds, unfilled,
-                                 catch_up_tokens)
+                                 catch_up_tokens, _prompt_logprobs(logits[num_sampled:], inputs.scored_prompts))
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies: batched index copies, in that order."""
@@ -77,3 +80,22 @@ class ModelRunner:
                 src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_cache.device)
                 dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_cache.device)
                 dst_cache.index_copy_(dim, dst, src_cache.index_select(dim, src).to(dst_cache.device))
+
+
+def _prompt_logprobs(logits: torch.Tensor, scored: list) -> dict[str, tuple[int, list[dict[int, float]]]]:
+    """Each scored request's prompt logprobs from its rows' logits: the next prompt token's and the
+    top `prompt_logprobs` ones, after each position."""
+    if not scored:
+        return {}
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    result, row = {}, 0
+    for request, first, count in scored:
+        rows = logprobs[row:row + count]
+        targets = torch.tensor(request.prompt_token_ids[first + 1:first + 1 + count], device=rows.device)
+        chosen = rows.gather(1, targets[:, None])[:, 0].tolist()
+        k = request.params.prompt_logprobs
+        top_values, top_ids = rows.topk(k) if k else (rows[:, :0], rows[:, :0].long())
+        result[request.request_id] = (first, [{t: lp} | dict(zip(ids, values)) for t, lp, ids, values in
+                                              zip(targets.tolist(), chosen, top_ids.tolist(), top_values.tolist())])
+        row += count
+    return result

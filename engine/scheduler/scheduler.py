@@ -390,6 +390,8 @@ class Scheduler:
             error = result.errors.get(request.request_id)
             if error is None:
                 try:
+                    if request.request_id in result.prompt_logprobs:
+                        request.record_prompt_logprobs(*result.prompt_logprobs[request.request_id])
                     if self._advance(request, item, result.sampled, now):
                         update.updated.append(request)
                 except Exception as e:  # this request's fault only
