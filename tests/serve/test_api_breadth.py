@@ -1,6 +1,7 @@
 """The OpenAI fields beyond the basics, through the official openai client against the app on the
 real engine (tiny random Llama with a word tokenizer, its step loop in a child process):
-logit_bias forces and forbids tokens, min_tokens holds back the end, echo returns the prompt,
+logit_bias forces and forbids tokens, min_tokens holds back the end, echo returns the prompt (and
+with logprobs its tokens' logprobs),
 best_of returns its most likely samples, use_beam_search returns transformers' beams, a field
 the server does not implement is a 400 naming it, and the vLLM endpoints answer."""
 
@@ -61,6 +62,31 @@ def test_echo_returns_the_prompt_before_the_completion(client):
     plain = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=4, temperature=0)
     echoed = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text == "the cat sat" + plain.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_first(server, tiny_llama_words, client):
+    prompt_ids = _ids(server, "the cat sat on a mat")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_words, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    plain = client.completions.create(model="tiny", prompt="the cat sat on a mat", max_tokens=3, temperature=0,
+                                      logprobs=2)
+    echoed = client.completions.create(model="tiny", prompt="the cat sat on a mat", max_tokens=3, temperature=0,
+                                       logprobs=2, echo=True)
+    lp = echoed.choices[0].logprobs
+    n = len(prompt_ids)
+    assert [s.strip() for s in lp.tokens[:n]] == "the cat sat on a mat".split()
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([ref[i - 1, t].item() for i, t in enumerate(prompt_ids) if i],
+                                                   abs=1e-4)
+    assert all(len(top) in (2, 3) for top in lp.top_logprobs[1:])
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert echoed.choices[0].text == "the cat sat on a mat" + plain.choices[0].text
+    streamed = client.completions.create(model="tiny", prompt="the cat sat on a mat", max_tokens=3, temperature=0,
+                                         logprobs=2, echo=True, stream=True)
+    tokens = [t for chunk in streamed for c in chunk.choices for t in c.logprobs.tokens]
+    assert tokens == lp.tokens
 
 
 def test_a_field_the_server_does_not_implement_is_a_400_naming_it(client):
