@@ -2,8 +2,8 @@
 candidates, finished hypotheses, length penalty and stopping rule (its default
 `early_stopping=False` heuristic), so the same sequences.
 
-A step asks the engine for the top-K next-token logprobs of every running beam (K = 2 beams per
-EOS-free slot, as transformers keeps), each beam a request of its own for one greedy token:
+A step asks the engine for the top-K next-token logprobs of every running beam (transformers' K:
+max(2, 1 + the number of EOS ids) x beam_width), each beam a request of its own for one token:
 the beams of a prompt share the prompt's and their common prefix's full KV blocks through the
 prefix cache (ref-counted, never copied), so a step computes only each beam's last, partial
 block. The search itself (`BeamSearch`) is plain Python on those logprobs, driven by
@@ -19,8 +19,6 @@ import numpy as np
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-
-_PENALTY = np.float32(-1.0e9)  # transformers' score for a candidate that may not be chosen
 
 
 @dataclass(frozen=True)

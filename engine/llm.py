@@ -70,8 +70,8 @@ class LLM:
                     ) -> list[RequestOutput]:
         """Beam search as transformers' generate(num_beams=params.beam_width, do_sample=False):
         per prompt, its beam_width finished beams best first (engine.beam_search.BeamOutput: the
-        tokens, text, each token's logprob, the cumulative logprob and the ranking score). The
-        beams of every prompt step together, one batch per step."""
+        tokens, text, cumulative logprob and ranking score). The beams of every prompt step
+        together, one batch per step."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         searches = [BeamSearch(self.engine.encode_prompt(p), params, self.engine.eos_token_ids,
