@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -78,13 +77,12 @@ class EngineClient(ABC):
         """Beam search (engine.beam_search) over `generate`, each step one request per running
         beam; yields the finished beams once, as one RequestOutput. Leaving early aborts the
         step's requests."""
-        search = BeamSearch(prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
-        for step in itertools.count():
-            if search.done:
-                break
+        search, step = BeamSearch(prompt_token_ids, params, self.eos_token_ids, self.max_model_len), 0
+        while not search.done:
             steps = [self._next_token_logprobs(prompt, search.step_params(), f"{request_id}.{step}.{i}", priority,
                                                waited_s) for i, prompt in enumerate(search.prompts())]
             search.advance(list(await asyncio.gather(*steps)))
+            step += 1
         yield search.output(request_id, self.tokenizer)
 
     async def _next_token_logprobs(self, prompt: list[int], params: SamplingParams, request_id: str, priority: int,

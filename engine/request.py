@@ -104,9 +104,8 @@ class Request:
     def num_cacheable_tokens(self) -> int:
         """Leading tokens the prefix cache may serve: not the last (its logits are needed), nor
         a prompt token whose next token's logprobs are still to be computed."""
-        if self.prompt_logprobs is None:
-            return self.num_tokens - 1
-        return min(self.num_tokens - 1, len(self.prompt_logprobs) - 1)
+        unscored = self.first_unscored_position
+        return self.num_tokens - 1 if unscored is None else min(self.num_tokens - 1, unscored)
 
     @property
     def first_unscored_position(self) -> int | None:

@@ -159,20 +159,18 @@ def conversation(messages: list[dict], tools: list[Tool], native: bool) -> list[
     if native:
         return [_native(m) for m in messages]
     rendered: list[dict] = []
-    for m in messages:
+    for previous, m in zip([None, *messages], messages):
         if m["role"] == "tool":
             response = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if rendered and rendered[-1].get("tool_results"):  # one user turn for consecutive results
+            if previous is not None and previous["role"] == "tool":  # one user turn for consecutive results
                 rendered[-1]["content"] += "\n" + response
             else:
-                rendered.append({"role": "user", "content": response, "tool_results": True})
+                rendered.append({"role": "user", "content": response})
         elif m.get("tool_calls"):
             calls = [f"{CALL_START}\n{json.dumps(_call_dict(c))}\n{CALL_END}" for c in m["tool_calls"]]
             rendered.append({"role": m["role"], "content": "\n".join(filter(None, [m.get("content")] + calls))})
         else:
             rendered.append({"role": m["role"], "content": m.get("content") or ""})
-    for m in rendered:
-        m.pop("tool_results", None)
     if tools:
         block = _SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
         if rendered[0]["role"] == "system":
