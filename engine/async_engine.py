@@ -50,8 +50,9 @@ class AsyncEngine(EngineClient):
     # Invariant (under _lock): a stream is registered only while a live core is installed, and a
     # core's exit fails every stream registered before it; so no stream waits on a dead core.
     def __init__(self, config: EngineConfig, engine_process: bool = False, max_restarts_per_minute: int = 3,
-                 draft_transport: DraftTransportFactory | None = None):
+                 draft_transport: DraftTransportFactory | None = None, output_interval_s: float = 0.0):
         self.config = config
+        self.output_interval_s = output_interval_s  # see engine_core.StepLoop
         self.draft_transport = draft_transport
         self.engine_process = engine_process
         self.max_restarts_per_minute = max_restarts_per_minute
@@ -69,8 +70,9 @@ class AsyncEngine(EngineClient):
 
     @classmethod
     def from_config(cls, config: EngineConfig, engine_process: bool = False,
-                    draft_transport: DraftTransportFactory | None = None) -> AsyncEngine:
-        return cls(config, engine_process, draft_transport=draft_transport)
+                    draft_transport: DraftTransportFactory | None = None, output_interval_s: float = 0.0
+                    ) -> AsyncEngine:
+        return cls(config, engine_process, draft_transport=draft_transport, output_interval_s=output_interval_s)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, engine_process: bool = False,
@@ -79,8 +81,9 @@ class AsyncEngine(EngineClient):
 
     def _start_core(self) -> ProcessCore | ThreadCore:
         if self.engine_process:
-            return ProcessCore(self.config, self._on_outputs, self._on_core_exit, self.draft_transport)
-        return ThreadCore(self.config, self._on_outputs, self.draft_transport)
+            return ProcessCore(self.config, self._on_outputs, self._on_core_exit, self.draft_transport,
+                               self.output_interval_s)
+        return ThreadCore(self.config, self._on_outputs, self.draft_transport, self.output_interval_s)
 
     @property
     def tokenizer(self):

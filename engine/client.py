@@ -36,7 +36,10 @@ class EngineClient(ABC):
     @classmethod
     @abstractmethod
     def from_config(cls, config: EngineConfig, engine_process: bool = False,
-                    draft_transport: DraftTransportFactory | None = None) -> EngineClient: ...
+                    draft_transport: DraftTransportFactory | None = None, output_interval_s: float = 0.0
+                    ) -> EngineClient:
+        """`output_interval_s`: deltas may be held and delivered together at most this often
+        (a request's first and last ones never are)."""
 
     @property
     @abstractmethod

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -91,14 +92,23 @@ def _info(engine: LLMEngine) -> CoreInfo:
 
 
 class StepLoop:
-    """Applies commands, steps while there is work, emits each iteration's events in one batch."""
+    """Applies commands, steps while there is work, emits events in batches.
 
-    def __init__(self, engine: LLMEngine, emit: Emit):
-        self.engine, self.emit = engine, emit
+    With `output_interval_s` > 0 the steps' events are held and emitted together at most once
+    per interval: every emit wakes the receiving server's threads, which on a small machine
+    take their time slices from the forward's cores. A request's first tokens, its end, an
+    error, or the loop going idle are emitted at once, so TTFT and the last token never wait.
+    """
+
+    def __init__(self, engine: LLMEngine, emit: Emit, output_interval_s: float = 0.0):
+        self.engine, self.emit, self.output_interval_s = engine, emit, output_interval_s
         self.num_added = 0
+        self._streaming: set[str] = set()  # requests whose first tokens were emitted, until they end
 
     def run(self, receive: Callable[[float], list[Command] | None]) -> None:
         """`receive(timeout)`: the commands that arrived within `timeout` s, or None to stop."""
+        held: list[Event] = []
+        last_emit = -float("inf")
         while True:
             busy = self.engine.has_unfinished_requests()
             commands = receive(0.0 if busy else IDLE_WAIT_S)
@@ -113,8 +123,26 @@ class StepLoop:
                 except Exception as e:  # not attributable to one request: fail them all, go on
                     logger.exception("engine step failed")
                     events += self.engine.fail_all(e)
-            if events or commands:
-                self.emit(CoreOutputs(events, self.engine.get_stats(), self.num_added))
+            held += events
+            if not (held or commands):
+                continue
+            now = time.monotonic()
+            if (self._urgent(events) or now - last_emit >= self.output_interval_s
+                    or not self.engine.has_unfinished_requests()):
+                self.emit(CoreOutputs(_one_per_request(held), self.engine.get_stats(), self.num_added))
+                held, last_emit = [], now
+
+    def _urgent(self, events: list[Event]) -> bool:
+        """Whether any event starts a request's output, ends a request, or is an error."""
+        urgent = False
+        for event in events:
+            if isinstance(event, RequestError) or event.finished:
+                self._streaming.discard(event.request_id)
+                urgent = True
+            elif event.request_id not in self._streaming:
+                self._streaming.add(event.request_id)
+                urgent = True
+        return urgent
 
     def _apply(self, command: Command) -> list[Event]:
         match command:
@@ -131,10 +159,24 @@ class StepLoop:
         raise TypeError(f"unknown command {command!r}")
 
 
+def _one_per_request(events: list[Event]) -> list[Event]:
+    """The held deltas of each request folded into one, in order of first appearance; an error
+    replaces its request's deltas (its stream raises, nothing of it is read)."""
+    by_id: dict[str, Event] = {}
+    for event in events:
+        first = by_id.get(event.request_id)
+        if first is None or isinstance(event, RequestError):
+            by_id[event.request_id] = event
+        elif not isinstance(first, RequestError):
+            first.merge(event)
+    return list(by_id.values())
+
+
 class ThreadCore:
     """The step loop on a daemon thread of this process."""
 
-    def __init__(self, config: EngineConfig, emit: Emit, draft_transport: DraftTransportFactory | None = None):
+    def __init__(self, config: EngineConfig, emit: Emit, draft_transport: DraftTransportFactory | None = None,
+                 output_interval_s: float = 0.0):
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, draft_transport=draft_transport)
@@ -142,7 +184,7 @@ class ThreadCore:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = False
-        loop = StepLoop(engine, emit)
+        loop = StepLoop(engine, emit, output_interval_s)
         self._thread = threading.Thread(target=loop.run, args=(self._receive,), name="engine-step-loop",
                                         daemon=True)
         self._thread.start()
@@ -174,7 +216,7 @@ class ProcessCore:
     `on_exit(error)` is called if the child dies while in use (its requests must fail)."""
 
     def __init__(self, config: EngineConfig, emit: Emit, on_exit: Callable[[Exception], None],
-                 draft_transport: DraftTransportFactory | None = None):
+                 draft_transport: DraftTransportFactory | None = None, output_interval_s: float = 0.0):
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         entry = "import sys; from engine.engine_core import run_child; run_child(int(sys.argv[1]))"
@@ -185,7 +227,7 @@ class ProcessCore:
         self._send_lock = threading.Lock()
         self._stopped = False
         try:
-            self._conn.send((config, draft_transport))
+            self._conn.send((config, draft_transport, output_interval_s))
             reply = self._conn.recv()
         except (EOFError, OSError) as e:
             self._proc.kill()
@@ -236,7 +278,7 @@ def run_child(fd: int) -> None:
     """The child process's main: build the engine, report ready, run the loop until told to stop
     or the parent is gone."""
     conn = Connection(fd)
-    config, draft_transport = conn.recv()
+    config, draft_transport, output_interval_s = conn.recv()
     try:
         from engine.llm_engine import LLMEngine
 
@@ -266,4 +308,4 @@ def run_child(fd: int) -> None:
         except OSError:  # the parent is gone
             raise SystemExit(0) from None
 
-    StepLoop(engine, send).run(receive)
+    StepLoop(engine, send, output_interval_s).run(receive)

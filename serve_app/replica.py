@@ -66,7 +66,8 @@ class EngineReplica:
         self.config = config
         self.draft = draft  # the DraftModel deployment (placement: actor); the engine calls it by name
         self.engine: EngineClient = engine_cls.from_config(config.engine_config, config.engine_process,
-                                                           draft_transport(config.engine_config))
+                                                           draft_transport(config.engine_config),
+                                                           output_interval_s=config.stream_flush_interval_s)
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]
         self.slo = SLOTracker(slo or {})
         self.metrics = ReplicaMetrics(

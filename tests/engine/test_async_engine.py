@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, InvalidRequestError
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -168,3 +168,41 @@ def _wait_idle(engine, timeout_s: float = 10.0):
             return
         time.sleep(0.05)
     raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["thread", "process"])
+def held_engine(request, tiny_llama):
+    """Outputs held for a minute: only a request's first tokens, its end, errors and going idle emit."""
+    eng = AsyncEngine(EngineConfig.from_kwargs(model=tiny_llama, max_num_batched_tokens=32),
+                      engine_process=request.param, output_interval_s=60.0)
+    yield eng
+    eng.shutdown()
+
+
+def test_held_outputs_come_as_first_tokens_then_the_rest_with_the_end(held_engine, engine):
+    async def main():
+        return await _collect(held_engine, [5, 6, 7, 8], "held"), await _collect(engine, [5, 6, 7, 8], "each")
+
+    (tokens, text, deltas, last), (ref_tokens, ref_text, ref_deltas, _) = asyncio.run(main())
+    assert (tokens, text) == (ref_tokens, ref_text)
+    assert ref_deltas == PARAMS.max_tokens and deltas == 2 and last.finished
+
+
+def test_held_outputs_never_delay_an_abort_or_a_batch_mates_error(held_engine):
+    async def main():
+        stream = held_engine.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "long")
+        first = await stream.__anext__()
+        with pytest.raises(InvalidRequestError):  # refused while "long" runs: not held for a minute
+            await asyncio.wait_for(_collect(held_engine, [5] * 1000, "too-long"), timeout=30)
+        held_engine.abort("long")
+        rest = await asyncio.wait_for(_drain(stream), timeout=30)
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert len(first.outputs[0].token_ids) == 1 and not first.finished
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    _wait_idle(held_engine)
+
+
+async def _drain(stream):
+    return [out async for out in stream]

@@ -87,7 +87,7 @@ class FakeAsyncEngine(EngineClient):
 
     @classmethod
     def from_config(cls, config: EngineConfig, engine_process: bool = False,
-                    draft_transport: Any = None) -> FakeAsyncEngine:
+                    draft_transport: Any = None, output_interval_s: float = 0.0) -> FakeAsyncEngine:
         """Sizes from the class (with_options), unless the config sets them."""
         engine = cls()
         engine.num_blocks = config.cache.num_blocks or cls.num_blocks
