@@ -374,6 +374,24 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: dict[str, A
     return "\n".join(lines)
 
 
+def offline_beside_table(summary: dict[str, Any], beside: dict[str, Any], alone: dict[str, Any] | None) -> str:
+    """The engine alone, the engine beside the idle app, and HTTP: the share Ray's idle processes
+    take (beside / alone) apart from the share serving the requests takes (HTTP / beside)."""
+    rows = [("offline, beside the idle app", beside)]
+    if alone and not alone.get("error"):
+        rows.insert(0, ("offline, alone", alone))
+    lines = ["", "| run | output tok/s | TTFT p50 ms | TPOT p50 ms | HTTP / this (output tok/s) | "
+                 "HTTP / this (decode: TPOT ratio) |", "|---|---:|---:|---:|---:|---:|"]
+    http_tpot = summary["tpot_s"]["p50"]
+    for name, run in rows + [("HTTP", {"output_tps": summary["output_tps"], "ttft_s": summary["ttft_s"],
+                                       "tpot_s": summary["tpot_s"]})]:
+        tpot = run["tpot_s"]["p50"]
+        lines.append(f"| {name} | {run['output_tps']:.1f} | {run['ttft_s']['p50'] * 1e3:.1f} | "
+                     f"{tpot * 1e3:.2f} | {summary['output_tps'] / run['output_tps']:.3f} | "
+                     f"{tpot / http_tpot if http_tpot and tpot else float('nan'):.3f} |")
+    return "\n".join(lines)
+
+
 def plot_cdfs(results: list[RequestResult], path: str, title: str) -> None:
     import matplotlib
 
@@ -703,6 +721,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare-offline", action="store_true",
                    help="afterwards run the workload through engine.LLM with the config's engine "
                         "args and report HTTP / offline output throughput")
+    p.add_argument("--offline-beside-app", action="store_true",
+                   help="--launch: also run the offline comparison while the app is up and idle, before "
+                        "shutting it down: what Ray's and Serve's idle processes alone cost the engine")
     p.add_argument("--offline-threads", default="match",
                    help="torch threads for the offline run: an int, 'default' (torch's own), or "
                         "'match' (default): the replica's torch threads when --launch probed "
@@ -717,6 +738,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_requests < 1:
         p.error("--num-requests must be >= 1")
     return args
+
+
+def _offline_threads(args: argparse.Namespace, extra: dict[str, Any]) -> int | None:
+    if args.offline_threads == "match":
+        return (extra.get("replica_threads_probe") or {}).get("torch_num_threads")
+    return None if args.offline_threads == "default" else int(args.offline_threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -745,6 +772,10 @@ def main(argv: list[str] | None = None) -> int:
             cpu1 = cpu_snapshot()
             extra["cpu_s_during_run"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
             meta["base_url"] = base
+            if args.offline_beside_app:
+                log("offline LLM on the same workload, beside the idle app ...")
+                extra["offline_beside_app"] = run_offline(wl, cfg.engine.model, cfg.engine.engine_args.as_kwargs(),
+                                                          _offline_threads(args, extra), args.max_concurrency)
     else:
         results, wall, model = asyncio.run(run_http(args, wl, args.base_url, args.model, prompter))
         meta["base_url"] = args.base_url
@@ -765,6 +796,9 @@ def main(argv: list[str] | None = None) -> int:
         if extra.get("cpu_s_during_run"):
             print("\nCPU during the HTTP run:\n" + cost_table(extra["cpu_s_during_run"], summary["output_tokens"],
                                                               summary["num_ok"], offline))
+        beside = extra.get("offline_beside_app")
+        if beside:
+            print(offline_beside_table(summary, beside, offline))
         if extra.get("replica_threads_probe"):
             print(f"torch threads in a Ray actor with the replica's num_cpus: "
                   f"{extra['replica_threads_probe']}", flush=True)
@@ -787,13 +821,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_app_config(args.config, parse_engine_args(args.engine_arg))
         log("offline LLM on the same workload ...")
         try:
-            threads = None
-            if args.offline_threads == "match":
-                threads = (extra.get("replica_threads_probe") or {}).get("torch_num_threads")
-            elif args.offline_threads != "default":
-                threads = int(args.offline_threads)
             offline = run_offline(wl, cfg.engine.model, cfg.engine.engine_args.as_kwargs(),
-                                  threads, args.max_concurrency)
+                                  _offline_threads(args, extra), args.max_concurrency)
             offline["ratio_http_over_offline"] = (summary["output_tps"] / offline["output_tps"]
                                                   if summary["output_tps"] else None)
             offline["ratio_target"] = OFFLINE_RATIO_TARGET
