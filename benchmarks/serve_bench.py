@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -210,8 +210,10 @@ async def _resolve_model(client, base_url: str) -> str | None:
 
 
 async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model: str | None,
-                   prompter: TextPrompter | None) -> tuple[list[RequestResult], float, str | None]:
-    """Warm-up, then the timed replay. Returns (results, wall seconds, model)."""
+                   prompter: TextPrompter | None, on_timed_start: Callable[[], None] | None = None
+                   ) -> tuple[list[RequestResult], float, str | None]:
+    """Warm-up, then the timed replay (`on_timed_start` called between them). Returns
+    (results, wall seconds, model)."""
     import httpx
 
     cap = args.max_concurrency or len(wl)
@@ -240,6 +242,8 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
                                  priority=args.priorities[i % len(args.priorities)] if args.priorities else None)
                    for i, (r, off) in enumerate(zip(wl.requests, offsets))]
         sem = asyncio.Semaphore(cap)
+        if on_timed_start is not None:
+            on_timed_start()
         t_start = time.perf_counter()
 
         async def launch(req, res: RequestResult) -> None:
@@ -767,8 +771,9 @@ def main(argv: list[str] | None = None) -> int:
         with launched_app(args.config, args.host, args.port, args.startup_timeout,
                           args.replica_omp_threads, extra, parse_engine_args(args.engine_arg)) as (base, cfg):
             model = args.model or cfg.engine.model_name
-            cpu0 = cpu_snapshot()
-            results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter))
+            cpu0: dict[str, float] = {}  # after the warm-up: first requests' one-time costs are not the serving cost
+            results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter,
+                                                        lambda: cpu0.update(cpu_snapshot())))
             cpu1 = cpu_snapshot()
             extra["cpu_s_during_run"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
             meta["base_url"] = base
