@@ -124,16 +124,18 @@ class StepLoop:
                     logger.exception("engine step failed")
                     events += self.engine.fail_all(e)
             held += events
+            starts_or_ends = self._track_streams(events)
             if not (held or commands):
                 continue
             now = time.monotonic()
-            if (self._urgent(events) or now - last_emit >= self.output_interval_s
+            if (starts_or_ends or now - last_emit >= self.output_interval_s
                     or not self.engine.has_unfinished_requests()):
                 self.emit(CoreOutputs(_one_per_request(held), self.engine.get_stats(), self.num_added))
                 held, last_emit = [], now
 
-    def _urgent(self, events: list[Event]) -> bool:
-        """Whether any event starts a request's output, ends a request, or is an error."""
+    def _track_streams(self, events: list[Event]) -> bool:
+        """Updates the set of streaming requests; True if any event starts a request's output,
+        ends a request, or is an error."""
         urgent = False
         for event in events:
             if isinstance(event, RequestError) or event.finished:
