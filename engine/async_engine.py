@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from engine.beam_search import BeamSearchParams
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
@@ -128,10 +129,20 @@ class AsyncEngine(EngineClient):
         if self._dead is not None:
             raise self._dead
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes; the last has `finished=True`. Leaving the
         iteration early (cancel, disconnect, break) aborts the request and frees its blocks."""
+        return self._stream(prompt, params, request_id, priority, waited_s)
+
+    def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
+                    priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """The search runs in the step loop (engine.beam_groups); one output when it is done.
+        Leaving early aborts it."""
+        return self._stream(prompt_token_ids, params, request_id, priority, waited_s)
+
+    async def _stream(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams, request_id: str,
+                      priority: int, waited_s: float) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         await self._register(request_id, stream, AddRequest(request_id, prompt, params, priority, waited_s))
         finished = False

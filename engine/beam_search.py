@@ -2,12 +2,11 @@
 candidates, finished hypotheses, length penalty and stopping rule (its default
 `early_stopping=False` heuristic), so the same sequences.
 
-A step asks the engine for the top-K next-token logprobs of every running beam (transformers' K:
-max(2, 1 + the number of EOS ids) x beam_width), each beam a request of its own for one token:
-the beams of a prompt share the prompt's and their common prefix's full KV blocks through the
-prefix cache (ref-counted, never copied), so a step computes only each beam's last, partial
-block. The search itself (`BeamSearch`) is plain Python on those logprobs, driven by
-`LLM.beam_search` offline and by `EngineClient.beam_search` for a server.
+A step takes the top-K next-token logprobs of every running beam (transformers' K:
+max(2, 1 + the number of EOS ids) x beam_width) and picks the next beams, each one token longer
+than the beam it extends. The search (`BeamSearch`) is plain Python on those logprobs; the engine
+runs it inside its step loop (engine.beam_groups), where each beam is a request that shares the
+blocks of the beam it extends, and `LLM.beam_search` and `EngineClient.beam_search` hand it there.
 """
 from __future__ import annotations
 
@@ -66,17 +65,14 @@ class BeamSearch:
         self.num_candidates = candidates_per_step(params.beam_width, self.eos_token_ids)
         self.max_tokens = min(params.max_tokens, max_model_len - len(prompt_token_ids))
         self.running = [Beam()]
+        self.parents: list[int] = [0]  # per running beam: the index of the beam it extends among the last ones
         self.finished: list[Hypothesis] = []  # the best beam_width, best first
         self._improvable = True
         self.done = False
         self.metrics = RequestMetrics(time.time())
 
-    def prompts(self) -> list[list[int]]:
-        """The running beams as the prompts of this step's requests."""
-        return [self.prompt_token_ids + list(beam.token_ids) for beam in self.running]
-
     def step_params(self) -> SamplingParams:
-        """What each running beam's request asks the engine for."""
+        """What each running beam asks the engine for: its next token's top-K logprobs."""
         return SamplingParams(max_tokens=1, temperature=0, logprobs=self.num_candidates, ignore_eos=True)
 
     def advance(self, top_logprobs: list[dict[int, float]]) -> None:
@@ -90,8 +86,9 @@ class BeamSearch:
                           for rank, ((score, b, token), end) in enumerate(zip(candidates, ends))
                           if end and rank < width and self._improvable]
         self.finished = sorted(self.finished + new_hypotheses, key=lambda h: -h.score)[:width]
-        self.running = [self._extend(b, token, score)
-                        for (score, b, token), end in zip(candidates, ends) if not end][:width]
+        kept = [(b, token, score) for (score, b, token), end in zip(candidates, ends) if not end][:width]
+        self.running = [self._extend(b, token, score) for b, token, score in kept]
+        self.parents = [b for b, _, _ in kept]
         if len(self.finished) == width and self.running:  # can a running beam still beat the worst finished?
             best_possible = self.running[0].score / self._norm(length)
             self._improvable = best_possible > self.finished[-1].score

@@ -4,13 +4,11 @@ serve tests' fake engine does too. Torch-free, so the serve app imports it witho
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.metrics import EngineStats, ModelReport
@@ -75,23 +73,12 @@ class EngineClient(ABC):
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
                  waited_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
 
-    async def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
-                          priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        """Beam search (engine.beam_search) over `generate`, each step one request per running
-        beam; yields the finished beams once, as one RequestOutput. Leaving early aborts the
-        step's requests."""
-        search, step = BeamSearch(prompt_token_ids, params, self.eos_token_ids, self.max_model_len), 0
-        while not search.done:
-            steps = [self._next_token_logprobs(prompt, search.step_params(), f"{request_id}.{step}.{i}", priority,
-                                               waited_s) for i, prompt in enumerate(search.prompts())]
-            search.advance(list(await asyncio.gather(*steps)))
-            step += 1
-        yield search.output(request_id, self.tokenizer)
-
-    async def _next_token_logprobs(self, prompt: list[int], params: SamplingParams, request_id: str, priority: int,
-                                   waited_s: float) -> dict[int, float]:
-        async with contextlib.aclosing(self.generate(prompt, params, request_id, priority, waited_s)) as deltas:
-            return [lp async for delta in deltas for o in delta.outputs for lp in o.logprobs or []][0]
+    @abstractmethod
+    def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
+                    priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """Beam search (engine.beam_search) as transformers' generate(num_beams=...,
+        do_sample=False): yields the finished beams once, best first, as one RequestOutput with
+        an output per beam. Errors as `generate`'s; leaving early aborts the search."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.metrics import EngineStats, ModelReport
@@ -41,7 +42,7 @@ IDLE_WAIT_S = 0.5
 class AddRequest:
     request_id: str
     prompt: str | list[int]  # text (the engine tokenizes it) or token ids
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams  # a beam search's: the loop runs the search
     priority: int = 0
     waited_s: float = 0.0  # already spent waiting upstream: aging goes on from there
 

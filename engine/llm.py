@@ -6,7 +6,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestError, RequestOutput
@@ -37,7 +37,11 @@ class LLM:
         params = sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        priorities = priority or [0] * len(prompts)
+        return self._run(self._add(prompts, params, priority or [0] * len(prompts)), use_tqdm)
+
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams | BeamSearchParams], priorities: list[int]
+             ) -> list[str]:
+        """Adds every request, or (ValueError) none."""
         request_ids = [str(next(self._ids)) for _ in prompts]
         for i, (request_id, prompt, p) in enumerate(zip(request_ids, prompts, params)):
             try:
@@ -46,7 +50,7 @@ class LLM:
                 for added in request_ids[:i]:
                     self.engine.abort_request(added)
                 raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
@@ -70,19 +74,11 @@ class LLM:
                     ) -> list[RequestOutput]:
         """Beam search as transformers' generate(num_beams=params.beam_width, do_sample=False):
         per prompt, its beam_width finished beams best first (engine.beam_search.BeamOutput: the
-        tokens, text, cumulative logprob and ranking score). The beams of every prompt step
-        together, one batch per step."""
+        tokens, text, cumulative logprob and ranking score). Every prompt's beams step in the
+        engine's batches (engine.beam_groups)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        searches = [BeamSearch(self.engine.encode_prompt(p), params, self.engine.eos_token_ids,
-                               self.engine.max_model_len) for p in prompts]
-        while live := [s for s in searches if not s.done]:
-            owners = [s for s in live for _ in s.running]
-            outputs = self.generate([p for s in live for p in s.prompts()], [s.step_params() for s in owners],
-                                    use_tqdm)
-            for s in live:
-                s.advance([out.outputs[0].logprobs[0] for owner, out in zip(owners, outputs) if owner is s])
-        return [s.output(str(next(self._ids)), self.tokenizer) for s in searches]
+        return self._run(self._add(prompts, [params] * len(prompts), [0] * len(prompts)), use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Steps until every request ends. A request that failed raises its error once the
@@ -99,8 +95,8 @@ class LLM:
                 num_tokens += sum(len(o.token_ids) for o in delta.outputs)
                 if delta.request_id in results:
                     results[delta.request_id].merge(delta)
-                else:
-                    results[delta.request_id] = _cumulative(delta)
+                else:  # a beam search's one output is whole already, and keeps its beams' scores
+                    results[delta.request_id] = delta if delta.finished else _cumulative(delta)
                 if delta.finished:
                     bar.update(1)
                     bar.set_postfix_str(f"output {num_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")

@@ -4,7 +4,8 @@
 A request that fails while running (its sampling, stop check or detokenization) fails alone:
 its stream gets a RequestError and its blocks are freed, and the step goes on for the others.
 A structured output's request waits outside the scheduler until its constraint is compiled
-(on the compiler's thread); the step loop goes on for the others meanwhile.
+(on the compiler's thread); the step loop goes on for the others meanwhile. A beam search runs
+inside the step loop too (engine.beam_groups), its beams batched with every other request.
 Not thread-safe: AsyncEngine drives it from one thread.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import torch
 
 from engine.attention.selector import kv_block_bytes, resolve_kv_cache_dtype, select_backend
+from engine.beam_groups import BeamGroups
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.errors import InvalidRequestError, RequestFailedError
@@ -88,6 +91,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
                                   config.model.seed, kv_dtype, self._drafter(num_blocks), loaded.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
+        self.beams = BeamGroups(self.scheduler, self.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self._compiling: dict[str, tuple[Request, Future]] = {}
         self._last_step = StepStats()
@@ -126,15 +130,20 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
         return encode_chat(self.tokenizer, messages, tools=tools)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams,
                     priority: int = 0, waited_s: float = 0.0) -> None:
-        """Queues a request (validated first: ValueError leaves the engine unchanged).
-        `waited_s`: time it already waited upstream (a router's queue): it arrived that much
-        earlier, so its aging goes on from there instead of starting over."""
-        if self.output_processor.has_request(request_id):
+        """Queues a request, or with BeamSearchParams a beam search (validated first: ValueError
+        leaves the engine unchanged). `waited_s`: time it already waited upstream (a router's
+        queue): it arrived that much earlier, so its aging goes on from there instead of
+        starting over."""
+        if self.output_processor.has_request(request_id) or request_id in self.beams:
             raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
+        if isinstance(params, BeamSearchParams):
+            self.beams.add(request_id, self.encode_prompt(prompt), params, priority, self.clock() - waited_s)
+            return
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(None, f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(None, f"params must be a SamplingParams or BeamSearchParams, got "
+                                            f"{type(params).__name__}")
         token_ids = self.encode_prompt(prompt)
         check_logit_bias(params, self.vocab_size)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
@@ -170,11 +179,11 @@ class LLMEngine:
         """Ends every sample of the request and frees its blocks; its final output, or None."""
         self._compiling.pop(request_id, None)
         self.scheduler.finish_group(request_id, FinishReason.ABORT)
-        return self.output_processor.abort(request_id)
+        return self.output_processor.abort(request_id) or self.beams.abort(request_id)
 
     def fail_all(self, error: Exception) -> list[RequestError]:
         """Ends every request with `error` (a step the engine could not attribute to one request)."""
-        failed = self.output_processor.request_ids()
+        failed = self.output_processor.request_ids() + self.beams.request_ids()
         for request_id in failed:
             self.abort_request(request_id)
         return [RequestError(rid, RequestFailedError(f"engine step failed: {error}")) for rid in failed]
@@ -204,6 +213,7 @@ class LLMEngine:
             self.scheduler.finish_request(request_id, FinishReason.STOP)
         for group_id in failed:
             self.scheduler.finish_group(group_id, FinishReason.ERROR)
+        events += self.beams.process(update, result.logprobs)
         t3 = time.perf_counter()
         self.scheduler.observe_step(out.total_num_scheduled_tokens, t3 - t0 - result.draft_seconds,
                                     result.draft_passes, result.draft_seconds, num_drafting,

@@ -72,7 +72,7 @@ class OutputProcessor:
         events: list[RequestOutput | RequestError] = []
         for group_id, error in update.failed.items():
             if self.states.pop(group_id, None) is not None:
-                events.append(_failure(group_id, error))
+                events.append(failure_event(group_id, error))
         stopped, failed, changed = [], [], {}
         for request in update.updated:
             state = self.states.get(request.group_id)
@@ -91,7 +91,7 @@ class OutputProcessor:
                 del self.states[request.group_id]
                 changed.pop(request.group_id, None)
                 failed.append(request.group_id)
-                events.append(_failure(request.group_id, e))
+                events.append(failure_event(request.group_id, e))
         events += [self._emit(group_id, state) for group_id, state in changed.items()]
         return events, stopped, failed
 
@@ -196,5 +196,5 @@ def _cumulative_logprob(sample: _SampleState) -> float:
     return sum(entry[token] for token, entry in zip(sample.token_ids, sample.logprobs))
 
 
-def _failure(group_id: str, error: Exception) -> RequestError:
+def failure_event(group_id: str, error: Exception) -> RequestError:
     return RequestError(group_id, RequestFailedError(f"request failed: {type(error).__name__}: {error}"))

@@ -1,5 +1,6 @@
 """Request: the unit the scheduler schedules. A request forked for n > 1 yields sibling requests
-(the samples of one user request) that share its prompt's KV blocks copy-on-write.
+(the samples of one user request) that share its prompt's KV blocks copy-on-write; a beam of a
+beam search yields the beams that extend it, sharing its blocks the same way.
 
 Owns token lists, `num_computed_tokens`, status and timings; does not own block ids or queues.
 """
@@ -17,6 +18,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    PARKED = "parked"  # a beam that sampled, holding its blocks until its search picks what extends it
     FINISHED = "finished"
 
 
@@ -45,7 +47,10 @@ class Request:
     #   forward pass (the whole prompt when new, the last sampled token when decoding).
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group_id: str | None = None, sample_index: int = 0, priority: int = 0,
-                 arrival_time: float | None = None, constraint: OutputConstraint | None = None):
+                 arrival_time: float | None = None, constraint: OutputConstraint | None = None,
+                 beam: bool = False):
+        """`beam`: a beam of a beam search (engine.beam_groups): parked after its one sampled
+        token, which its search replaces by the tokens it extends the beam with."""
         self.request_id = request_id
         self.group_id = group_id or request_id  # the user request this sample belongs to
         self.sample_index = sample_index
@@ -53,6 +58,7 @@ class Request:
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.constraint = constraint  # advanced by every appended token
+        self.beam = beam
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
@@ -140,5 +146,14 @@ class Request:
                         constraint=self.constraint.fresh() if self.constraint is not None else None)
         child.num_computed_tokens = self.num_prompt_tokens - 1
         child.prompt_logprobs = None  # the prompt's are reported once, by the first sample
+        child.first_scheduled_time = self.first_scheduled_time
+        return child
+
+    def beam_child(self, request_id: str, token_id: int) -> Request:
+        """The beam extending this parked beam by `token_id` in place of the token it sampled:
+        the same computed tokens, so it can share this beam's blocks (the caller gives them)."""
+        child = Request(request_id, self.token_ids[:-1] + [token_id], self.params, group_id=self.group_id,
+                        priority=self.priority, arrival_time=self.arrival_time, beam=True)
+        child.num_computed_tokens = self.num_computed_tokens
         child.first_scheduled_time = self.first_scheduled_time
         return child

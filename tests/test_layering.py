@@ -18,7 +18,7 @@ ENGINE_LAYERS = [
     ("loading", ["engine.model_loader", "engine.quality", "engine.serving_mix", "engine.quantization_check",
                  "engine.model_setup"]),
     ("step", ["engine.scheduler", "engine.runner"]),
-    ("engine", ["engine.llm_engine", "engine.output_processor"]),
+    ("engine", ["engine.llm_engine", "engine.output_processor", "engine.beam_groups"]),
     ("serving", ["engine.llm", "engine.client", "engine.engine_core", "engine.async_engine", "engine.cli"]),
 ]
 # what each top-level package must never import

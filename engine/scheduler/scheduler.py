@@ -3,8 +3,8 @@
 There are no prefill or decode phases: every request has `num_tokens` and `num_computed_tokens`,
 and each step hands out tokens under one budget (`max_num_batched_tokens`, `max_num_seqs`), so
 prefill chunks and decodes share one ragged batch. Owns admission order, preemption (swap or
-recompute), finishing, and the statistics of all of it; owns no tensors. Block bookkeeping is
-the KVCacheManager's. Time comes from the injected `clock`.
+recompute), finishing, beams parked for their search, and the statistics of all of it; owns no
+tensors. Block bookkeeping is the KVCacheManager's. Time comes from the injected `clock`.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy, config.aging_rate)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.parked: list[Request] = []  # beams that sampled, until their search forks them (fork_beam)
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self._groups: dict[str, list[str]] = {}  # group id -> request ids of its samples
@@ -121,11 +122,13 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
+        elif request.status is RequestStatus.PARKED:
+            self.parked.remove(request)
         else:
             self.waiting.remove(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and not request.beam:
             self.output_lengths.record(request.num_output_tokens)
         request.finished_time = self.clock()
         self.kv.free(request)
@@ -152,6 +155,21 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def fork_beam(self, parent_id: str, child_id: str, token_id: int) -> None:
+        """Adds the beam extending parked beam `parent_id` by `token_id`. It shares the parent's
+        blocks: full ones by reference, the last, partial one copy-on-write (copied when a beam
+        writes it while another still holds it). A parent whose blocks were reclaimed leaves
+        the child to be computed again, its full blocks found in the prefix cache."""
+        parent = self.requests[parent_id]
+        child = parent.beam_child(child_id, token_id)
+        self._track(child)
+        if parent.num_computed_tokens > 0:
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:
+            self.waiting.add(child)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -228,6 +246,8 @@ class Scheduler:
             if copies is None:  # drafts never cost a batch-mate its place
                 drafts = []
                 copies = self.kv.allocate_slots(request, num_new)
+            if copies is None and self._reclaim_parked():
+                copies = self.kv.allocate_slots(request, num_new)
             while copies is None and queue:
                 victim = queue.pop()
                 decodes_behind -= victim.is_decoding
@@ -270,8 +290,10 @@ class Scheduler:
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             if (num_new == 0 or len(self.running) >= self.config.max_num_seqs
-                    or self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_free_blocks
                     or (best_waiting is not None and self._victim_rank(best_waiting) < self._victim_rank(request))):
+                break
+            needed = self.kv.num_blocks_for(request.num_computed_tokens + num_new)
+            if needed > self.kv.num_free_blocks and not (self._reclaim_parked() and needed <= self.kv.num_free_blocks):
                 break
             pairs = self.kv.swap_in(request)
             self.swapped.remove(request)
@@ -293,6 +315,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 return
             copies = self.kv.allocate_slots(request, num_new, computed)
+            if copies is None and self._reclaim_parked():
+                computed = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - computed.num_tokens, budget)
+                copies = self.kv.allocate_slots(request, num_new, computed)
             if copies is None:
                 return  # no head-of-line bypass: lower ranks wait behind this one
             self.waiting.pop()
@@ -321,6 +347,17 @@ class Scheduler:
         ))
 
     # ---- preemption ----------------------------------------------------------------------
+    def _reclaim_parked(self) -> bool:
+        """Frees the blocks of parked beams, the cheapest to give up: their full blocks stay in
+        the prefix cache, and a beam waiting for a sibling that needs blocks would otherwise
+        wait forever. True if any were freed."""
+        holding = [r for r in self.parked if r.num_computed_tokens > 0]
+        for request in holding:
+            self.counters.num_recomputed_tokens += request.num_computed_tokens
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        return bool(holding)
+
     def _victim_rank(self, request: Request) -> tuple[float, float]:
         """Lower is better; preemption takes the highest. Under `priority` this is the waiting
         queue's key, so a waiting request and a running one compare on one (aged) scale."""
@@ -427,12 +464,20 @@ class Scheduler:
                 self._fork(request)
             reason = self._stop_reason(request)
             if reason is not None:
-                self.finish_request(request.request_id, reason)
+                if request.beam:
+                    self._park(request)
+                else:
+                    self.finish_request(request.request_id, reason)
                 return True
         if self.speculative is not None:  # also the slots of drafts reserved but not proposed in the end
             self.kv.cache_full_blocks(request)
             self.kv.free_beyond(request, request.num_tokens)
         return True
+
+    def _park(self, beam: Request) -> None:
+        self.running.remove(beam)
+        beam.status = RequestStatus.PARKED
+        self.parked.append(beam)
 
     def _observe_verification(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         self.counters.spec.add(num_proposed, num_accepted)

@@ -1,8 +1,10 @@
 """Beam search equals transformers' generate(num_beams=w, do_sample=False, num_return_sequences=w):
 every returned beam, in order, for widths 1-5, length penalties positive, zero and negative, beams
 ending at EOS (two EOS ids) and at the length; with chunked prefill, a KV cache too small for a
-step's beams at once, and no prefix cache; the beams share KV blocks through the prefix cache and
-none is leaked."""
+step's beams at once, no prefix cache, and speculative decoding on; beside sampled requests in
+the same batches. Each step computes one token per beam: a beam shares
+the blocks of the beam it extends, the partial last one copy-on-write; none is leaked, also when
+a search is aborted."""
 from __future__ import annotations
 
 import collections
@@ -14,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine import LLM
 from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
 from tests.conftest import save_tiny_model
 
 PROMPTS = ["the cat sat on a mat", "dogs ran fast", "stars as people sang songs about old ships sailing",
@@ -91,20 +94,72 @@ def test_beams_end_at_eos_and_at_the_length(llm, reference):
     {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill, beams spread over steps
     {"num_blocks": 10, "block_size": 4, "max_num_seqs": 32},  # a step's 16 beams take turns in the cache
     {"enable_prefix_caching": False},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}},
+    {"speculative_config": {"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 2}},
 ])
-def test_beam_search_is_unchanged_by_chunking_a_tight_cache_or_no_prefix_cache(beam_model, reference, engine_args):
+def test_beam_search_is_unchanged_by_chunking_a_tight_cache_no_prefix_cache_or_speculation(beam_model, reference, engine_args):
     llm = LLM(beam_model, **engine_args)
     _check(llm, reference, 4, 20, 1.0)
+    if engine_args.get("num_blocks"):  # parked beams gave their blocks up to siblings that needed them
+        assert llm.engine.get_stats().num_recomputed_tokens > 0
     assert not llm.engine.has_unfinished_requests()
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_the_beams_share_their_prefix_blocks(beam_model):
-    llm = LLM(beam_model, block_size=4)
-    llm.beam_search(PROMPTS[2], BeamSearchParams(4, 20))
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_each_step_computes_one_token_per_beam_sharing_the_tail_copy_on_write(beam_model, reference,
+                                                                              enable_prefix_caching):
+    llm = LLM(beam_model, block_size=4, enable_prefix_caching=enable_prefix_caching)
+    schedule, copies = llm.engine.scheduler.schedule, []
+
+    def recording_schedule():
+        out = schedule()
+        copies.extend(out.blocks_to_copy)
+        return out
+    llm.engine.scheduler.schedule = recording_schedule
+    _check(llm, reference, 4, 20, 1.0)
     stats = llm.engine.get_stats()
-    assert stats.prefix_cache_hit_rate > 0.75  # each step computes only each beam's last, partial block
+    num_prompt_tokens = sum(len(llm.tokenizer.encode(p)) for p in PROMPTS)
+    # every beam samples once: after the prompt, each beam of each step computed its one new token
+    assert stats.num_prompt_tokens == num_prompt_tokens + stats.num_generation_tokens - len(PROMPTS)
+    assert copies  # beams extending one beam write its shared, partial last block: copied first
+    assert not llm.engine.scheduler.parked and llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    llm.engine.kv.check_integrity()
+
+
+def test_searches_and_sampled_requests_share_the_batches_unchanged(llm, reference):
+    sampled = [SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=9, temperature=1.0, seed=3)]
+    alone = [llm.generate(PROMPTS[1], p, use_tqdm=False)[0].outputs[0].token_ids for p in sampled]
+    engine = llm.engine
+    engine.add_request("search0", PROMPTS[0], BeamSearchParams(3, 15))
+    for i, p in enumerate(sampled):
+        engine.add_request(f"sampled{i}", PROMPTS[1], p)
+    engine.add_request("search1", PROMPTS[3], BeamSearchParams(2, 10))
+    outputs, batch_sizes = {}, []
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).append(event)
+        batch_sizes.append(engine.get_stats().batch_size)
+    assert max(batch_sizes) >= 3 + 2 + 2  # the beams of both searches and both samples in one step
+    for i in range(2):
+        assert sum((e.outputs[0].token_ids for e in outputs[f"sampled{i}"]), []) == alone[i]
+    for request_id, prompt, width, max_tokens in [("search0", PROMPTS[0], 3, 15), ("search1", PROMPTS[3], 2, 10)]:
+        (final,) = outputs[request_id]
+        assert [o.token_ids for o in final.outputs] == reference(prompt, width, max_tokens, 1.0)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_beam_search_aborted_mid_way_frees_every_block(llm):
+    llm.engine.add_request("search", PROMPTS[2], BeamSearchParams(4, 20))
+    for _ in range(4):
+        assert llm.engine.step() == []
+    assert llm.engine.scheduler.running and llm.engine.kv.num_free_blocks < llm.engine.kv.num_blocks
+    aborted = llm.engine.abort_request("search")
+    assert aborted.finished and aborted.outputs == []
+    assert not llm.engine.has_unfinished_requests() and "search" not in llm.engine.beams
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    llm.engine.kv.check_integrity()
 
 
 @pytest.mark.parametrize("params,field", [

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.request import FinishReason
 from tests.engine.helpers import make_request, make_scheduler, step
 
 
@@ -72,3 +73,44 @@ def test_swap_preemption_emits_block_pairs_and_swaps_back_first():
         step(sched)
     out = step(sched)
     assert len(out.blocks_to_swap_in) == 2 and late.request_id in out.num_scheduled_tokens
+
+
+def _parked_beam(sched, num_tokens: int):
+    beam = make_request(num_tokens, max_tokens=1)
+    beam.beam = True
+    sched.add_request(beam)
+    step(sched, token=9)
+    assert beam in sched.parked and beam.token_ids[-1] == 9  # sampled; held with its blocks
+    return beam
+
+
+def test_a_forked_beam_shares_its_parents_blocks_and_copies_the_tail_it_writes():
+    """A parked beam of 6 tokens (2 blocks of 4, the second partial) forked twice: each child
+    holds both blocks; the first child to write the shared tail copies it, the last writes it in
+    place once the parent has ended."""
+    sched = make_scheduler(block_size=4)
+    parent = _parked_beam(sched, 6)
+    table = sched.kv.block_table(parent.request_id)
+    sched.fork_beam(parent.request_id, "a", 11)
+    sched.fork_beam(parent.request_id, "b", 12)
+    sched.finish_request(parent.request_id, FinishReason.LENGTH)
+    assert [sched.kv.block_table(c) for c in "ab"] == [table, table]
+    assert [sched.requests[c].token_ids[-1] for c in "ab"] == [11, 12]
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}  # only the token each beam was extended by
+    assert len(out.blocks_to_copy) == 1 and out.blocks_to_copy[0][0] == table[1]
+    assert sched.kv.block_table("a")[0] == sched.kv.block_table("b")[0] == table[0]
+
+
+def test_parked_beams_give_their_blocks_up_to_a_request_that_needs_them():
+    """The pool holds 4 blocks: a parked beam takes 2, a new prompt needs 3. The beam's blocks
+    are reclaimed; the beam forked from it later is computed again."""
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    parent = _parked_beam(sched, 6)
+    other = make_request(10, max_tokens=2)
+    sched.add_request(other)
+    assert step(sched).num_scheduled_tokens == {other.request_id: 10}
+    assert parent.num_computed_tokens == 0 and parent.request_id not in sched.kv.block_tables
+    sched.fork_beam(parent.request_id, "child", 11)
+    sched.finish_request(parent.request_id, FinishReason.LENGTH)
+    assert "child" in sched.waiting and sched.requests["child"].num_computed_tokens == 0

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -45,7 +46,7 @@ class FakeTokenizer:
         text = " ".join(f"{m['role']} {m['content']}" for m in messages)
         return self.encode(text) + ([3] if add_generation_prompt else [])
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f" t{i}" for i in ids)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
@@ -136,6 +137,17 @@ class FakeAsyncEngine(EngineClient):
         metrics = RequestMetrics(time.time() - waited_s)
         async for out in self._generate(ids, prompt, params, request_id, metrics):
             yield out
+
+    async def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
+                          priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """The search over the fake's next-token rule: 10 + sum(context) % 40 at logprob -0.5,
+        the token after it at -1.5; one step per step delay."""
+        search = BeamSearch(prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
+        while not search.done:
+            await asyncio.sleep(self.step_delay_s)
+            nexts = [10 + (sum(prompt_token_ids) + sum(beam.token_ids)) % 40 for beam in search.running]
+            search.advance([{t: -0.5, (t + 1) % VOCAB: -1.5} for t in nexts])
+        yield search.output(request_id, self.tokenizer)
 
     async def _generate(self, ids, prompt, params, request_id, metrics):
         self._waiting.append(request_id)
