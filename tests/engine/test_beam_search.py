@@ -97,7 +97,8 @@ def test_beams_end_at_eos_and_at_the_length(llm, reference):
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}},
     {"speculative_config": {"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 2}},
 ])
-def test_beam_search_is_unchanged_by_chunking_a_tight_cache_no_prefix_cache_or_speculation(beam_model, reference, engine_args):
+def test_beam_search_is_unchanged_by_chunking_a_tight_cache_no_prefix_cache_or_speculation(beam_model, reference,
+                                                                                          engine_args):
     llm = LLM(beam_model, **engine_args)
     _check(llm, reference, 4, 20, 1.0)
     if engine_args.get("num_blocks"):  # parked beams gave their blocks up to siblings that needed them
