@@ -470,7 +470,7 @@ def _proc_label(p: Any) -> str:
         return "?"
     if "engine.engine_core" in cmd:
         return "EngineProcess"  # a replica's step loop (engine_process=True)
-    for key in ("EngineReplica", "Router", "Ingress", "ProxyActor", "ServeController"):
+    for key in ("EngineReplica", "EngineIngress", "Router", "Ingress", "ProxyActor", "ServeController"):
         if key in cmd:
             return key
     if "haproxy" in cmd:

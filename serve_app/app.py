@@ -4,6 +4,8 @@ Graph: Ingress(config, router, replicas) -> Router (one replica, the global queu
 EngineReplica (num_replicas or autoscaling; pinned per call by PinnedReplicaRequestRouter).
 Replicas hold a router handle to push load reports, and, with speculative placement `actor`, the
 DraftModel deployment's (bound so Serve deploys it with the app; engines call it by name).
+With `config.colocated` (one engine replica) the ingress and the engine replica are one
+deployment, EngineIngress(config, router), which calls its replica in-process.
 `app_builder(args)` is the YAML entry point (`import_path: serve_app.app:app_builder`); unknown
 keys in `args` are errors.
 """
@@ -15,6 +17,7 @@ from typing import Any
 from engine.client import EngineClient
 from serve_app.config import AppConfig
 from serve_app.draft import DRAFT_DEPLOYMENT, DraftModel
+from serve_app.engine_ingress import EngineIngress
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineReplica
 from serve_app.router import Router
@@ -43,6 +46,16 @@ def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
         options["autoscaling_config"] = engine.autoscaling.model_dump(exclude_none=True)
     else:
         options["num_replicas"] = engine.num_replicas
+    return options
+
+
+def engine_ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
+    """The engine replica's actor and resources, taking the ingress's requests and CPU too."""
+    options = replica_deployment_options(config)
+    del options["request_router_config"]  # one replica: nothing to pin
+    options["ray_actor_options"]["num_cpus"] += config.ingress.num_cpus
+    options["name"] = "EngineIngress"
+    options["max_ongoing_requests"] = ingress_deployment_options(config)["max_ongoing_requests"]
     return options
 
 
@@ -86,13 +99,16 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     from ray import serve
 
     router_dep = serve.deployment(Router, **router_deployment_options(config))
-    replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
-    ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
     router = router_dep.bind(config.router, metrics_enabled=True)
     engine_config, draft = config.engine.engine_config, None
     if engine_config.speculative is not None and engine_config.speculative.placement == "actor":
         draft_dep = serve.deployment(DraftModel, **draft_deployment_options(config))
         draft = draft_dep.bind(engine_config, config.engine.draft.num_threads)
+    if config.colocated:
+        options = engine_ingress_deployment_options(config)
+        return serve.deployment(serve.ingress()(EngineIngress), **options).bind(config, router, engine_cls, draft)
+    replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
+    ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
     replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,
                                 draft=draft)
     return ingress_dep.bind(config, router, replicas)

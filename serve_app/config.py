@@ -184,6 +184,11 @@ class IngressConfig(_Strict):
                               "router.max_queued_requests: more could never be admitted together.")
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.1, ge=0)
+    colocated: bool | None = Field(
+        None, description="The OpenAI front end inside the engine replica's actor (serve_app.engine_ingress): no "
+                          "ingress actor and no hop between them, so fewer processes wake and fewer messages are "
+                          "serialized per token. Needs one engine replica and one ingress replica, without "
+                          "autoscaling; None: colocated exactly then.")
     default_completion_max_tokens: int = Field(16, ge=1, description="OpenAI's default.")
     grpc_transport: bool = Field(
         True, description="Admission calls and replica streams over Serve's gRPC transport "
@@ -218,6 +223,23 @@ class AppConfig(_Strict):
                 if k_lo < lo or k_hi > hi:
                     raise ValueError(f"an API key's priority_range {[k_lo, k_hi]} is not within "
                                      f"router.priority_range {[lo, hi]}")
+        return self
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the ingress runs inside the engine replica (ingress.colocated resolved)."""
+        if self.ingress.colocated is not None:
+            return self.ingress.colocated
+        return self.engine.num_replicas == 1 and self.engine.autoscaling is None and self.ingress.num_replicas == 1
+
+    @model_validator(mode="after")
+    def _colocation_fits(self) -> AppConfig:
+        """One front end per engine: with several, the router could admit a request to an engine
+        other than the one whose front end holds it."""
+        if self.ingress.colocated and (self.engine.num_replicas != 1 or self.engine.autoscaling is not None
+                                       or self.ingress.num_replicas != 1):
+            raise ValueError("ingress.colocated needs exactly one engine replica (engine.num_replicas 1, no "
+                             "autoscaling) and ingress.num_replicas 1")
         return self
 
     @model_validator(mode="after")

@@ -127,10 +127,12 @@ def fake_serve_app(serve_cluster: dict, name: str, config: dict,
                    **engine_options: Any) -> Iterator[str]:
     """build_app on the fake engine (class attributes `engine_options`) as Serve app `name` at
     /name; yields its URL and deletes the app on exit. One completion goes through first, so
-    tests start with the ingress holding the model info and one request counted per app."""
+    tests start with the ingress holding the model info and one request counted per app. The
+    graph is the split one (Ingress, Router, EngineReplica deployments), whose replicas these
+    tests reach by handle, unless `config` says otherwise; the real-engine apps run colocated."""
     from ray import serve
 
-    base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}}
+    base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}, "ingress": {"colocated": False}}
     cfg = AppConfig.model_validate(merge(base, config))
     engine_cls = FakeAsyncEngine.with_options(**engine_options)
     serve.run(build_app(cfg, engine_cls), name=name, route_prefix=f"/{name}")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from serve_app.app import replica_deployment_options
+from serve_app.app import engine_ingress_deployment_options, replica_deployment_options
 from serve_app.config import AppConfig, AutoscalingSettings, load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
@@ -81,3 +81,28 @@ def test_autoscaling_target_must_be_reachable_behind_the_router():
     assert cfg(9).engine.autoscaling.target_ongoing_requests == 9
     with pytest.raises(ValidationError, match=r"below max_num_seqs \+ router.max_waiting_per_replica \(10\)"):
         cfg(10)
+
+
+@pytest.mark.parametrize("config,colocated", [
+    ({}, True),  # one engine replica: its actor takes the front end
+    ({"engine": {"num_replicas": 2}}, False),
+    ({"engine": {"autoscaling": {"max_replicas": 2}}}, False),
+    ({"ingress": {"num_replicas": 2}}, False),
+    ({"ingress": {"colocated": False}}, False),
+])
+def test_the_front_end_joins_the_engine_replica_only_when_there_is_one(config, colocated):
+    cfg = AppConfig.model_validate(config)
+    assert cfg.colocated is colocated
+    if colocated:
+        opts = engine_ingress_deployment_options(cfg)
+        assert opts["name"] == "EngineIngress" and "request_router_config" not in opts
+        assert opts["ray_actor_options"]["num_cpus"] == pytest.approx(cfg.engine.num_cpus + cfg.ingress.num_cpus)
+        assert opts["num_replicas"] == 1
+
+
+@pytest.mark.parametrize("config", [{"engine": {"num_replicas": 2}}, {"engine": {"autoscaling": {"max_replicas": 2}}},
+                                    {"ingress": {"num_replicas": 2}}])
+def test_a_colocated_front_end_with_several_engines_is_an_error(config):
+    config = {**config, "ingress": {**config.get("ingress", {}), "colocated": True}}
+    with pytest.raises(ValidationError, match="ingress.colocated needs exactly one engine replica"):
+        AppConfig.model_validate(config)
