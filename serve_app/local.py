@@ -1,5 +1,6 @@
 """In-process stand-ins for DeploymentHandles, so the same ingress/router/replica code runs
-without Ray (unit tests, quick local runs).
+without Ray (unit tests, quick local runs), and an ingress calls the replica in its own actor
+(serve_app.engine_ingress).
 
 Owns: `LocalHandle` (one object: `h.method.remote(...)` -> awaitable, `h.options(stream=True)
 .method.remote(...)` -> async iterator with `cancel()`), `LocalReplicaSet` (pins calls to the
