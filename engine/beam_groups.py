@@ -55,6 +55,8 @@ class BeamGroups:
                 ) -> list[RequestOutput | RequestError]:
         """Advances the searches whose beams have all sampled; the outputs of those done, and an
         error for each search whose group failed this step."""
+        if not self._groups:  # every step calls this: nothing to look at without a search
+            return []
         events: list[RequestOutput | RequestError] = []
         for group_id, error in update.failed.items():
             if self._groups.pop(group_id, None) is not None:

@@ -84,6 +84,16 @@ def served_local_stack(config: dict, num_replicas: int | None = None,
                 r.shutdown()
 
 
+@contextlib.contextmanager
+def served_real_engine(model: str | None, max_model_len: int, name: str = "tiny", **config: Any) -> Iterator[str]:
+    """served_local_stack on the real engine (model None: the embedded one) with one replica,
+    8 sequences, seed 0 and unheld streams; `config` merged over that. Yields the URL."""
+    base = {"engine": {"model": model, "served_model_name": name, "stream_flush_interval_s": 0.0,
+                       "engine_args": {"max_model_len": max_model_len, "max_num_seqs": 8, "seed": 0}}}
+    with served_local_stack(merge(base, config), 1, engine_cls=None) as (url, _, _):
+        yield url
+
+
 def wait_healthy(url: str, timeout_s: float) -> float:
     """Seconds until the app's /health answers 200 (an engine replica is ready)."""
     t0 = time.monotonic()

@@ -11,15 +11,13 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import served_local_stack
+from conftest import served_real_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_words):
-    config = {"engine": {"model": tiny_llama_words, "served_model_name": "tiny", "stream_flush_interval_s": 0.0,
-                         "engine_args": {"max_model_len": 128, "max_num_seqs": 8, "seed": 0}}}
-    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+    with served_real_engine(tiny_llama_words, 128) as url:
         yield url
 
 

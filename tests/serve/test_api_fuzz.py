@@ -12,7 +12,7 @@ import collections
 import httpx
 import pytest
 import schemathesis
-from conftest import served_local_stack
+from conftest import served_real_engine
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
@@ -22,12 +22,7 @@ EXAMPLES_PER_MODE = 100
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_words):
-    config = {
-        "engine": {"model": tiny_llama_words, "served_model_name": "tiny", "stream_flush_interval_s": 0.0,
-                   "engine_args": {"max_model_len": 96, "max_num_seqs": 8, "seed": 0}},
-        "ingress": {"api_keys": ["fuzz"], "body_timeout_s": 5.0},
-    }
-    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+    with served_real_engine(tiny_llama_words, 96, ingress={"api_keys": ["fuzz"], "body_timeout_s": 5.0}) as url:
         yield url
 
 

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import served_local_stack
+from conftest import served_real_engine
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,7 @@ ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
 
 @pytest.fixture(scope="module")
 def client():
-    config = {"engine": {"served_model_name": "smol", "stream_flush_interval_s": 0.0,
-                         "engine_args": {"max_model_len": 2048, "max_num_seqs": 8, "seed": 0}}}
-    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+    with served_real_engine(None, 2048, name="smol") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none")
 
 

@@ -12,7 +12,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from conftest import served_local_stack
+from conftest import served_real_engine
 
 SCHEMA = {
     "type": "object",
@@ -31,9 +31,7 @@ MESSAGES = [{"role": "user", "content": "the cat sat on a mat"}]
 
 @pytest.fixture(scope="module")
 def client(tiny_llama):
-    config = {"engine": {"model": tiny_llama, "served_model_name": "tiny", "stream_flush_interval_s": 0.0,
-                         "engine_args": {"max_model_len": 256, "max_num_seqs": 8, "seed": 0}}}
-    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+    with served_real_engine(tiny_llama, 256) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none")
 
 

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import served_local_stack
+from conftest import served_real_engine
 
 from tests.conftest import save_tiny_model
 from tests.engine.test_tools import SCHEMAS, TOOLS
@@ -25,9 +25,7 @@ WRITTEN = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"c
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     model = save_tiny_model(tmp_path_factory.mktemp("tiny-tools"), "llama", max_position_embeddings=2048)
-    config = {"engine": {"model": model, "served_model_name": "tiny", "stream_flush_interval_s": 0.0,
-                         "engine_args": {"max_model_len": 2048, "max_num_seqs": 8, "seed": 0}}}
-    with served_local_stack(config, 1, engine_cls=None) as (url, _, _):
+    with served_real_engine(model, 2048) as url:
         yield url
 
 
