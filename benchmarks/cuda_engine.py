@@ -1,17 +1,21 @@
-"""The engine on one NVIDIA GPU: dtype and attention backend side by side, with transformers'
-own single-stream decode as the baseline in the same run.
+"""The engine on one NVIDIA GPU: attention backend and CUDA graphs side by side, at two model sizes,
+with transformers in the same run as the baseline (single-stream `generate`, and static batching:
+the whole workload as one padded `generate` batch).
 
-A randomly initialised model with SmolLM2-135M's shapes (30 layers, hidden 576, 9 query and 3 KV
-heads of 64, vocab 49152) is built locally (no download); random weights change no timing. For
-each configuration: the 64-request mixed workload (prompts 16-512, outputs 8-256, greedy,
-ignore_eos) in output tokens/s, and single-stream decode (128-token prompt, 128 new tokens) in
-tokens/s; medians of --repeats runs after a warm-up.
+Models are randomly initialised with real models' shapes (random weights change no timing), built
+locally in bfloat16 (no download): SmolLM2-135M (30 layers, hidden 576, 9 query and 3 KV heads of
+64, vocab 49152) and Llama-3.2-1B (16 layers, hidden 2048, 32 query and 8 KV heads of 64, vocab
+128256). For each engine configuration: the 64-request mixed workload (prompts 16-512, outputs
+8-256, greedy, ignore_eos) in output tokens/s, and single-stream decode (128-token prompt, 128 new
+tokens) in tokens/s; medians of --repeats runs after a warm-up. The single stream's bound is the
+weights read once per token at the copy bandwidth measured here (a device-to-device copy).
 
-    python benchmarks/cuda_engine.py [--repeats 3] [--json OUT]
+    python benchmarks/cuda_engine.py [--models smollm2-135m,llama-1b] [--repeats 3] [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -28,22 +32,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.workload import make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
-CONFIGS = [("float32", "torch"), ("bfloat16", "torch"), ("bfloat16", "flash")]
-ENGINE_ARGS = dict(max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_bytes=8 << 30,
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+}
+CONFIGS = {  # name: engine arguments (bfloat16, the CUDA default dtype)
+    "flash-eager": dict(attention_backend="flash", enforce_eager=True),  # torch's FlashAttention over gathers
+    "triton-eager": dict(attention_backend="triton", enforce_eager=True),  # the paged kernel
+    "triton-graphs": dict(attention_backend="triton"),  # the paged kernel, decode steps in CUDA graphs (default)
+}
+ENGINE_ARGS = dict(max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_bytes=16 << 30,
                    enable_prefix_caching=False)  # repeats must not reuse the previous run's prefills
 SINGLE_PROMPT, SINGLE_NEW = 128, 128
 
 
-def smollm2_shaped_model(path: str) -> str:
-    vocab = 49152
+def shaped_model(path: str, shape: dict) -> str:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-        {f"t{i}": i for i in range(vocab)}, unk_token="t0")), eos_token="t0")
+        {f"t{i}": i for i in range(shape["vocab_size"])}, unk_token="t0")), eos_token="t0")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                                 tie_word_embeddings=True, eos_token_id=0)).save_pretrained(path)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=True,
+                                             eos_token_id=0))
+    model.to(torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def weight_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 4 GiB device-to-device copy, read plus written."""
+    src = torch.empty(1 << 31, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = statistics.median(_timed(lambda: dst.copy_(src)) for _ in range(10))
+    return 2 * src.numel() * src.element_size() / seconds
 
 
 def _timed(fn) -> float:
@@ -54,20 +81,28 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_engine(model: str, dtype: str, backend: str, repeats: int) -> dict:
-    llm = LLM(model, device="cuda", dtype=dtype, attention_backend=backend, **ENGINE_ARGS)
-    workload = make_workload(64)
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_engine(model: str, engine_args: dict, workload, repeats: int) -> dict:
+    llm = LLM(model, device="cuda", **ENGINE_ARGS, **engine_args)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in workload.output_lens]
     single = SamplingParams(max_tokens=SINGLE_NEW, temperature=0, ignore_eos=True)
-    llm.generate(workload.prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    llm.generate(workload.prompts[:8], params[:8], use_tqdm=False)  # warm-up: kernels compiled
     mixed = [_timed(lambda: llm.generate(workload.prompts, params, use_tqdm=False)) for _ in range(repeats)]
     decode = [_timed(lambda s=s: llm.generate([random_prompt(SINGLE_PROMPT, seed=s)], single, use_tqdm=False))
               for s in range(repeats)]
-    return {"mixed_output_tok_s": workload.num_output_tokens / statistics.median(mixed),
-            "single_stream_tok_s": SINGLE_NEW / statistics.median(decode)}
+    graphs = llm.engine.runner.graphs
+    result = {"mixed_output_tok_s": workload.num_output_tokens / statistics.median(mixed),
+              "single_stream_tok_s": SINGLE_NEW / statistics.median(decode),
+              "graph_sizes": graphs.sizes if graphs is not None else [],
+              "graph_replays": graphs.replays if graphs is not None else 0}
+    return result
 
 
-def bench_transformers(model: str, repeats: int) -> dict:
+def bench_transformers(model: str, workload, repeats: int) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to("cuda").eval()
 
     def once(seed):
@@ -75,31 +110,62 @@ def bench_transformers(model: str, repeats: int) -> dict:
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SINGLE_NEW, min_new_tokens=SINGLE_NEW,
                     do_sample=False, pad_token_id=0)
 
+    def static_batch():
+        """Every request in one left-padded batch, run to the longest output (static batching)."""
+        width = max(map(len, workload.prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in workload.prompts], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in workload.prompts], device="cuda")
+        longest = max(workload.output_lens)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                    pad_token_id=0)
+
     once(99)
-    return {"single_stream_tok_s": SINGLE_NEW / statistics.median(_timed(lambda s=s: once(s)) for s in range(repeats))}
+    single = SINGLE_NEW / statistics.median(_timed(lambda s=s: once(s)) for s in range(repeats))
+    static_batch()
+    static = workload.num_output_tokens / statistics.median(_timed(static_batch) for _ in range(repeats))
+    return {"single_stream_tok_s": single, "static_batch_output_tok_s": static}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(SHAPES))
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = smollm2_shaped_model(tmp)
-        results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                   "transformers_bf16": bench_transformers(model, args.repeats)}
-        for dtype, backend in CONFIGS:
-            results[f"{dtype}/{backend}"] = bench_engine(model, dtype, backend, args.repeats)
-    base = results["transformers_bf16"]["single_stream_tok_s"]
-    print(f"{results['device']}, torch {results['torch']}; transformers bf16 single stream {base:.1f} tok/s")
-    print(f"{'engine':<18}{'64-req mixed tok/s':>20}{'single stream tok/s':>21}{'vs transformers':>17}")
-    for dtype, backend in CONFIGS:
-        r = results[f"{dtype}/{backend}"]
-        print(f"{dtype + '/' + backend:<18}{r['mixed_output_tok_s']:>20.0f}{r['single_stream_tok_s']:>21.1f}"
-              f"{r['single_stream_tok_s'] / base:>16.2f}x")
+    bandwidth = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "copy_bandwidth_bytes_s": bandwidth, "models": {}}
+    configs = args.configs.split(",")
+    for name in args.models.split(","):
+        workload = make_workload(64, vocab_size=SHAPES[name]["vocab_size"])
+        with tempfile.TemporaryDirectory() as tmp:
+            model = shaped_model(tmp, SHAPES[name])
+            entry = {"weight_bytes": weight_bytes(model),
+                     "transformers": bench_transformers(model, workload, args.repeats)}
+            _free()  # each engine and model's memory back before the next
+            for config in configs:
+                entry[config] = bench_engine(model, CONFIGS[config], workload, args.repeats)
+                _free()
+        results["models"][name] = entry
+        print_model(name, entry, configs, bandwidth)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def print_model(name: str, entry: dict, configs: list[str], bandwidth: float) -> None:
+    hf = entry["transformers"]
+    bound = bandwidth / entry["weight_bytes"]
+    print(f"\n{name}: weights {entry['weight_bytes'] / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s: "
+          f"single-stream bound {bound:.0f} tok/s; transformers bf16 single stream {hf['single_stream_tok_s']:.1f} "
+          f"tok/s, static batching {hf['static_batch_output_tok_s']:.0f} tok/s")
+    print(f"{'engine (bfloat16)':<28}{'64-req tok/s':>14}{'vs static':>11}{'single tok/s':>14}{'of bound':>10}")
+    for config in configs:
+        r = entry[config]
+        print(f"{config:<28}{r['mixed_output_tok_s']:>14.0f}"
+              f"{r['mixed_output_tok_s'] / hf['static_batch_output_tok_s']:>10.2f}x"
+              f"{r['single_stream_tok_s']:>14.1f}{r['single_stream_tok_s'] / bound:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
+def _int_list(text: str) -> list[int]:
+    """`1,2,4`: a list of ints."""
+    return [int(x) for x in text.split(",")]
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in ENGINE_FIELDS:
         if f.name == "seed":  # --seed is the request's sampling seed here
@@ -17,7 +22,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         if str(f.type) == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
-            kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+            kind = {"int": int, "float": float, "int | None": int, "list[int] | None": _int_list}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, help=help)
 
 

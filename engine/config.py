@@ -17,6 +17,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16")
 QUANTIZATION_MODES = ("none", "int8", "gguf", "w8a16", "w4a16", "auto")
 SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
 DRAFT_PLACEMENTS = ("local", "actor")
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash", "triton")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
 
@@ -28,7 +30,16 @@ def _opt(default, help: str):
 class ModelConfig:
     model: str | None = _opt(None, "HF directory or .gguf file; None: the embedded SmolLM2-135M-Instruct")
     device: str = _opt("cpu", "'cpu' or 'cuda'")
-    attention_backend: str = _opt("auto", "'auto', 'torch', 'cpu' (C++ decode kernel) or 'flash' (CUDA)")
+    attention_backend: str = _opt("auto", "'auto', 'torch', 'cpu' (C++ decode kernel), 'flash' (CUDA: torch's "
+                                          "FlashAttention over gathered contexts) or 'triton' (CUDA: a Triton kernel "
+                                          "over the paged cache in place)")
+    enforce_eager: bool = _opt(False, "CUDA: run every step eagerly; off: decode-only steps replay CUDA graphs "
+                                      "(attention_backend 'triton')")
+    cuda_graph_sizes: list[int] | None = _opt(None, "CUDA: decode batch sizes (rows) captured as graphs; a step "
+                                                    "pads to the next one; None: 1, 2, 4, then every 8 up to "
+                                                    "max_num_seqs (at most 512)")
+    cuda_graph_memory_bytes: int = _opt(1 << 30, "CUDA: the most memory the graphs may take; larger sizes past "
+                                                 "it run eagerly")
     max_model_len: int | None = _opt(None, "longest prompt + output; None: the model's max_position_embeddings")
     seed: int = _opt(0, "seeds requests that carry no seed of their own")
     num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
@@ -61,8 +72,12 @@ class ModelConfig:
         if self.quality_check_tokens < 0 or (self.quantization == "auto" and self.quality_check_tokens == 0):
             raise ValueError(f"quality_check_tokens must be >= 0, and > 0 with quantization 'auto' (the default: "
                              f"it keeps only modes that pass), got {self.quality_check_tokens}")
-        if self.attention_backend not in ("auto", "torch", "cpu", "flash"):
-            raise ValueError(f"attention_backend must be auto, torch, cpu or flash, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}")
+        if self.cuda_graph_memory_bytes < 0:
+            raise ValueError(f"cuda_graph_memory_bytes must be >= 0, got {self.cuda_graph_memory_bytes}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -81,7 +96,11 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
     num_blocks: int | None = _opt(None, "KV blocks on the device; overrides kv_cache_memory_bytes when set")
-    kv_cache_memory_bytes: int = _opt(1 << 30, "device KV pool size in bytes")
+    kv_cache_memory_bytes: int | None = _opt(None, "KV pool size in bytes; None: 1 GiB on the CPU, on CUDA what "
+                                                    "gpu_memory_utilization leaves after the weights, a profiled "
+                                                    "peak step and the CUDA graphs")
+    gpu_memory_utilization: float = _opt(0.9, "CUDA: the fraction of the GPU's memory this engine may take (weights, "
+                                              "activations, graphs and the KV pool)")
     swap_space_bytes: int = _opt(1 << 30, "host pool for swap preemption, bytes")
     enable_prefix_caching: bool = _opt(True, "reuse cached full blocks of shared prefixes")
     kv_cache_dtype: str = _opt("auto", "'auto' (the model's dtype; with quantization 'auto', fp16 where the chosen "
@@ -97,10 +116,17 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The pool's size where it is not measured from the GPU: kv_cache_memory_bytes, or 1 GiB."""
+        return self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
 
 
 @dataclass(frozen=True, slots=True)

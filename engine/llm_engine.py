@@ -10,12 +10,14 @@ Not thread-safe: AsyncEngine drives it from one thread.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
+from engine.attention.base import AttentionBackend
 from engine.attention.selector import kv_block_bytes, resolve_kv_cache_dtype, select_backend
 from engine.beam_groups import BeamGroups
 from engine.beam_search import BeamSearchParams
@@ -29,6 +31,8 @@ from engine.model_setup import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestError, RequestOutput
 from engine.request import FinishReason, Request
+from engine.runner.cuda_graphs import GraphSettings, default_sizes
+from engine.runner.gpu_memory import kv_pool_bytes, peak_step_bytes
 from engine.runner.model_runner import ModelRunner
 from engine.runner.speculation.draft_model import DraftModelDrafter, load_draft_worker
 from engine.runner.speculation.self_draft import SelfDraft
@@ -37,6 +41,7 @@ from engine.scheduler.scheduler import PreemptionCosts, Scheduler
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids, encode_chat, encode_text
 from engine.tools import Tool
 
+logger = logging.getLogger(__name__)
 Event = RequestOutput | RequestError
 COMPILE_WAIT_S = 0.01  # a step with nothing but compiling requests waits this long for one
 
@@ -76,25 +81,52 @@ class LLMEngine:
                                         str(kv_dtype).removeprefix("torch."), config.model.device,
                                         loaded.weight_bytes_per_token, **figures)
         block_bytes = kv_block_bytes(model, cache.block_size, kv_dtype)
-        # never more blocks than max_num_seqs requests of max_model_len tokens can fill
-        useful_blocks = -(-config.scheduler.max_num_seqs * self.max_model_len // cache.block_size)
-        num_blocks = cache.num_blocks or min(cache.kv_cache_memory_bytes // block_bytes, useful_blocks)
+        backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
+        graphs = self._graph_settings(device)
+        num_blocks = cache.num_blocks or self._pool_blocks(backend, device, kv_dtype, block_bytes, graphs)
         # the host pool holds swapped-out blocks: none under recompute-only preemption
         swaps = config.scheduler.preemption_mode != "recompute"
         num_host_blocks = cache.swap_space_bytes // block_bytes if swaps else 0
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes {cache.kv_cache_memory_bytes} holds no {block_bytes}-byte block")
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
                                    PreemptionCosts(block_bytes), clock, config.speculative)
-        backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
-                                  config.model.seed, kv_dtype, self._drafter(num_blocks), loaded.eos_token_ids)
+                                  config.model.seed, kv_dtype, self._drafter(num_blocks), loaded.eos_token_ids,
+                                  graphs)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self.beams = BeamGroups(self.scheduler, self.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self._compiling: dict[str, tuple[Request, Future]] = {}
         self._last_step = StepStats()
+
+    def _graph_settings(self, device: torch.device) -> GraphSettings | None:
+        model = self.config.model
+        if device.type != "cuda" or model.enforce_eager:
+            return None
+        sizes = model.cuda_graph_sizes or default_sizes(self.config.scheduler.max_num_seqs)
+        return GraphSettings(sizes, model.cuda_graph_memory_bytes, self.max_model_len)
+
+    def _pool_blocks(self, backend: AttentionBackend, device: torch.device, kv_dtype: torch.dtype, block_bytes: int,
+                     graphs: GraphSettings | None) -> int:
+        """KV blocks in kv_cache_memory_bytes, or on CUDA by default in what gpu_memory_utilization
+        leaves; never more than max_num_seqs requests of max_model_len tokens can fill."""
+        cache, scheduler = self.config.cache, self.config.scheduler
+        useful_blocks = -(-scheduler.max_num_seqs * self.max_model_len // cache.block_size)
+        if cache.kv_cache_memory_bytes is None and device.type == "cuda":
+            num_tokens = min(scheduler.max_num_batched_tokens, self.max_model_len)
+            peak = peak_step_bytes(self.loaded.model, backend, device, kv_dtype, cache.block_size, num_tokens,
+                                   min(scheduler.max_num_seqs, num_tokens))
+            pool_bytes = kv_pool_bytes(device, cache.gpu_memory_utilization, peak, graphs.memory_bytes if graphs else 0)
+        else:
+            pool_bytes = cache.kv_cache_bytes
+        num_blocks = min(pool_bytes // block_bytes, useful_blocks)
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool of {pool_bytes} bytes holds no {block_bytes}-byte block")
+        logger.info("KV cache on %s: %d blocks of %d tokens, %.2f GiB (of %.2f GiB available); at most %.1f "
+                    "requests of %d tokens at once", device, num_blocks, cache.block_size,
+                    num_blocks * block_bytes / 2**30, pool_bytes / 2**30,
+                    num_blocks * cache.block_size / self.max_model_len, self.max_model_len)
+        return num_blocks
 
     def _drafter(self, num_blocks: int) -> SelfDraft | DraftModelDrafter | None:
         """What fills the drafts the scheduler reserves (n-gram drafts need nothing): the target's
@@ -110,7 +142,7 @@ class LLMEngine:
         if spec.method == "self_draft":
             return SelfDraft(self.loaded.model, spec.num_layers, block_size, self.config.model.seed)
         worker = load_draft_worker(spec, self.config.model, self.max_model_len, block_size,
-                                   self.config.cache.kv_cache_memory_bytes, num_blocks,
+                                   self.config.cache.kv_cache_bytes, num_blocks,
                                    (self.tokenizer, self.vocab_size))
         return DraftModelDrafter(worker.propose)
 

@@ -94,8 +94,7 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows],
                                            [drafts[i] for i in random_rows])
-        ids = token_ids.tolist()
-        return SamplerOutput(ids, [_logprobs(raw_logprobs, i, ids[i], r) for i, r in enumerate(requests)])
+        return _gathered(token_ids, raw_logprobs, requests)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None]
                 ) -> torch.Tensor:
@@ -280,14 +279,32 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _logprobs(raw: torch.Tensor | None, row: int, token_id: int, request: Request) -> dict[int, float] | None:
-    """The sampled token's logprob and the top-`logprobs` ones; the sampled one alone where only
-    best_of's ranking needs it."""
-    num = request.params.logprobs
-    if raw is None or not request.params.keeps_logprobs:
-        return None
-    result = {token_id: float(raw[row, token_id])}
-    if num:
-        values, ids = raw[row].topk(num)
-        result.update(zip(ids.tolist(), values.tolist()))
-    return result
+def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[Request]) -> SamplerOutput:
+    """The rows' tokens, and where asked their logprobs (the sampled token's and the top
+    `logprobs` ones; the sampled one alone where only best_of's ranking needs it), selected on
+    the logits' device and brought to the host in one transfer: one sync per step on CUDA."""
+    rows = [i for i, r in enumerate(requests) if r.params.keeps_logprobs] if raw is not None else []
+    values = [token_ids]
+    if rows:
+        index = torch.tensor(rows, device=token_ids.device)
+        kept = raw[index]
+        top_values, top_ids = kept.topk(max(requests[i].params.logprobs or 0 for i in rows))
+        values += [kept.gather(1, token_ids[index, None])[:, 0], top_values, top_ids]
+    host = _to_host(values)
+    ids = host[0].tolist()
+    logprobs: list[dict[int, float] | None] = [None] * len(requests)
+    if rows:
+        chosen, top_values, top_ids = (t.tolist() for t in host[1:])
+        for j, i in enumerate(rows):
+            num = requests[i].params.logprobs or 0
+            logprobs[i] = {ids[i]: chosen[j]} | dict(zip(top_ids[j][:num], top_values[j][:num]))
+    return SamplerOutput(ids, logprobs)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of `tensors`: on CUDA queued together, then one wait."""
+    if tensors[0].device.type == "cpu":
+        return tensors
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host

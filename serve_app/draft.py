@@ -41,7 +41,7 @@ class DraftModel:
         if num_threads is not None:  # process-wide: the draft forward is this process's work
             torch.set_num_threads(num_threads)
         spec, cache = engine_config.speculative, engine_config.cache
-        self.worker = load_draft_worker(spec, engine_config.model, None, cache.block_size, cache.kv_cache_memory_bytes)
+        self.worker = load_draft_worker(spec, engine_config.model, None, cache.block_size, cache.kv_cache_bytes)
         self._lock = threading.Lock()
         self.num_calls = 0
 

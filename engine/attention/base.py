@@ -15,6 +15,7 @@ from engine.batch import ModelInputs
 
 class AttentionBackend(ABC):
     name: str
+    captures_decodes = False  # decode_metadata reads fixed buffers: decode steps can replay CUDA graphs
 
     @abstractmethod
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -48,3 +49,9 @@ class AttentionBackend(ABC):
         single-token decode that the C++ CPU kernels can take (engine/csrc/decode_stack.cpp runs
         the whole stack then); None otherwise, and for backends without them."""
         return None
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> Any:
+        """Metadata of a decode-only step (one query per sequence) that reads only these tensors,
+        int32 block tables and context lengths, so a CUDA graph can replay it over new values;
+        for backends with `captures_decodes`."""
+        raise NotImplementedError(f"the {self.name} backend builds its metadata per step")

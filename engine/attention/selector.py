@@ -29,10 +29,27 @@ def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
 
 
+def triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401  (CUDA builds of torch ship it)
+    except ImportError:
+        return False
+    return True
+
+
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: float) -> AttentionBackend:
-    """`auto`: flash attention on CUDA in bf16/fp16; on CPU in float32 torch with the C++ decode
-    kernel when it builds; else pure torch. `torch` forces the pure-torch path, `cpu` requires
-    the kernel, `flash` requires CUDA and a 16-bit dtype."""
+    """`auto` on CUDA in bf16/fp16: the Triton kernel over the paged cache, else torch's flash
+    attention over gathered contexts (no Triton), else pure torch; in float32 on CUDA pure torch
+    (transformers' parity); on CPU in float32: torch with the C++ decode kernel when it builds,
+    else pure torch. `torch` forces the pure-torch path, `cpu` requires the kernel, `flash`
+    requires CUDA and a 16-bit dtype, `triton` CUDA (float32 too: CUDA graphs in float32)."""
+    if name == "triton" or (name == "auto" and dtype in FLASH_DTYPES and triton_available(device)):
+        if not triton_available(device):
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device and Triton, got {device.type}")
+        from engine.attention.triton_paged import TritonPagedBackend
+        return TritonPagedBackend(scale)
     if name == "flash" or (name == "auto" and flash_available(device, dtype)):
         if not flash_available(device, dtype):
             raise ValueError(f"attention_backend 'flash' needs a CUDA device with flash attention and dtype "

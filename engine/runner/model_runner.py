@@ -1,6 +1,8 @@
 """Executes one scheduled step: block swaps and copies, the ragged forward, sampling.
 
-Owns the device KV cache and its host swap mirror; makes no scheduling decisions.
+Owns the device KV cache and its host swap mirror, and on CUDA the decode steps' graphs; makes no
+scheduling decisions. The step's one host sync is the sampler's: its tokens and logprobs come
+back together.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.outputs import ModelRunnerOutput
+from engine.runner.block_mover import BlockMover
+from engine.runner.cuda_graphs import DecodeGraphs, GraphSettings
 from engine.runner.inputs import build_inputs
 from engine.runner.speculation.draft_model import DraftModelDrafter
 from engine.runner.speculation.self_draft import SelfDraft
@@ -21,28 +25,36 @@ from engine.scheduler.output import SchedulerOutput
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, num_blocks: int, num_host_blocks: int,
                  block_size: int, device: torch.device, seed: int, kv_cache_dtype: torch.dtype = torch.float32,
-                 drafter: SelfDraft | DraftModelDrafter | None = None, eos_token_ids: frozenset[int] = frozenset()):
+                 drafter: SelfDraft | DraftModelDrafter | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 graphs: GraphSettings | None = None):
         """`drafter`: fills in the drafts the scheduler reserved, before the target's forward;
-        `eos_token_ids`: the model's (the sampler keeps them from ending an output before min_tokens)."""
+        `eos_token_ids`: the model's (the sampler keeps them from ending an output before min_tokens);
+        `graphs`: capture decode steps in CUDA graphs, where the backend's decode metadata allows."""
         self.model = model
         self.drafter = drafter
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        shape = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        # on CUDA one block more than the scheduler hands out: the graphs' padding rows write there
+        shape = (model.num_layers, num_blocks + (device.type == "cuda"), block_size, model.num_kv_heads,
+                 model.head_dim)
         self.kv_cache = backend.allocate_kv_cache(*shape, dtype=kv_cache_dtype, device=device)
         host_shape = (model.num_layers, max(num_host_blocks, 1), *shape[2:])
         self.host_cache = backend.allocate_kv_cache(*host_shape, dtype=kv_cache_dtype, device=torch.device("cpu"))
         if device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
+        self.blocks = BlockMover(self.kv_cache, self.host_cache, backend.block_dim())
         self.sampler = Sampler(seed, device, eos_token_ids)
+        self.graphs = None
+        if graphs is not None and device.type == "cuda" and backend.captures_decodes:
+            self.graphs = DecodeGraphs(model, backend, self.kv_cache, num_blocks, block_size, graphs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(out.finished_ids)
         if self.drafter is not None:
             self.drafter.forget(out.finished_ids)
-        self._move_blocks(out)
+        self.blocks.move(out)
         if out.is_empty:
             return ModelRunnerOutput({}, {})
         draft_passes, catch_up_tokens, draft_seconds, unfilled = 0, 0, 0.0, False
@@ -52,11 +64,16 @@ class ModelRunner:
             draft_seconds = time.perf_counter() - t0
             unfilled = not any(item.draft_token_ids for item in out.scheduled)
         inputs = build_inputs(out.scheduled, self.block_size, self.device)
-        metadata = self.backend.build_metadata(inputs)
-        indices = inputs.sample_indices
-        if inputs.scored_indices:
-            indices = torch.cat([indices, torch.tensor(inputs.scored_indices, dtype=torch.long, device=self.device)])
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata, indices)
+        size = self.graphs.bucket(inputs) if self.graphs is not None else None
+        if size is not None:
+            logits = self.graphs.run(inputs, size)[inputs.sample_indices]
+        else:
+            metadata = self.backend.build_metadata(inputs)
+            indices = inputs.sample_indices
+            if inputs.scored_indices:
+                indices = torch.cat([indices, torch.tensor(inputs.scored_indices, dtype=torch.long,
+                                                           device=self.device)])
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata, indices)
         num_sampled = len(inputs.sample_indices)
         result = self.sampler(logits[:num_sampled], inputs.sampled_requests, inputs.sampled_drafts)
         sampled, logprobs = {}, {}
@@ -69,17 +86,6 @@ class ModelRunner:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
         return ModelRunnerOutput(sampled, logprobs, result.errors, draft_passes, draft_seconds, unfilled,
                                  catch_up_tokens, _prompt_logprobs(logits[num_sampled:], inputs.scored_prompts))
-
-    def _move_blocks(self, out: SchedulerOutput) -> None:
-        """Swap out, swap in, then copy-on-write copies: batched index copies, in that order."""
-        dim = self.backend.block_dim()
-        for pairs, src_cache, dst_cache in ((out.blocks_to_swap_out, self.kv_cache, self.host_cache),
-                                            (out.blocks_to_swap_in, self.host_cache, self.kv_cache),
-                                            (out.blocks_to_copy, self.kv_cache, self.kv_cache)):
-            if pairs:
-                src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_cache.device)
-                dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_cache.device)
-                dst_cache.index_copy_(dim, dst, src_cache.index_select(dim, src).to(dst_cache.device))
 
 
 def _prompt_logprobs(logits: torch.Tensor, scored: list) -> dict[str, tuple[int, list[dict[int, float]]]]:

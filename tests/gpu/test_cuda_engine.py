@@ -1,12 +1,16 @@
 """The engine on CUDA (marked `gpu`: `make test-gpu` on a machine with an NVIDIA GPU).
 
 float32 with the torch backend equals transformers on the same GPU token for token; bfloat16
-(the CUDA default) with the flash backend (torch's FlashAttention-2 kernel) and with the torch
-backend is as faithful to float32 as transformers' own bfloat16. Every scheduler feature is on
-in some run: chunked prefill with cached context, prefix sharing, swap and recompute preemption.
+(the CUDA default) with the Triton paged kernel (decode steps in CUDA graphs), the flash backend
+(torch's FlashAttention-2 over gathered contexts) and the torch backend is as faithful to float32
+as transformers' own bfloat16. Every scheduler feature is on in some run: chunked prefill with
+cached context, prefix sharing, swap and recompute preemption. CUDA graphs on and off give the
+same tokens; swapping through the side stream gives the tokens of a run that never swaps; the
+KV pool is sized from the GPU's memory.
 """
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -56,6 +60,10 @@ def _check_pool(llm: LLM, args: dict) -> None:
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
+def _graph_replays(llm: LLM) -> int:
+    return llm.engine.runner.graphs.replays if llm.engine.runner.graphs is not None else 0
+
+
 @pytest.mark.parametrize("engine_args", FEATURES, ids=FEATURE_IDS)
 def test_float32_greedy_equals_transformers_on_cuda(model_dir, prompts, engine_args):
     llm = LLM(model_dir, device="cuda", dtype="float32", **engine_args)
@@ -69,7 +77,7 @@ def bf16_reference(model_dir, prompts) -> list[list[int]]:
     return hf_greedy(model_dir, prompts, MAX_NEW, device="cuda", dtype=torch.bfloat16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("backend", ["flash", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "flash", "torch"])
 @pytest.mark.parametrize("engine_args", FEATURES, ids=FEATURE_IDS)
 def test_bfloat16_greedy_is_as_faithful_as_transformers_on_cuda(model_dir, prompts, bf16_reference, backend,
                                                                engine_args):
@@ -79,12 +87,122 @@ def test_bfloat16_greedy_is_as_faithful_as_transformers_on_cuda(model_dir, promp
     outputs = _greedy(llm, prompts, ignore_eos=True)
     assert_as_faithful_as_transformers(model_dir, prompts, outputs, bf16_reference, device="cuda")
     _check_pool(llm, engine_args)
+    assert (_graph_replays(llm) > 0) == (backend == "triton")  # decode steps replayed graphs
 
 
-def test_auto_picks_flash_in_bfloat16_on_cuda(model_dir):
+def test_auto_picks_the_paged_kernel_with_graphs_in_bfloat16_on_cuda(model_dir):
     llm = LLM(model_dir, device="cuda")
-    assert (llm.engine.runner.backend.name, llm.engine.runner.kv_cache.dtype) == ("flash", torch.bfloat16)
-    assert llm.engine.runner.kv_cache.device.type == "cuda"
+    runner = llm.engine.runner
+    assert (runner.backend.name, runner.kv_cache.dtype) == ("triton", torch.bfloat16)
+    assert runner.kv_cache.device.type == "cuda"
+    assert runner.graphs.sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]  # max_num_seqs 64
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("engine_args", FEATURES, ids=FEATURE_IDS)
+def test_cuda_graphs_on_and_off_give_the_same_tokens(model_dir, prompts, dtype, engine_args):
+    """The same engine with decode steps replayed from graphs (padded to their buckets) and run
+    eagerly: the same greedy tokens, in float32 (full-precision products) and in bfloat16."""
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(model_dir, device="cuda", dtype=dtype, attention_backend="triton", enforce_eager=eager,
+                  **engine_args)
+        runs[eager] = _greedy(llm, prompts, ignore_eos=True)
+        assert (_graph_replays(llm) > 0) != eager
+        _check_pool(llm, engine_args)
+    assert runs[False] == runs[True]
+
+
+def test_swap_through_the_side_stream_gives_the_tokens_of_a_run_without_swaps(model_dir, prompts):
+    """A pool of 40 blocks of 4 tokens forces swap preemptions (blocks out to pinned host memory
+    and back on the side stream); float32 makes every row's tokens independent of the batch."""
+    common = dict(device="cuda", dtype="float32", attention_backend="triton", block_size=4,
+                  max_num_batched_tokens=32)
+    swapped = LLM(model_dir, num_blocks=40, preemption_mode="swap", **common)
+    roomy = LLM(model_dir, num_blocks=4000, **common)
+    assert _greedy(swapped, prompts, ignore_eos=True) == _greedy(roomy, prompts, ignore_eos=True)
+    stats = swapped.engine.get_stats()
+    assert stats.num_preemptions_swap > 0 and stats.num_blocks_swapped_in > 0
+    assert roomy.engine.get_stats().num_preemptions_swap == 0
+    _check_pool(swapped, {})
+
+
+def test_the_kv_pool_is_sized_from_gpu_memory(model_dir):
+    """With no kv_cache_memory_bytes, the pool is what gpu_memory_utilization leaves: raising it by
+    2% of the card adds that many bytes of blocks (both under the max_num_seqs cap); a fraction
+    that leaves nothing is refused, saying why."""
+    args = dict(device="cuda", max_num_seqs=4096, max_model_len=2048, enforce_eager=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    fraction = (total - free + 256 * 2**20) / total  # about 256 MiB beyond what is in use now
+    blocks = {}
+    for extra in (0.0, 0.02):
+        engine = LLM(model_dir, gpu_memory_utilization=fraction + extra, **args).engine
+        blocks[extra] = engine.kv.pool.num_blocks
+        block_bytes = engine.runner.kv_cache[:, :, :1].numel() * engine.runner.kv_cache.element_size()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    added = (blocks[0.02] - blocks[0.0]) * block_bytes
+    assert blocks[0.0] > 0 and abs(added - 0.02 * total) < 0.002 * total, (blocks, block_bytes, total)
+    with pytest.raises(ValueError, match="leaves no memory for the KV cache"):
+        LLM(model_dir, gpu_memory_utilization=0.001, **args)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (32, 8, 64), (8, 2, 128)])
+def test_the_paged_kernel_agrees_with_the_gather_fallback(block_size, heads, kv_heads, head_dim):
+    """The Triton kernel reading blocks in place against the flash backend's gather and
+    FlashAttention-2 on one ragged bfloat16 batch (decodes, chunks with cached context, a first
+    chunk), both against float32 attention."""
+    from engine.attention.selector import select_backend
+    from engine.runner.inputs import build_inputs
+    from engine.scheduler.output import ScheduledRequest
+    from tests.engine.helpers import make_request
+
+    gen = torch.Generator().manual_seed(block_size + heads)
+    shapes = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]
+    num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 8
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    scheduled = []
+    for start, n in shapes:
+        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
+        request = make_request(start + n)
+        scheduled.append(ScheduledRequest(request, request.token_ids[start:], start, table, True))
+    device, scale = torch.device("cuda"), head_dim ** -0.5
+    inputs = build_inputs(scheduled, block_size, device)
+    ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
+    keys = {id(s): torch.randn(s.start_pos + len(s.token_ids), kv_heads, head_dim, generator=gen) for s in ordered}
+    values = {i: torch.randn(k.shape, generator=gen) for i, k in keys.items()}
+    q = torch.randn(inputs.input_ids.shape[0], heads, head_dim, generator=gen)
+    outputs = {}
+    for name in ("triton", "flash"):
+        backend = select_backend(name, device, torch.bfloat16, scale)
+        cache = backend.allocate_kv_cache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, device)[0]
+        flat = cache.view(2, -1, kv_heads, head_dim)
+        for s in ordered:  # the cached context, straight into the blocks
+            slots = torch.tensor([s.block_table[p // block_size] * block_size + p % block_size
+                                  for p in range(s.start_pos)], dtype=torch.long, device=device)
+            flat[0, slots] = keys[id(s)][:s.start_pos].to(device, torch.bfloat16)
+            flat[1, slots] = values[id(s)][:s.start_pos].to(device, torch.bfloat16)
+        k = torch.cat([keys[id(s)][s.start_pos:] for s in ordered]).to(device, torch.bfloat16)
+        v = torch.cat([values[id(s)][s.start_pos:] for s in ordered]).to(device, torch.bfloat16)
+        outputs[name] = backend.forward(q.to(device, torch.bfloat16), k, v, cache,
+                                        backend.build_metadata(inputs)).view(-1, heads, head_dim).float().cpu()
+    group = heads // kv_heads
+    for b, s in enumerate(ordered):
+        t0, t1 = inputs.query_start_loc[b], inputs.query_start_loc[b + 1]
+        kk = keys[id(s)].bfloat16().float().repeat_interleave(group, dim=1)
+        vv = values[id(s)].bfloat16().float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[t0:t1].bfloat16().float(), kk) * scale
+        visible = torch.arange(kk.shape[0])[None, :] <= (s.start_pos + torch.arange(t1 - t0))[:, None]
+        expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+        for name, out in outputs.items():
+            error = (out[t0:t1] - expected).norm() / expected.norm()
+            assert error < 1e-2, (name, s.start_pos, t1 - t0, error.item())
+        paged_vs_gather = (outputs["triton"][t0:t1] - outputs["flash"][t0:t1]).norm() / expected.norm()
+        assert paged_vs_gather < 1e-2, (s.start_pos, t1 - t0, paged_vs_gather.item())
 
 
 def test_sampling_on_cuda_is_seeded_and_batch_independent(model_dir, prompts):

@@ -1,0 +1,166 @@
+"""CUDA attention that reads the paged cache where it lies: one Triton kernel over the step's ragged
+batch (prefill chunks and decodes), walking each sequence's block table, so no step copies a
+context out of the cache (the flash backend gathers every context, every layer, every step).
+
+A program takes one tile of a sequence's queries (BLOCK_Q tokens) for one KV head, with that
+head's query heads packed into the tile's rows (GQA: the keys and values are read once for the
+group), and runs an online softmax over the key tiles up to its last query's position: causal
+within a chunk, every cached token before it. Scores and softmax in float32, as FlashAttention
+(a float32 model's products in full float32, not TF32).
+Decodes (one query each) and prefill chunks are two launches of the same kernel with their own
+tile height, so a decode tile is not 15/16 padding. Decode metadata lives in fixed-size tensors,
+so decode-only steps can be captured in CUDA graphs (engine/runner/cuda_graphs.py).
+Cache layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), as the flash backend's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.base import AttentionBackend
+from engine.batch import ModelInputs
+
+KEY_TILE = 32  # keys per inner step; a power of two of at least 16 (tl.dot), any block size
+PREFILL_QUERIES = 16  # query tokens per prefill tile (times the group: the tile's rows)
+
+
+@triton.jit
+def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                     tile_seq_ptr, tile_start_ptr, scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first_query = tl.load(tile_start_ptr + tile)  # this tile's first query, counted within its sequence
+    query_start = tl.load(query_start_ptr + seq)
+    num_queries = tl.load(query_start_ptr + seq + 1) - query_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    cached = seq_len - num_queries  # position of the sequence's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    query = first_query + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (query < num_queries)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (query_start + query)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    position = cached + query
+    key_end = cached + tl.minimum(first_query + BLOCK_Q, num_queries)  # keys the tile's last query sees
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+    for start in range(0, key_end, BLOCK_N):
+        key = start + keys
+        key_ok = key < key_end
+        block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) in float32
+        s = tl.where(key_ok[None, :] & (key[None, :] <= position[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (padding)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (query_start + query)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@dataclass(slots=True)
+class Launch:
+    """One launch's tiles: tile_seq[i] is the sequence of tile i, tile_start[i] its first query."""
+    tile_seq: torch.Tensor  # (tiles,) int32
+    tile_start: torch.Tensor  # (tiles,) int32
+    block_q: int  # query tokens per tile
+
+
+@dataclass(slots=True)
+class PagedMetadata:
+    slot_mapping: torch.Tensor  # (T,) where the step's new keys go
+    block_tables: torch.Tensor  # (B, width) int32, each sequence's blocks (rows past its length unread)
+    seq_lens: torch.Tensor  # (B,) int32 context length after this step
+    query_start: torch.Tensor  # (B + 1,) int32 token offsets
+    launches: list[Launch]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+    captures_decodes = True
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                           device=device)
+
+    def block_dim(self) -> int:
+        return 2
+
+    def build_metadata(self, inputs: ModelInputs) -> PagedMetadata:
+        device = inputs.input_ids.device
+
+        def int32(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        width = max(map(len, inputs.block_tables))
+        tables = int32([t + [0] * (width - len(t)) for t in inputs.block_tables])
+        num_decodes, launches = inputs.num_decodes, []
+        if num_decodes:
+            launches.append(Launch(int32(range(num_decodes)), int32([0] * num_decodes), 1))
+        if num_decodes < len(inputs.seq_lens):
+            tiles = [(b, first) for b in range(num_decodes, len(inputs.seq_lens))
+                     for first in range(0, inputs.query_start_loc[b + 1] - inputs.query_start_loc[b], PREFILL_QUERIES)]
+            launches.append(Launch(int32([b for b, _ in tiles]), int32([f for _, f in tiles]), PREFILL_QUERIES))
+        return PagedMetadata(inputs.slot_mapping, tables, int32(inputs.seq_lens), int32(inputs.query_start_loc),
+                             launches)
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        ) -> PagedMetadata:
+        """Metadata of a decode-only step over fixed buffers (a CUDA graph's inputs): every
+        sequence one query, so the tiles are the sequences themselves."""
+        n, device = seq_lens.numel(), seq_lens.device
+        return PagedMetadata(slot_mapping, block_tables, seq_lens,
+                             torch.arange(n + 1, dtype=torch.int32, device=device),
+                             [Launch(torch.arange(n, dtype=torch.int32, device=device),
+                                     torch.zeros(n, dtype=torch.int32, device=device), 1)])
+
+    def forward(self, q, k, v, layer_cache, metadata: PagedMetadata, kv_written: bool = False):
+        _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
+        if not kv_written:
+            flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+            flat[0].index_copy_(0, metadata.slot_mapping, k)
+            flat[1].index_copy_(0, metadata.slot_mapping, v)
+        out = torch.empty_like(q)
+        group = q.shape[1] // num_kv_heads
+        for launch in metadata.launches:
+            self._launch(out, q, layer_cache, metadata, launch, group)
+        return out.reshape(q.shape[0], -1)
+
+    def _launch(self, out, q, layer_cache, metadata: PagedMetadata, launch: Launch, group: int) -> None:
+        _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+        key_cache, value_cache = layer_cache[0], layer_cache[1]
+        _paged_attention[(launch.tile_seq.numel(), num_kv_heads)](
+            out, q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start,
+            launch.tile_seq, launch.tile_start, self.scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), metadata.block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), BLOCK_Q=launch.block_q,
+            BLOCK_M=max(16, _pow2(launch.block_q * group)), BLOCK_N=max(KEY_TILE, _pow2(block_size)),
+            BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")

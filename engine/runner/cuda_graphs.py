@@ -1,0 +1,115 @@
+"""Decode-only steps replayed from CUDA graphs: one graph per batch-size bucket, captured at start.
+
+A decode step of a small model is bound by launching each layer's kernels from Python, not by the
+GPU (the weights take microseconds to read); a graph launches the whole forward at once. Each
+bucket's graph reads fixed buffers (token ids, positions, KV slots, block tables, context
+lengths), so a step copies its inputs in, pads to the bucket, and replays. Padding rows attend to
+one token of a sink block that no request owns and write their keys there. Steps with a prefill
+chunk, or more rows than the largest bucket, run eagerly. The graphs share one memory pool;
+buckets are captured smallest first until `memory_bytes` is used.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import ModelInputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # (size, vocab), written by each replay
+    inputs: tuple  # tensors the graph reads besides the shared buffers: alive as long as it is
+
+
+def default_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's buckets: 1, 2, 4, then every 8, up to max_num_seqs (and at most 512)."""
+    limit = min(max_num_seqs, 512)
+    return sorted({s for s in (1, 2, 4, *range(8, limit + 1, 8), limit) if s <= limit})
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSettings:
+    sizes: list[int]  # batch sizes (decode rows) captured
+    memory_bytes: int  # the most the graphs' memory pool may take
+    max_model_len: int  # block tables are this long
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend, kv_cache: torch.Tensor, sink_block: int, block_size: int,
+                 settings: GraphSettings):
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+        self.sink_block, self.block_size = sink_block, block_size
+        device, largest, memory_bytes = kv_cache.device, max(settings.sizes), settings.memory_bytes
+        width = -(-settings.max_model_len // block_size)
+        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((largest,), sink_block * block_size, dtype=torch.long, device=device)
+        self.block_tables = torch.full((largest, width), sink_block, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        start = torch.cuda.memory_reserved(device)
+        for size in sorted(settings.sizes):
+            self.graphs[size] = self._capture(size)
+            used = torch.cuda.memory_reserved(device) - start
+            if used > memory_bytes:
+                del self.graphs[size]
+                logger.info("CUDA graphs: bucket %d would take the graphs' memory to %.0f MiB, over the cap of "
+                            "%.0f MiB; larger decode steps run eagerly", size, used / 2**20, memory_bytes / 2**20)
+                break
+        self.sizes = sorted(self.graphs)
+        self.replays = 0  # decode steps run from a graph
+
+    def _capture(self, size: int) -> _Graph:
+        metadata = self.backend.decode_metadata(self.slot_mapping[:size], self.block_tables[:size],
+                                                self.seq_lens[:size])
+        rows = torch.arange(size, device=self.kv_cache.device)
+
+        def forward():
+            return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self.backend, metadata,
+                              rows)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            forward()  # warm-up outside the graph: kernels compiled and autotuned, workspaces made
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
+            logits = forward()
+        return _Graph(graph, logits, (metadata, rows))
+
+    def bucket(self, inputs: ModelInputs) -> int | None:
+        """The smallest captured size holding this step, if it is decode-only and fits one."""
+        num_tokens = inputs.input_ids.shape[0]
+        if inputs.num_decodes != num_tokens or inputs.scored_indices or not self.sizes:
+            return None
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def run(self, inputs: ModelInputs, size: int) -> torch.Tensor:
+        """Logits (T, vocab) of every row of a decode-only step, from the graph of `size`."""
+        n = inputs.input_ids.shape[0]
+        self.input_ids[:n].copy_(inputs.input_ids)
+        self.positions[:n].copy_(inputs.positions)
+        self.slot_mapping[:n].copy_(inputs.slot_mapping)
+        width = max(map(len, inputs.block_tables))
+        self.block_tables[:n, :width].copy_(torch.tensor(
+            [t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32))
+        self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32))
+        self.input_ids[n:size].zero_()  # padding: token 0 at position 0, one key in the sink block
+        self.positions[n:size].zero_()
+        self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
+        self.block_tables[n:size, 0].fill_(self.sink_block)
+        self.seq_lens[n:size].fill_(1)
+        captured = self.graphs[size]
+        captured.graph.replay()
+        self.replays += 1
+        return captured.logits[:n]
