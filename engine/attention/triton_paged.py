@@ -78,6 +78,35 @@ def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_pt
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+@triton.jit
+def _rope_and_write(qkv_ptr, cos_ptr, sin_ptr, qk_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                    stride_qkv, stride_cos, stride_qk, stride_slot,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """One head of one token: a query head is rotated into qk; a key head is rotated into qk and
+    its slot; a value head is copied to its slot. Rounds as the layer's torch ops do: x * cos in
+    the model's dtype, then + roll(x) * sin in float32, rounded once."""
+    token, head = tl.program_id(0), tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    ok = dims < HEAD_DIM
+    row = qkv_ptr + token * stride_qkv + head * HEAD_DIM
+    x = tl.load(row + dims, mask=ok, other=0.0)
+    slot = tl.load(slot_ptr + token * stride_slot).to(tl.int64)
+    cache_offset = (slot * NUM_KV_HEADS + head - NUM_HEADS) * HEAD_DIM
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        rolled = tl.load(row + (dims + HEAD_DIM // 2) % HEAD_DIM, mask=ok, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + token * stride_cos + dims, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_cos + dims, mask=ok, other=0.0).to(tl.float32)
+        scaled = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+        out = (scaled + rolled * sin).to(x.dtype)
+        tl.store(qk_ptr + token * stride_qk + head * HEAD_DIM + dims, out, mask=ok)
+        if head >= NUM_HEADS:
+            tl.store(k_cache_ptr + cache_offset + dims, out.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(v_cache_ptr + cache_offset - NUM_KV_HEADS * HEAD_DIM + dims, x.to(v_cache_ptr.dtype.element_ty),
+                 mask=ok)
+
+
 @dataclass(slots=True)
 class Launch:
     """One launch's tiles: tile_seq[i] is the sequence of tile i, tile_start[i] its first query."""
@@ -140,6 +169,18 @@ class TritonPagedBackend(AttentionBackend):
                              torch.arange(n + 1, dtype=torch.int32, device=device),
                              [Launch(torch.arange(n, dtype=torch.int32, device=device),
                                      torch.zeros(n, dtype=torch.int32, device=device), 1)])
+
+    def rope_and_write(self, qkv, cos, sin, layer_cache, metadata: PagedMetadata, num_heads):
+        """RoPE of q and k and the write of k and v to their slots in one kernel, instead of five
+        ops a layer (a decode step's time is its kernel count)."""
+        _, _, _, num_kv_heads, head_dim = layer_cache.shape
+        num_tokens = qkv.shape[0]
+        qk = torch.empty(num_tokens, num_heads + num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        _rope_and_write[(num_tokens, num_heads + 2 * num_kv_heads)](
+            qkv, cos, sin, qk, layer_cache[0], layer_cache[1], metadata.slot_mapping,
+            qkv.stride(0), cos.stride(0), qk.stride(0), metadata.slot_mapping.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim))
+        return qk
 
     def forward(self, q, k, v, layer_cache, metadata: PagedMetadata, kv_written: bool = False):
         _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape

@@ -22,6 +22,8 @@ products (AVX512-BF16, AMX); on AVX2 they beat fp32 only on a few rows (BENCHMAR
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -36,10 +38,27 @@ KERNEL_FORMATS = {GGMLQuantizationType.Q8_0: 0, GGMLQuantizationType.Q4_1: 1}  #
 BF16_Q8_0_FORMAT = 2  # the kernel's code for Q8_0 blocks times activations rounded to bf16
 
 
+@functools.cache
+def _triton_ops():
+    """engine.models.cuda_ops where Triton imports, else None."""
+    try:
+        from engine.models import cuda_ops
+    except ImportError:
+        return None
+    return cuda_ops
+
+
+def _fused_ops(x: torch.Tensor):
+    """The Triton kernels for a 16-bit CUDA tensor, where they load; None elsewhere."""
+    return _triton_ops() if x.is_cuda and x.dtype != torch.float32 else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' order in 16-bit dtypes: normalize in float32, round, then scale (fused in float32)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], weight, eps)
+    if (ops := _fused_ops(x)) is not None:
+        return ops.rms_norm(x, weight, eps)
     return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
 
 
@@ -48,6 +67,8 @@ def prologue(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, swiglu: b
     if norm is not None:
         return rms_norm(x, *norm)
     if swiglu:
+        if (ops := _fused_ops(x)) is not None:
+            return ops.swiglu(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
     return x
