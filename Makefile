@@ -71,7 +71,7 @@ WHEELS ?=
 test-gpu: $(if $(filter $(PY),$(GPU_PY)),lint)
 ifneq ($(WHEELS),)
 	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(WHEELS)/site $(WHEELS)/*.whl
-	PYTHONPATH=$(WHEELS)/site $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+	PYTHONPATH=$(WHEELS)/site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
 else
 	$(GPU_PY) -m pytest -q -m gpu tests/gpu
 endif
