@@ -55,3 +55,22 @@ class AttentionBackend(ABC):
         int32 block tables and context lengths, so a CUDA graph can replay it over new values;
         for backends with `captures_decodes`."""
         raise NotImplementedError(f"the {self.name} backend builds its metadata per step")
+
+
+class BlockMajorCache:
+    """The CUDA backends' cache layout: per layer (2, num_blocks, block_size, num_kv_heads, head_dim),
+    each slot's heads contiguous, so a slot is one index of the flattened (2, slots, heads, dim)."""
+
+    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                           device=device)
+
+    def block_dim(self) -> int:
+        return 2
+
+    @staticmethod
+    def write_kv(layer_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v (T, num_kv_heads, head_dim) into their slots."""
+        flat = layer_cache.view(2, -1, *layer_cache.shape[-2:])
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)

@@ -5,7 +5,7 @@ Each step gathers every scheduled request's context (its cached tokens and the s
 from the paged cache into one packed (sum of context lengths, kv_heads, head_dim) pair, then runs
 one varlen kernel over the whole ragged batch: prefill chunks and decodes together. The gather is
 a copy of the batch's context per layer; a kernel that reads block tables in place would skip it.
-Cache layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim).
+Cache layout: BlockMajorCache.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, BlockMajorCache
 from engine.batch import ModelInputs
 
 
@@ -27,18 +27,11 @@ class FlashAttentionMetadata:
     max_seqlen_k: int
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(BlockMajorCache, AttentionBackend):
     name = "flash"
 
     def __init__(self, scale: float):
         self.scale = scale
-
-    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                           device=device)
-
-    def block_dim(self) -> int:
-        return 2
 
     def build_metadata(self, inputs: ModelInputs) -> FlashAttentionMetadata:
         device, block_size = inputs.input_ids.device, inputs.block_size
@@ -57,11 +50,9 @@ class FlashAttentionBackend(AttentionBackend):
             max(q_lens), max(inputs.seq_lens))
 
     def forward(self, q, k, v, layer_cache, metadata: FlashAttentionMetadata, kv_written: bool = False):
-        num_kv_heads, head_dim = layer_cache.shape[-2:]
-        flat = layer_cache.view(2, -1, num_kv_heads, head_dim)
         if not kv_written:
-            flat[0].index_copy_(0, metadata.slot_mapping, k)
-            flat[1].index_copy_(0, metadata.slot_mapping, v)
+            self.write_kv(layer_cache, metadata.slot_mapping, k, v)
+        flat = layer_cache.view(2, -1, *layer_cache.shape[-2:])
         keys = flat[0].index_select(0, metadata.context_slots)
         values = flat[1].index_select(0, metadata.context_slots)
         out = torch.ops.aten._flash_attention_forward(

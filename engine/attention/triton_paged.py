@@ -10,7 +10,7 @@ within a chunk, every cached token before it. Scores and softmax in float32, as 
 Decodes (one query each) and prefill chunks are two launches of the same kernel with their own
 tile height, so a decode tile is not 15/16 padding. Decode metadata lives in fixed-size tensors,
 so decode-only steps can be captured in CUDA graphs (engine/runner/cuda_graphs.py).
-Cache layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), as the flash backend's.
+Cache layout: BlockMajorCache, as the flash backend's.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, BlockMajorCache
 from engine.batch import ModelInputs
 
 KEY_TILE = 32  # keys per inner step; a power of two of at least 16 (tl.dot), any block size
@@ -128,19 +128,12 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class TritonPagedBackend(AttentionBackend):
+class TritonPagedBackend(BlockMajorCache, AttentionBackend):
     name = "triton"
     captures_decodes = True
 
     def __init__(self, scale: float):
         self.scale = scale
-
-    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                           device=device)
-
-    def block_dim(self) -> int:
-        return 2
 
     def build_metadata(self, inputs: ModelInputs) -> PagedMetadata:
         device = inputs.input_ids.device
@@ -183,13 +176,10 @@ class TritonPagedBackend(AttentionBackend):
         return qk
 
     def forward(self, q, k, v, layer_cache, metadata: PagedMetadata, kv_written: bool = False):
-        _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
         if not kv_written:
-            flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-            flat[0].index_copy_(0, metadata.slot_mapping, k)
-            flat[1].index_copy_(0, metadata.slot_mapping, v)
+            self.write_kv(layer_cache, metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
-        group = q.shape[1] // num_kv_heads
+        group = q.shape[1] // layer_cache.shape[-2]
         for launch in metadata.launches:
             self._launch(out, q, layer_cache, metadata, launch, group)
         return out.reshape(q.shape[0], -1)
