@@ -13,7 +13,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler.output import SchedulerOutput
+from engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
 
 _ids = itertools.count()
@@ -43,6 +43,19 @@ def make_request(num_tokens: int = 10, max_tokens: int = 4, prompt: list[int] | 
     prompt = prompt if prompt is not None else [1 + (next(_ids) * 7 + i) % 97 for i in range(num_tokens)]
     return Request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
                    priority=priority, arrival_time=arrival_time)
+
+
+def ragged_batch(seed: int, shapes: list[tuple[int, int]], num_blocks: int, block_size: int
+                 ) -> list[ScheduledRequest]:
+    """A scheduled request per (start_pos, num_new), each with blocks of its own drawn at random."""
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    scheduled = []
+    for start, n in shapes:
+        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
+        request = make_request(start + n)
+        scheduled.append(ScheduledRequest(request, request.token_ids[start:], start, table, True))
+    return scheduled
 
 
 def sampled(out: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:

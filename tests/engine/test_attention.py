@@ -11,7 +11,7 @@ from engine.cpu_kernels import load_cpu_kernels
 from engine.models.llama import _rope
 from engine.runner.inputs import build_inputs
 from engine.scheduler.output import ScheduledRequest
-from tests.engine.helpers import make_request
+from tests.engine.helpers import ragged_batch
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 6, 16, 4, 160
 MIXED = [(13, 1), (2, 1), (30, 1), (7, 1), (0, 9), (10, 6)]  # (start_pos, num_new): 4 decodes, 2 prefills
@@ -19,15 +19,7 @@ LONG_DECODES = [(199, 1), (63, 1), (64, 1), (127, 1), (0, 3)]  # contexts of 1-3
 
 
 def _batch(seed: int, shapes: list[tuple[int, int]]):
-    """A request per (start_pos, num_new), each with blocks of its own."""
-    gen = torch.Generator().manual_seed(seed)
-    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    scheduled = []
-    for start, n in shapes:
-        table = [free.pop() for _ in range(-(-(start + n) // BLOCK))]
-        request = make_request(start + n)
-        scheduled.append(ScheduledRequest(request, request.token_ids[start:], start, table, True))
-    return scheduled
+    return ragged_batch(seed, shapes, NUM_BLOCKS, BLOCK)
 
 
 def _reference(q, keys, values, start, n):

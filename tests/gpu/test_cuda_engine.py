@@ -158,18 +158,12 @@ def test_the_paged_kernel_agrees_with_the_gather_fallback(block_size, heads, kv_
     chunk), both against float32 attention."""
     from engine.attention.selector import select_backend
     from engine.runner.inputs import build_inputs
-    from engine.scheduler.output import ScheduledRequest
-    from tests.engine.helpers import make_request
+    from tests.engine.helpers import ragged_batch
 
     gen = torch.Generator().manual_seed(block_size + heads)
     shapes = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]
     num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 8
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    scheduled = []
-    for start, n in shapes:
-        table = [free.pop() for _ in range(-(-(start + n) // block_size))]
-        request = make_request(start + n)
-        scheduled.append(ScheduledRequest(request, request.token_ids[start:], start, table, True))
+    scheduled = ragged_batch(block_size + heads, shapes, num_blocks, block_size)
     device, scale = torch.device("cuda"), head_dim ** -0.5
     inputs = build_inputs(scheduled, block_size, device)
     ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
