@@ -1,8 +1,8 @@
 """Executes one scheduled step: block swaps and copies, the ragged forward, sampling.
 
 Owns the device KV cache and its host swap mirror, and on CUDA the decode steps' graphs; makes no
-scheduling decisions. The step's one host sync is the sampler's: its tokens and logprobs come
-back together.
+scheduling decisions. After the forward the step waits for the GPU once: the sampler's tokens
+and logprobs come back together.
 """
 from __future__ import annotations
 
