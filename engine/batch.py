@@ -35,6 +35,17 @@ class ModelInputs:
     scored_indices: list[int] = field(default_factory=list)
     scored_prompts: list[tuple[Request, int, int]] = field(default_factory=list)
 
+    @classmethod
+    def one_sequence(cls, token_ids: torch.Tensor, start: int, num_blocks: int, block_size: int,
+                     sample_indices: torch.Tensor) -> ModelInputs:
+        """A chunk of one sequence, its tokens at positions start.., over a scratch cache whose blocks
+        0..num_blocks-1 hold it in order (slot = position): quality scoring, the serving mix's
+        timings and the GPU memory profile run the model so, outside the scheduler."""
+        n = token_ids.shape[0]
+        positions = torch.arange(start, start + n, device=token_ids.device)
+        return cls(token_ids, positions, positions.clone(), [0, n], [start + n], [start], [list(range(num_blocks))],
+                   0, block_size, sample_indices, [], [], [])
+
 
 class WithDrafts:
     """A request as seen at a draft position: its tokens followed by the drafts before it. Reads

@@ -50,10 +50,8 @@ class WindowRunner:
         logits = []
         for start in range(0, len(token_ids), self.chunk):
             end = min(start + self.chunk, len(token_ids))
-            positions = torch.arange(start, end)
-            inputs = ModelInputs(torch.tensor(token_ids[start:end]), positions, positions.clone(), [0, end - start],
-                                 [end], [start], [list(range(self.num_blocks))], 0, self.block_size,
-                                 torch.arange(end - start), [], [], [])
+            inputs = ModelInputs.one_sequence(torch.tensor(token_ids[start:end]), start, self.num_blocks,
+                                              self.block_size, torch.arange(end - start))
             logits.append(self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                                      self.backend.build_metadata(inputs), inputs.sample_indices))
         return torch.cat(logits)

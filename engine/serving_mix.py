@@ -95,9 +95,8 @@ class _StepRunner:
     def inputs(self, step: MixStep) -> ModelInputs:
         if step.num_prefill_tokens:
             n = self.chunk
-            positions = torch.arange(n)
-            return ModelInputs(torch.zeros(n, dtype=torch.long), positions, positions.clone(), [0, n], [n], [0],
-                               [list(range(self.num_blocks))], 0, BLOCK_SIZE, torch.tensor([n - 1]), [], [], [])
+            return ModelInputs.one_sequence(torch.zeros(n, dtype=torch.long), 0, self.num_blocks, BLOCK_SIZE,
+                                            torch.tensor([n - 1]))
         rows, ctx = step.num_decode_rows, self.context
         tables = [list(range(r * self.blocks_per_row, (r + 1) * self.blocks_per_row)) for r in range(rows)]
         slots = [t[ctx // BLOCK_SIZE] * BLOCK_SIZE + ctx % BLOCK_SIZE for t in tables]

@@ -124,6 +124,12 @@ class PagedMetadata:
     launches: list[Launch]
 
 
+def _decode_launch(num_decodes: int, device: torch.device) -> Launch:
+    """The first num_decodes sequences, one query each: a tile each (made on the device, no copy up)."""
+    return Launch(torch.arange(num_decodes, dtype=torch.int32, device=device),
+                  torch.zeros(num_decodes, dtype=torch.int32, device=device), 1)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -145,7 +151,7 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
         tables = int32([t + [0] * (width - len(t)) for t in inputs.block_tables])
         num_decodes, launches = inputs.num_decodes, []
         if num_decodes:
-            launches.append(Launch(int32(range(num_decodes)), int32([0] * num_decodes), 1))
+            launches.append(_decode_launch(num_decodes, device))
         if num_decodes < len(inputs.seq_lens):
             tiles = [(b, first) for b in range(num_decodes, len(inputs.seq_lens))
                      for first in range(0, inputs.query_start_loc[b + 1] - inputs.query_start_loc[b], PREFILL_QUERIES)]
@@ -159,9 +165,7 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
         sequence one query, so the tiles are the sequences themselves."""
         n, device = seq_lens.numel(), seq_lens.device
         return PagedMetadata(slot_mapping, block_tables, seq_lens,
-                             torch.arange(n + 1, dtype=torch.int32, device=device),
-                             [Launch(torch.arange(n, dtype=torch.int32, device=device),
-                                     torch.zeros(n, dtype=torch.int32, device=device), 1)])
+                             torch.arange(n + 1, dtype=torch.int32, device=device), [_decode_launch(n, device)])
 
     def rope_and_write(self, qkv, cos, sin, layer_cache, metadata: PagedMetadata, num_heads):
         """RoPE of q and k and the write of k and v to their slots in one kernel, instead of five

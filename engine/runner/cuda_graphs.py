@@ -104,11 +104,12 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(torch.tensor(
             [t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32))
         self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32))
-        self.input_ids[n:size].zero_()  # padding: token 0 at position 0, one key in the sink block
-        self.positions[n:size].zero_()
-        self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
-        self.block_tables[n:size, 0].fill_(self.sink_block)
-        self.seq_lens[n:size].fill_(1)
+        if n < size:  # padding: token 0 at position 0, one key in the sink block
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
+            self.block_tables[n:size, 0].fill_(self.sink_block)
+            self.seq_lens[n:size].fill_(1)
         captured = self.graphs[size]
         captured.graph.replay()
         self.replays += 1

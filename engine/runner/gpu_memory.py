@@ -28,10 +28,9 @@ def peak_step_bytes(model, backend: AttentionBackend, device: torch.device, kv_d
     cache = backend.allocate_kv_cache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
                                       kv_dtype, device)
     cache_bytes = cache.numel() * cache.element_size()
-    positions = torch.arange(num_tokens, device=device)
     rows = torch.arange(num_tokens - num_sampled, num_tokens, device=device)
-    inputs = ModelInputs(torch.zeros(num_tokens, dtype=torch.long, device=device), positions, positions.clone(),
-                         [0, num_tokens], [num_tokens], [0], [list(range(num_blocks))], 0, block_size, rows, [], [], [])
+    inputs = ModelInputs.one_sequence(torch.zeros(num_tokens, dtype=torch.long, device=device), 0, num_blocks,
+                                      block_size, rows)
     logits = model(inputs.input_ids, inputs.positions, cache, backend, backend.build_metadata(inputs), rows)
     torch.log_softmax(logits.float(), dim=-1).exp_()  # the sampler's float32 logprobs and probabilities
     torch.cuda.synchronize(device)
