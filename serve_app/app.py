@@ -4,8 +4,8 @@ Graph: Ingress(config, router, replicas) -> Router (one replica, the global queu
 EngineReplica (num_replicas or autoscaling; pinned per call by PinnedReplicaRequestRouter).
 Replicas hold a router handle to push load reports, and, with speculative placement `actor`, the
 DraftModel deployment's (bound so Serve deploys it with the app; engines call it by name).
-With `config.colocated` (one engine replica) the ingress and the engine replica are one
-deployment, EngineIngress(config, router), which calls its replica in-process.
+With `config.colocated` (one engine replica) the ingress, the router and the engine replica are
+one deployment, EngineIngress(config), which calls the other two in-process.
 `app_builder(args)` is the YAML entry point (`import_path: serve_app.app:app_builder`); unknown
 keys in `args` are errors.
 """
@@ -50,10 +50,11 @@ def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
 
 
 def engine_ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
-    """The engine replica's actor and resources, taking the ingress's requests and CPU too."""
+    """The engine replica's actor and resources, taking the ingress's requests and the ingress's
+    and router's CPU too."""
     options = replica_deployment_options(config)
     del options["request_router_config"]  # one replica: nothing to pin
-    options["ray_actor_options"]["num_cpus"] += config.ingress.num_cpus
+    options["ray_actor_options"]["num_cpus"] += config.ingress.num_cpus + config.router.num_cpus
     options["name"] = "EngineIngress"
     options["max_ongoing_requests"] = ingress_deployment_options(config)["max_ongoing_requests"]
     return options
@@ -98,15 +99,15 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     EngineClient; it must be importable on the workers)."""
     from ray import serve
 
-    router_dep = serve.deployment(Router, **router_deployment_options(config))
-    router = router_dep.bind(config.router, metrics_enabled=True)
     engine_config, draft = config.engine.engine_config, None
     if engine_config.speculative is not None and engine_config.speculative.placement == "actor":
         draft_dep = serve.deployment(DraftModel, **draft_deployment_options(config))
         draft = draft_dep.bind(engine_config, config.engine.draft.num_threads)
     if config.colocated:
         options = engine_ingress_deployment_options(config)
-        return serve.deployment(serve.ingress()(EngineIngress), **options).bind(config, router, engine_cls, draft)
+        return serve.deployment(serve.ingress()(EngineIngress), **options).bind(config, engine_cls, draft)
+    router_dep = serve.deployment(Router, **router_deployment_options(config))
+    router = router_dep.bind(config.router, metrics_enabled=True)
     replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
     ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
     replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,

@@ -185,10 +185,10 @@ class IngressConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.1, ge=0)
     colocated: bool | None = Field(
-        None, description="The OpenAI front end inside the engine replica's actor (serve_app.engine_ingress): no "
-                          "ingress actor and no hop between them, so fewer processes wake and fewer messages are "
-                          "serialized per token. Needs one engine replica and one ingress replica, without "
-                          "autoscaling; None: colocated exactly then.")
+        None, description="The OpenAI front end and the router inside the engine replica's actor "
+                          "(serve_app.engine_ingress): no ingress or router actor and no hops between them, so "
+                          "fewer processes wake and fewer messages are serialized per token. Needs one engine "
+                          "replica and one ingress replica, without autoscaling; None: colocated exactly then.")
     default_completion_max_tokens: int = Field(16, ge=1, description="OpenAI's default.")
     grpc_transport: bool = Field(
         True, description="Admission calls and replica streams over Serve's gRPC transport "

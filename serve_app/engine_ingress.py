@@ -1,10 +1,11 @@
-"""`EngineIngress`: the OpenAI front end and its one engine replica in one actor.
+"""`EngineIngress`: the OpenAI front end, the router and the one engine replica in one actor.
 
 On a small host every Serve actor is a process that wakes ~100 times a second even when idle,
 and every hop serializes each stream message on both sides. With one engine replica there is
-nothing for a separate ingress to spread, so the ingress calls the replica in-process
-(serve_app.local.LocalReplicaSet, the shim the tests use) and the hop and the actor are gone.
-The router stays a deployment of its own: admission, priorities and 429s are unchanged.
+nothing for a separate ingress to spread and nothing for a separate router to choose between, so
+the ingress calls the replica and the router in-process (serve_app.local, the shims the tests
+use): two actors and the hops to them are gone. The router is the same class with the same
+admission queue, so priorities, aging, 429s with Retry-After and the load reports are unchanged.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from typing import Any
 from engine.client import EngineClient
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
-from serve_app.local import LocalReplicaSet
+from serve_app.local import LocalHandle, LocalReplicaSet
 from serve_app.replica import EngineReplica
+from serve_app.router import Router
 
 
 class EngineIngress(Ingress):
     """The ingress deployment's class when `AppConfig.colocated` (app.py deploys it)."""
 
-    def __init__(self, config: AppConfig, router: Any, engine_cls: type[EngineClient] | None = None,
-                 draft: Any = None):
+    def __init__(self, config: AppConfig, engine_cls: type[EngineClient] | None = None, draft: Any = None):
+        router = LocalHandle(Router(config.router, metrics_enabled=True))
         self.replica = EngineReplica(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,
                                      draft=draft)
         super().__init__(config, router, LocalReplicaSet([self.replica]))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from serve_app.app import engine_ingress_deployment_options, replica_deployment_options
+from serve_app.app import build_app, engine_ingress_deployment_options, replica_deployment_options
 from serve_app.config import AppConfig, AutoscalingSettings, load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
@@ -96,8 +96,24 @@ def test_the_front_end_joins_the_engine_replica_only_when_there_is_one(config, c
     if colocated:
         opts = engine_ingress_deployment_options(cfg)
         assert opts["name"] == "EngineIngress" and "request_router_config" not in opts
-        assert opts["ray_actor_options"]["num_cpus"] == pytest.approx(cfg.engine.num_cpus + cfg.ingress.num_cpus)
+        assert opts["ray_actor_options"]["num_cpus"] == pytest.approx(
+            cfg.engine.num_cpus + cfg.ingress.num_cpus + cfg.router.num_cpus)
         assert opts["num_replicas"] == 1
+    # the deployments Serve would start: colocated, one actor holds front end, router and engine
+    expected = {"EngineIngress"} if colocated else {"Ingress", "Router", "EngineReplica"}
+    assert _deployment_names(build_app(cfg)) == expected
+
+
+def _deployment_names(app) -> set[str]:
+    """The deployments of a bound application graph, walking the applications bound as arguments."""
+    from ray.serve.deployment import Application
+
+    bound = app._bound_deployment
+    names = {bound.name}
+    for arg in (*bound.init_args, *bound.init_kwargs.values()):
+        if isinstance(arg, Application):
+            names |= _deployment_names(arg)
+    return names
 
 
 @pytest.mark.parametrize("config", [{"engine": {"num_replicas": 2}}, {"engine": {"autoscaling": {"max_replicas": 2}}},
