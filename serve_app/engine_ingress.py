@@ -16,6 +16,7 @@ from engine.client import EngineClient
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
 from serve_app.local import LocalHandle, LocalReplicaSet
+from serve_app.messages import ReplicaStats
 from serve_app.replica import EngineReplica
 from serve_app.router import Router
 
@@ -24,13 +25,27 @@ class EngineIngress(Ingress):
     """The ingress deployment's class when `AppConfig.colocated` (app.py deploys it)."""
 
     def __init__(self, config: AppConfig, engine_cls: type[EngineClient] | None = None, draft: Any = None):
-        router = LocalHandle(Router(config.router, metrics_enabled=True))
+        self.admission = Router(config.router, metrics_enabled=True)
+        router = LocalHandle(self.admission)
         self.replica = EngineReplica(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,
                                      draft=draft)
         super().__init__(config, router, LocalReplicaSet([self.replica]))
 
     async def check_health(self) -> None:
+        await self.admission.check_health()
         await self.replica.check_health()
+
+    # What the split graph's EngineReplica and Router deployments answer by handle.
+
+    def stats(self) -> ReplicaStats:
+        return self.replica.stats()
+
+    def routing_counters(self) -> dict[str, int]:
+        return self.replica.routing_counters()
+
+    def num_queued_admissions(self) -> int:
+        """Requests waiting in the router's queue for the engine to have room."""
+        return len(self.admission.queue)
 
     def __del__(self) -> None:
         """Serve calls this when it stops the replica: the engine stops with it."""
