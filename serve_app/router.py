@@ -35,7 +35,8 @@ _TICK_S = 0.1
 
 
 class Router:
-    """The Router deployment (plain class; `app.py` applies serve.deployment)."""
+    """The Router deployment (plain class; `app.py` applies serve.deployment), or with one engine
+    replica an object inside its actor (serve_app.engine_ingress)."""
 
     def __init__(self, config: RouterConfig, metrics_enabled: bool = False,
                  clock: Callable[[], float] = time.monotonic):
