@@ -2,8 +2,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-# Serve's HTTP proxy runs serve_app.proxy:install at start-up (a deadline on request headers).
-SERVE_ENV := RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy:install
 
 .PHONY: install install-gpu serve generate test test-fast test-gpu gpu-wheels lint bench
 
@@ -43,8 +41,10 @@ $(VENV)/.prometheus:
 
 install: $(VENV)/.installed $(VENV)/.kernel $(VENV)/.model $(VENV)/.prometheus
 
+# `serve run` with the front door chosen for the graph (direct ingress on port 8000 with one ingress replica) and
+# the header deadline installed in the process that takes connections (serve_app/launch.py).
 serve: install
-	$(SERVE_ENV) $(VENV)/bin/serve run configs/serve.yaml
+	$(PY) -m serve_app.launch configs/serve.yaml
 
 generate: install
 	$(PY) -m engine.cli generate --chat --prompt "What is continuous batching?" --max-tokens 64

@@ -557,13 +557,16 @@ def load_app_config(config_path: str, engine_overrides: dict[str, Any]) -> Any:
 def launched_app(config_path: str, host: str | None, port: int | None, startup_timeout: float,
                  omp_threads: int | None = None, info: dict[str, Any] | None = None,
                  engine_overrides: dict[str, Any] | None = None,
-                 direct_ingress_port: int | None = None) -> Iterator[tuple[str, Any]]:
+                 front_door: str | None = None) -> Iterator[tuple[str, Any]]:
     """Starts a private Ray + Serve with serve_app.app.build_app(config); yields (base_url, cfg).
 
     `omp_threads`: OMP_NUM_THREADS exported to the Ray processes (not to this one), overriding
-    Ray's floor(num_cpus) default for the engine replica's torch threads. `direct_ingress_port`:
-    Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS) with the ingress replica's HTTP
-    server on this port, which the requests then go to; Serve's proxy still starts, on `port`."""
+    Ray's floor(num_cpus) default for the engine replica's torch threads. `front_door`: "direct"
+    (Serve's direct ingress: the ingress replica's own HTTP server on `port`, Serve's proxy on a
+    free port) or "proxy" (Serve's proxy on `port`); None: as `make serve` chooses for the config
+    (serve_app/launch.py)."""
+    from serve_app.launch import choose_front_door, direct_ingress_env
+
     cfg = load_app_config(config_path, engine_overrides or {})
     http = _http_options(config_path)
     host = host or http.get("host", "127.0.0.1")
@@ -578,10 +581,13 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH")] if p)
-    if direct_ingress_port is not None:  # read by the Serve controller and replicas at import
-        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
-                          RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_ingress_port),
-                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_ingress_port + 1))
+    front_door = front_door or choose_front_door(cfg)
+    proxy_port = port
+    if front_door == "direct":  # read by the Serve controller and replicas at import
+        os.environ.update(direct_ingress_env(port))
+        proxy_port = _free_port(host)
+    if info is not None:
+        info["front_door"] = front_door
     need = (cfg.engine.num_cpus * max(cfg.engine.num_replicas,
                                       cfg.engine.autoscaling.max_replicas if cfg.engine.autoscaling else 0)
             + cfg.router.num_cpus + cfg.ingress.num_cpus * cfg.ingress.num_replicas)
@@ -609,9 +615,9 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
         if info is not None:
             info["replica_threads_probe"] = probe_replica_threads(cfg.engine.num_cpus)
             log(f"torch threads in a Ray actor like the replica: {info['replica_threads_probe']}")
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": proxy_port})
         serve.run(build_app(cfg), name="cbserve", route_prefix="/", blocking=False)
-        base = f"http://{host}:{direct_ingress_port or port}"
+        base = f"http://{host}:{port}"
         deadline = time.time() + startup_timeout
         while True:
             try:
@@ -725,9 +731,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=None, help="--launch: HTTP host (default: the config's)")
     p.add_argument("--port", type=int, default=None,
                    help="--launch: HTTP port (default: the config's, or a free one if busy)")
-    p.add_argument("--direct-ingress-port", type=int, default=None,
-                   help="--launch: Ray Serve's direct ingress, the ingress replica serving HTTP on this port "
-                        "(the requests go there; Serve's proxy stays up on --port)")
+    p.add_argument("--front-door", choices=["direct", "proxy"], default=None,
+                   help="--launch: Serve's direct ingress (the ingress replica's own HTTP server on --port) "
+                        "or Serve's proxy (default: as `make serve` chooses for --config)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--replica-omp-threads", type=int, default=None,
                    help="--launch: export OMP_NUM_THREADS=N to the Ray workers (default: Ray's "
@@ -770,7 +776,6 @@ def main(argv: list[str] | None = None) -> int:
         "num_requests": len(wl), "rate": "inf" if math.isinf(args.rate) else args.rate,
         "seed": args.seed, "workload": wl.describe(), "text_prompts": args.text_prompts,
         "launch": args.launch, "replica_omp_threads": args.replica_omp_threads,
-        "direct_ingress_port": args.direct_ingress_port,
         "config": args.config if args.launch or args.compare_offline else None,
         "engine_overrides": parse_engine_args(args.engine_arg),
         "host": platform.node(), "cpu_count": os.cpu_count(),
@@ -781,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch:
         with launched_app(args.config, args.host, args.port, args.startup_timeout,
                           args.replica_omp_threads, extra, parse_engine_args(args.engine_arg),
-                          args.direct_ingress_port) as (base, cfg):
+                          args.front_door) as (base, cfg):
             model = args.model or cfg.engine.model_name
             cpu0: dict[str, float] = {}  # after the warm-up: first requests' one-time costs are not the serving cost
             results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter,

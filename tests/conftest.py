@@ -106,6 +106,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(n: int, lo: int = 30000, hi: int = 32000) -> int:
+    """The first port of `n` consecutive free loopback ports in [lo, hi), below Linux's ephemeral
+    range (Ray's default for direct-ingress ports is 30000-31000)."""
+    for base in range(lo, hi - n + 1, n):
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports in [{lo}, {hi})")
+
+
 @contextlib.contextmanager
 def serving(app) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
     """(url, loop): the ASGI `app` behind a real HTTP server (uvicorn on a free loopback port, on
@@ -128,13 +142,40 @@ def serving(app) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
         thread.join(30)
 
 
+DIRECT_INGRESS_PORTS = 64  # ingress replicas alive at once, with room for those restarting
+
+
+def app_url(serve_cluster: dict, app: str, timeout_s: float = 60.0) -> str:
+    """The URL of Serve app `app` (its route prefix included) at its ingress replica's own HTTP
+    server, once the controller has given that replica its port."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+    proxy_port = int(serve_cluster["http"].rsplit(":", 1)[1])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for group in ray.get(controller.get_target_groups.remote(app)):
+            ports = {t.port for t in group.targets} - {proxy_port}
+            if group.protocol == "HTTP" and len(ports) == 1:
+                prefix = group.route_prefix.rstrip("/")
+                return f"http://127.0.0.1:{ports.pop()}{prefix}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"app {app!r} has no direct-ingress port after {timeout_s} s")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def serve_cluster(tmp_path_factory):
     """Head node + Serve, shared by every real-Ray test: a process connects to one cluster at a
     time and each costs seconds and GBs, so tests needing more nodes add them to this one
-    (`cluster.add_node`) and remove them before they end."""
+    (`cluster.add_node`) and remove them before they end. The front door is the one `make serve`
+    uses, Serve's direct ingress (serve_app/launch.py): each app's ingress replica takes HTTP
+    connections on a port of its own (`app_url`); Serve's proxy answers on `http` too."""
+    from serve_app.launch import direct_ingress_env
+
     tmp = tmp_path_factory.mktemp("ray")
-    env = {
+    env = direct_ingress_env(free_port_block(DIRECT_INGRESS_PORTS), DIRECT_INGRESS_PORTS) | {
         "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
         "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
         "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install",

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import save_tiny_model
+from tests.conftest import app_url, save_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +32,7 @@ def gpu_app(serve_cluster, model_dir):
         "model": model_dir, "served_model_name": "tiny", "num_replicas": 1, "num_cpus": 1, "num_gpus": 1,
         "engine_args": {"device": "cuda", "max_num_seqs": 8, "seed": 0}}})
     serve.run(build_app(cfg), name="gpu", route_prefix="/gpu")
-    yield serve_cluster["http"] + "/gpu"
+    yield app_url(serve_cluster, "gpu")
     serve.delete("gpu")
 
 

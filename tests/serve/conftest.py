@@ -27,7 +27,7 @@ from fake_engine import FakeAsyncEngine  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local import build_local_app  # noqa: E402
-from tests.conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, free_port, serving  # noqa: E402, F401
+from tests.conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, app_url, free_port, serving  # noqa: E402, F401
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -146,7 +146,7 @@ def fake_serve_app(serve_cluster: dict, name: str, config: dict,
     cfg = AppConfig.model_validate(merge(base, config))
     engine_cls = FakeAsyncEngine.with_options(**engine_options)
     serve.run(build_app(cfg, engine_cls), name=name, route_prefix=f"/{name}")
-    url = f"{serve_cluster['http']}/{name}"
+    url = app_url(serve_cluster, name)
     try:
         warm = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1},
                           timeout=60)

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_healthy
+from conftest import app_url, wait_healthy
 
 from engine import LLM, SamplingParams
 from tests.engine.helpers import save_first_layer
@@ -40,7 +40,7 @@ def draft_app(serve_cluster, tiny_llama, tmp_path_factory):
                    "draft": {"num_cpus": 0.25, "num_threads": 1}},
     })
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-    url = f"{serve_cluster['http']}/{APP}"
+    url = app_url(serve_cluster, APP)
     wait_healthy(url, 120)
     yield url
     serve.delete(APP)

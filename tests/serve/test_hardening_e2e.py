@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 import pytest
-from conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, sse_events, wait_healthy
+from conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, app_url, sse_events, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def hard_app(serve_cluster, tiny_llama_words):
                     "body_timeout_s": 1.0},
     })
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-    url = f"{serve_cluster['http']}/{APP}"
+    url = app_url(serve_cluster, APP)
     wait_healthy(url, 120)
     yield url
     serve.delete(APP)

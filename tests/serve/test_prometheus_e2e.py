@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import free_port, metrics_of_every_node
+from conftest import app_url, free_port, metrics_of_every_node
 
 from cluster import grafana
 
@@ -52,7 +52,7 @@ def prom_app(serve_cluster, tiny_llama_words):
         "slo": {0: {"ttft_s": 600, "tpot_s": 60}, 1: {"ttft_s": 1e-4, "tpot_s": 60}},
     })
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-    url = f"{serve_cluster['http']}/{APP}"
+    url = app_url(serve_cluster, APP)
     deadline = time.time() + 120
     while httpx.get(url + "/health", timeout=10).status_code != 200:
         assert time.time() < deadline, "app not healthy"

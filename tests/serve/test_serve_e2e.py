@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import fake_serve_app, greedy_text, metrics_of_every_node
+from conftest import app_url, fake_serve_app, greedy_text, metrics_of_every_node
 from fake_engine import FakeTokenizer
 
 pytestmark = pytest.mark.slow
@@ -156,7 +156,7 @@ def real_app(serve_cluster, tiny_llama_words):
                    "num_cpus": 0.5, "engine_args": {"max_num_seqs": 8, "seed": 0}},
     })
     serve.run(build_app(cfg), name="real", route_prefix="/real")
-    return serve_cluster["http"] + "/real"
+    return app_url(serve_cluster, "real")
 
 
 @pytest.fixture(scope="session")

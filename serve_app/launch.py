@@ -1,0 +1,103 @@
+"""`make serve`: `serve run` on a serve YAML, with the front door chosen for its graph.
+
+Clients reach the app through one of two front doors that Ray Serve ships:
+- **direct** (Ray's direct ingress): the app's ingress replica runs its own uvicorn server on
+  the config's HTTP port and takes the connections itself. No proxy process on the data path and
+  no Serve hop between the socket and the OpenAI front end: on the 64-request burst on 2 cores,
+  12% more tokens per second with half the serving processes' CPU (BENCHMARKS.md).
+- **proxy**: Serve's HTTP proxy actor takes the connections and forwards each request to the
+  ingress replica.
+
+Direct ingress gives every ingress replica a port of its own, so it is chosen when the graph has
+exactly one (`ingress.num_replicas` 1, which the colocated graph of `configs/serve.yaml` has);
+several ingress replicas keep the proxy, which spreads requests over them behind one port. In
+this mode Ray still starts Serve's proxy; it moves to the next port (`--proxy-port`) and answers
+there too. Ray reads these settings from the environment of the Serve controller and replicas, so
+they only apply when this command starts Ray (a cluster started elsewhere keeps its own). KubeRay
+keeps the proxy: its Service targets the head's proxy, and replicas run on worker pods.
+
+The header deadline (`serve_app.proxy`) is installed in whichever process serves HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from engine.cache_dir import cache_dir
+from serve_app.config import AppConfig
+
+FrontDoor = Literal["direct", "proxy"]
+HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
+
+
+def direct_ingress_env(first_port: int, num_ports: int = 1) -> dict[str, str]:
+    """Ray Serve's direct ingress, ingress replicas' HTTP ports taken from
+    [first_port, first_port + num_ports). Nothing in front deregisters a stopping replica, so its
+    port is neither held for Ray's 30 s draining period (for cloud load balancers) nor
+    quarantined (for HAProxy's stale server lists): a restarted replica takes it back at once."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first_port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first_port + num_ports),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    }
+
+
+def choose_front_door(app: AppConfig) -> FrontDoor:
+    """direct with one ingress replica, proxy with several."""
+    return "direct" if app.ingress.num_replicas == 1 else "proxy"
+
+
+def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None,
+         proxy_port: int | None = None) -> tuple[FrontDoor, dict[str, Any], dict[str, str]]:
+    """(front door, the serve config to run, the environment to add). Several applications keep
+    the proxy, which routes between them by prefix. With direct ingress the replica takes the
+    config's port and the proxy `proxy_port` (default: the next one)."""
+    apps = serve_config.get("applications") or []
+    door = front_door or (choose_front_door(AppConfig.model_validate(apps[0].get("args") or {}))
+                          if len(apps) == 1 else "proxy")
+    env = dict(HEADER_DEADLINE_ENV)
+    if door == "proxy":
+        return door, serve_config, env
+    http = dict(serve_config.get("http_options") or {})
+    port = int(http.get("port", 8000))
+    http["port"] = proxy_port if proxy_port is not None else port + 1
+    env |= direct_ingress_env(port)
+    return door, serve_config | {"http_options": http}, env
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m serve_app.launch", description=__doc__.split("\n")[0])
+    p.add_argument("config", help="serve YAML (e.g. configs/serve.yaml)")
+    p.add_argument("--front-door", choices=["direct", "proxy"], default=None,
+                   help="default: direct with one ingress replica, proxy otherwise")
+    p.add_argument("--proxy-port", type=int, default=None,
+                   help="direct: Serve's proxy's port (default: the config's port + 1)")
+    args = p.parse_args(argv)
+    path = Path(args.config)
+    door, config, env = plan(yaml.safe_load(path.read_text()), args.front_door, args.proxy_port)
+    run_path = path
+    if door == "direct":
+        port = env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]
+        run_path = cache_dir("serve") / f"{path.stem}.direct-{port}.yaml"  # serve run reads the proxy's port here
+        run_path.parent.mkdir(parents=True, exist_ok=True)
+        run_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        host = config["http_options"].get("host", "127.0.0.1")
+        print(f"front door: direct ingress on {host}:{port} (Serve's proxy on {config['http_options']['port']})",
+              flush=True)
+    else:
+        print("front door: Serve's proxy", flush=True)
+    serve = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"
+    os.execvpe(serve, [serve, "run", str(run_path)], os.environ | env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""`make serve`'s launcher (serve_app/launch.py): the front door chosen for the graph, and, end to
+end, `python -m serve_app.launch configs/serve.yaml` serving through the engine replica's own
+HTTP server on the config's port, healing on the same port when the replica dies, and releasing
+it on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from serve_app.launch import plan
+from tests.conftest import free_port_block
+
+ROOT = Path(__file__).parents[2]
+SERVE_YAML = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+
+
+def with_args(**args) -> dict:
+    app = SERVE_YAML["applications"][0]
+    return SERVE_YAML | {"applications": [app | {"args": app["args"] | args}]}
+
+
+def test_one_ingress_replica_is_served_directly_several_through_the_proxy():
+    assert plan(SERVE_YAML)[0] == "direct"  # colocated: one engine replica, its front end inside
+    split = with_args(engine=SERVE_YAML["applications"][0]["args"]["engine"] | {"num_replicas": 2})
+    assert plan(split)[0] == "direct"  # one Ingress replica in front of two engines
+    assert plan(with_args(engine=split["applications"][0]["args"]["engine"], ingress={"num_replicas": 2}))[0] == "proxy"
+    assert plan(SERVE_YAML | {"applications": SERVE_YAML["applications"] * 2})[0] == "proxy"
+
+
+def test_direct_ingress_takes_the_configs_port_and_moves_the_proxy():
+    door, config, env = plan(SERVE_YAML)
+    assert door == "direct"
+    assert config["http_options"]["port"] == 8001 and SERVE_YAML["http_options"]["port"] == 8000
+    assert config["http_options"]["host"] == "127.0.0.1" and config["applications"] == SERVE_YAML["applications"]
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    ports = env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]
+    assert ports == ("8000", "8001")  # the replica's range: 8000 alone
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "serve_app.proxy:install"
+    assert plan(SERVE_YAML, proxy_port=9100)[1]["http_options"]["port"] == 9100
+
+
+def test_the_proxy_keeps_the_config_as_written():
+    door, config, env = plan(SERVE_YAML, "proxy")
+    assert door == "proxy" and config == SERVE_YAML
+    assert env == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
+
+
+def listener(port: int) -> psutil.Process | None:
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return psutil.Process(conn.pid)
+    return None
+
+
+def wait_answering(url: str, timeout_s: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"launcher exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not healthy within {timeout_s} s")
+
+
+def complete(url: str) -> str:
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
+    port = free_port_block(2)
+    config = SERVE_YAML | {"http_options": SERVE_YAML["http_options"] | {"port": port}}
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    ray_tmp = tempfile.mkdtemp(prefix="cbs-")  # short: Ray's socket paths must fit 107 bytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
+        "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
+    log = tmp_path / "launch.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serve_app.launch", str(tmp_path / "serve.yaml")],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    direct, proxy = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
+    try:
+        wait_answering(direct, 180, proc, log)
+        replica = listener(port)
+        assert replica is not None and "ServeReplica:cbserve:EngineIngress" in " ".join(replica.cmdline())
+        text = complete(direct)
+        assert text and complete(proxy) == text  # Serve's proxy, moved to the next port, answers too
+
+        replica.kill()
+        replica.wait(30)
+        wait_answering(direct, 180, proc, log)  # Serve restarts the replica, which takes the port back
+        healed = listener(port)
+        assert healed is not None and healed.pid != replica.pid
+        assert "ServeReplica:cbserve:EngineIngress" in " ".join(healed.cmdline())
+        assert complete(direct) == text
+
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run shuts Serve and its Ray down
+        assert proc.wait(120) == 0
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # released: a restart can take it at once
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
