@@ -13,8 +13,8 @@ exactly one (`ingress.num_replicas` 1, which the colocated graph of `configs/ser
 several ingress replicas keep the proxy, which spreads requests over them behind one port. In
 this mode Ray still starts Serve's proxy; it moves to the next port (`--proxy-port`) and answers
 there too. Ray reads these settings from the environment of the Serve controller and replicas, so
-they only apply when this command starts Ray (a cluster started elsewhere keeps its own). KubeRay
-keeps the proxy: its Service targets the head's proxy, and replicas run on worker pods.
+they only apply when this command starts Ray: joining a running cluster keeps the proxy. KubeRay
+keeps the proxy too: its Service targets the head's proxy, and replicas run on worker pods.
 
 The header deadline (`serve_app.proxy`) is installed in whichever process serves HTTP.
 """
@@ -56,14 +56,23 @@ def choose_front_door(app: AppConfig) -> FrontDoor:
     return "direct" if app.ingress.num_replicas == 1 else "proxy"
 
 
-def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None,
-         proxy_port: int | None = None) -> tuple[FrontDoor, dict[str, Any], dict[str, str]]:
+def joins_running_cluster() -> bool:
+    """Whether `serve run` will join a Ray cluster already running (RAY_ADDRESS, or one started
+    on this machine by `ray start`), whose Serve settings were fixed when it started."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    return canonicalize_bootstrap_address(None) is not None
+
+
+def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, proxy_port: int | None = None,
+         starts_ray: bool = True) -> tuple[FrontDoor, dict[str, Any], dict[str, str]]:
     """(front door, the serve config to run, the environment to add). Several applications keep
-    the proxy, which routes between them by prefix. With direct ingress the replica takes the
-    config's port and the proxy `proxy_port` (default: the next one)."""
+    the proxy, which routes between them by prefix, and so does a cluster this command does not
+    start. With direct ingress the replica takes the config's port and the proxy `proxy_port`
+    (default: the next one)."""
     apps = serve_config.get("applications") or []
     door = front_door or (choose_front_door(AppConfig.model_validate(apps[0].get("args") or {}))
-                          if len(apps) == 1 else "proxy")
+                          if len(apps) == 1 and starts_ray else "proxy")
     env = dict(HEADER_DEADLINE_ENV)
     if door == "proxy":
         return door, serve_config, env
@@ -83,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="direct: Serve's proxy's port (default: the config's port + 1)")
     args = p.parse_args(argv)
     path = Path(args.config)
-    door, config, env = plan(yaml.safe_load(path.read_text()), args.front_door, args.proxy_port)
+    door, config, env = plan(yaml.safe_load(path.read_text()), args.front_door, args.proxy_port,
+                             starts_ray=not joins_running_cluster())
     run_path = path
     if door == "direct":
         port = env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]

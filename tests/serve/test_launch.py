@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from serve_app.launch import plan
+from serve_app.launch import joins_running_cluster, plan
 from tests.conftest import free_port_block
 
 ROOT = Path(__file__).parents[2]
@@ -38,6 +38,14 @@ def test_one_ingress_replica_is_served_directly_several_through_the_proxy():
     assert plan(split)[0] == "direct"  # one Ingress replica in front of two engines
     assert plan(with_args(engine=split["applications"][0]["args"]["engine"], ingress={"num_replicas": 2}))[0] == "proxy"
     assert plan(SERVE_YAML | {"applications": SERVE_YAML["applications"] * 2})[0] == "proxy"
+    assert plan(SERVE_YAML, starts_ray=False)[0] == "proxy"  # a running cluster's Serve keeps its settings
+
+
+def test_a_running_cluster_is_joined_through_its_proxy(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert joins_running_cluster()
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert not joins_running_cluster()
 
 
 def test_direct_ingress_takes_the_configs_port_and_moves_the_proxy():
