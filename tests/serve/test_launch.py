@@ -1,13 +1,12 @@
 """`make serve`'s launcher (serve_app/launch.py): the front door chosen for the graph, and, end to
 end, `python -m serve_app.launch configs/serve.yaml` serving through the engine replica's own
 HTTP server on the config's port, healing on the same port when the replica dies, and releasing
-it on Ctrl-C."""
+it when stopped."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -121,12 +120,16 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
         assert "ServeReplica:cbserve:EngineIngress" in " ".join(healed.cmdline())
         assert complete(direct) == text
 
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run shuts Serve and its Ray down
-        assert proc.wait(120) == 0
+        engine = [p for p in healed.children(recursive=True) if "run_child" in " ".join(p.cmdline())]
+        assert engine  # the engine's step loop, in a process of its own
+        proc.terminate()  # a service manager's stop: serve run, its Ray and the engine exit
+        proc.wait(60)
+        psutil.wait_procs([healed, *engine], timeout=60)
+        assert not healed.is_running() and not any(p.is_running() for p in engine)
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # released: a restart can take it at once
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(120)
+            proc.terminate()
+            proc.wait(60)
         shutil.rmtree(ray_tmp, ignore_errors=True)
