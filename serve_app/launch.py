@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -83,6 +84,20 @@ def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, prox
     return door, serve_config | {"http_options": http}, env
 
 
+def busy_ports(host: str, ports: list[int]) -> list[int]:
+    """Those of `ports` that something on this machine already listens on. A replica whose port is
+    taken fails to start and Serve retries it forever, so the launcher checks first."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds; closed ones do not count
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m serve_app.launch", description=__doc__.split("\n")[0])
     p.add_argument("config", help="serve YAML (e.g. configs/serve.yaml)")
@@ -97,10 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     run_path = path
     if door == "direct":
         port = env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]
+        host = config["http_options"].get("host", "127.0.0.1")
+        busy = busy_ports(host, [int(port), config["http_options"]["port"]])
+        if busy:
+            sys.exit(f"port {', '.join(map(str, busy))} on {host} is in use; stop what listens there, or give "
+                     "http_options.port (and --proxy-port) free ports")
         run_path = cache_dir("serve") / f"{path.stem}.direct-{port}.yaml"  # serve run reads the proxy's port here
         run_path.parent.mkdir(parents=True, exist_ok=True)
         run_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        host = config["http_options"].get("host", "127.0.0.1")
         print(f"front door: direct ingress on {host}:{port} (Serve's proxy on {config['http_options']['port']})",
               flush=True)
     else:

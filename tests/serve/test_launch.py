@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from serve_app.launch import joins_running_cluster, plan
+from serve_app.launch import busy_ports, joins_running_cluster, main, plan
 from tests.conftest import free_port_block
 
 ROOT = Path(__file__).parents[2]
@@ -63,6 +63,22 @@ def test_the_proxy_keeps_the_config_as_written():
     door, config, env = plan(SERVE_YAML, "proxy")
     assert door == "proxy" and config == SERVE_YAML
     assert env == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
+
+
+def test_a_taken_port_stops_the_launcher_with_a_clear_error(tmp_path, monkeypatch):
+    """Serve would retry a replica that cannot bind its port forever; the launcher says why first."""
+    port = free_port_block(2)
+    config = SERVE_YAML | {"http_options": SERVE_YAML["http_options"] | {"port": port}}
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no running cluster to join
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("serve run started on a taken port"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        with pytest.raises(SystemExit, match=f"port {port + 1} on 127.0.0.1 is in use"):
+            main([str(tmp_path / "serve.yaml")])
+    assert busy_ports("127.0.0.1", [port, port + 1]) == []
 
 
 def listener(port: int) -> psutil.Process | None:
