@@ -172,13 +172,12 @@ def serve_cluster(tmp_path_factory):
     (`cluster.add_node`) and remove them before they end. The front door is the one `make serve`
     uses, Serve's direct ingress (serve_app/launch.py): each app's ingress replica takes HTTP
     connections on a port of its own (`app_url`); Serve's proxy answers on `http` too."""
-    from serve_app.launch import direct_ingress_env
+    from serve_app.launch import HEADER_DEADLINE_ENV, direct_ingress_env
 
     tmp = tmp_path_factory.mktemp("ray")
-    env = direct_ingress_env(free_port_block(DIRECT_INGRESS_PORTS), DIRECT_INGRESS_PORTS) | {
+    env = direct_ingress_env(free_port_block(DIRECT_INGRESS_PORTS), DIRECT_INGRESS_PORTS) | HEADER_DEADLINE_ENV | {
         "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
         "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
-        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install",
         "CBSERVE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
         "PYTHONPATH": os.pathsep.join(
             [str(ROOT), str(ROOT / "tests" / "serve"), os.environ.get("PYTHONPATH", "")]),

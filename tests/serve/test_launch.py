@@ -67,7 +67,7 @@ def test_the_proxy_keeps_the_config_as_written():
 
 def test_a_taken_port_stops_the_launcher_with_a_clear_error(tmp_path, monkeypatch):
     """Serve would retry a replica that cannot bind its port forever; the launcher says why first."""
-    port = free_port_block(2)
+    port = free_port_block(2, 32000, 32768)
     config = SERVE_YAML | {"http_options": SERVE_YAML["http_options"] | {"port": port}}
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no running cluster to join
@@ -110,7 +110,7 @@ def complete(url: str) -> str:
 
 @pytest.mark.slow
 def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
-    port = free_port_block(2)
+    port = free_port_block(2, 32000, 32768)  # apart from the shared test cluster's direct-ingress ports
     config = SERVE_YAML | {"http_options": SERVE_YAML["http_options"] | {"port": port}}
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     ray_tmp = tempfile.mkdtemp(prefix="cbs-")  # short: Ray's socket paths must fit 107 bytes
