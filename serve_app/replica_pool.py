@@ -29,10 +29,16 @@ class ReplicaView:
     pending: dict[str, tuple[int, float]] = field(default_factory=dict)  # request id -> (blocks, admitted at)
     num_pending_blocks: int = 0  # sum of pending blocks
     active: set[str] = field(default_factory=set)  # admitted, not yet released
+    num_ended: int = 0  # requests the engine had received that ended since the last report
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefix hash -> None (LRU)
 
     def est_waiting(self) -> int:
-        return self.stats.num_waiting + len(self.pending)
+        """The engine's waiting queue: as last reported, less one for each request that ended
+        since (its slot takes a waiting request; a waiting one that ended leaves the queue), plus
+        the admissions it has not seen. The engine reports its load once per output interval, so
+        without the ended ones a batch would run short of its freed slots until the next report.
+        A report that already counted an end makes this one low until the next one."""
+        return max(self.stats.num_waiting - self.num_ended, 0) + len(self.pending)
 
     def est_free_blocks(self) -> int:
         return self.stats.num_free_blocks - self.num_pending_blocks
@@ -100,6 +106,7 @@ class ReplicaPool:
         if view is None:
             view = self.views[stats.replica_id] = ReplicaView(stats, now)
         view.stats, view.last_seen = stats, now
+        view.num_ended = 0
         for request_id in stats.received_ids:
             view.drop_pending(request_id)
         for request_id, (_, admitted_at) in list(view.pending.items()):
@@ -148,5 +155,8 @@ class ReplicaPool:
         view = self.views.get(replica_id) if replica_id is not None else None
         if view is not None:
             view.active.discard(request_id)
-            view.drop_pending(request_id)
+            if request_id in view.pending:  # never reached the engine
+                view.drop_pending(request_id)
+            else:
+                view.num_ended += 1
             self._refile(view)

@@ -11,8 +11,9 @@ Invariants (checked by tests):
   (an idle replica always has headroom, so a prompt larger than free blocks cannot deadlock).
 - Dispatch is strictly in rank order: if the best request fits nowhere, nobody overtakes it.
 - Estimates = last report + what was admitted to that replica but not yet seen by its engine
-  (replicas list the request ids that reached them since their previous report), so the
-  router never polls per request.
+  (replicas list the request ids that reached them since their previous report) - what ended
+  there since (`release()`), so the router never polls per request, and a freed slot is
+  refilled at its release, not at the next report.
 - The wait here is passed on (`AdmitResult.queue_wait_s`): the engine ages the request from
   its arrival at the router, so its rank is continuous across the hop.
 """

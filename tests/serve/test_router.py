@@ -104,6 +104,29 @@ def test_headroom_unseen_admissions_and_blocks():
     assert pool.choose(req("big", prompt=100)) == "r0"
 
 
+def test_an_ended_request_frees_its_slot_before_the_next_report():
+    """The engine fills a freed slot from its waiting queue at once; the router counts that at the
+    release, so the replica's queue is topped up without waiting for its next load report."""
+    pool = ReplicaPool(RouterConfig(max_waiting_per_replica=2))
+    pool.report(stats("r0"), now=0.0)
+    for rid in "abcd":
+        pool.assign("r0", req(rid), now=0.0)
+    pool.report(stats("r0", waiting=2, running=2, received="abcd"), now=0.1)  # a, b run; c, d wait
+    assert pool.choose(req("e")) is None
+    pool.release("a")  # ended: c takes its slot
+    assert pool.views["r0"].est_waiting() == 1
+    assert pool.choose(req("e")) == "r0"
+    pool.assign("r0", req("e"), now=0.2)
+    assert pool.choose(req("f")) is None  # d and e wait
+    pool.release("e")  # left before the engine saw it: no slot freed, just no longer pending
+    assert pool.views["r0"].est_waiting() == 1
+    pool.release("b")
+    pool.release("c")
+    assert pool.views["r0"].est_waiting() == 0  # never below empty
+    pool.report(stats("r0", running=1), now=0.3)  # d runs: the report is the truth again
+    assert pool.views["r0"].est_waiting() == 0 and pool.views["r0"].num_ended == 0
+
+
 def test_choice_least_loaded_then_prefix_affinity():
     pool = ReplicaPool(RouterConfig(affinity_load_slack=0.05))
     pool.report(stats("r0", running=1, free=50), 0.0)
