@@ -51,7 +51,7 @@ MAX_WAITING = 2
 
 
 def _stats(replica: int, num_waiting: int, received: tuple[str, ...] = ()) -> ReplicaStats:
-    return ReplicaStats(f"r{replica}", True, num_waiting, 32, 4096, 8192, 0.5, 0, BLOCK, received, 0.0)
+    return ReplicaStats(f"r{replica}", True, num_waiting, 32, 32, 4096, 8192, 0.5, 0, BLOCK, received, (), 0.0)
 
 
 def _admit_request(rng: random.Random, i: int) -> AdmitRequest:

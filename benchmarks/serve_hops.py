@@ -60,8 +60,8 @@ class SyntheticEngine:
         return type("SyntheticEngine", (cls,), {"step_s": step_s, "__module__": cls.__module__})
 
     def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_waiting=0, num_running=len(self._live), num_free_blocks=1 << 16,
-                               num_total_blocks=1 << 16, kv_usage=0.0, num_queued_tokens=0)
+        return SimpleNamespace(num_waiting=0, num_running=len(self._live), max_num_seqs=1 << 16,
+                               num_free_blocks=1 << 16, num_total_blocks=1 << 16, kv_usage=0.0, num_queued_tokens=0)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._live

@@ -35,6 +35,7 @@ class StepStats:
 class EngineStats:
     num_waiting: int
     num_running: int
+    max_num_seqs: int  # the most requests a step runs (the batch's slots)
     num_swapped: int
     num_free_blocks: int
     num_total_blocks: int

@@ -63,12 +63,14 @@ class ReplicaStats:
     ready: bool  # the engine takes requests (False while its step loop restarts)
     num_waiting: int  # engine's waiting queue
     num_running: int  # engine's running batch
+    max_num_seqs: int  # the engine's batch slots: requests beyond them wait
     num_free_blocks: int  # free KV blocks (incl. evictable cached ones)
     num_total_blocks: int  # KV pool size
     kv_usage: float  # 0..1
     num_queued_tokens: int  # tokens waiting in the engine
     block_size: int  # tokens per block
     received_ids: tuple[str, ...]  # requests that reached the engine since the last report
+    ended_ids: tuple[str, ...]  # requests that ended since the last report, no longer in these counts
     reported_at: float  # time.monotonic() on the replica (informational)
 
 

@@ -77,6 +77,7 @@ class EngineReplica:
         self._router = router
         self._num_received = 0
         self._unreported: dict[str, None] = {}  # received, not yet listed in a load report (ordered set)
+        self._ended: dict[str, None] = {}  # ended, not yet listed in a load report (ordered set)
         self._live: set[str] = set()  # requests inside `generate`
         self.num_misrouted = 0
         self._report_now: asyncio.Event | None = None
@@ -91,14 +92,17 @@ class EngineReplica:
 
     def stats(self) -> ReplicaStats:
         """Lists a received request only once the engine's stats count it (or it has ended), so
-        the router never drops its pending admission before the load shows it."""
+        the router never drops its pending admission before the load shows it, and an ended one
+        once they no longer do, so the router knows which ends the counts already show."""
         received = tuple(r for r in self._unreported if r not in self._live or self.engine.has_request(r))
+        ended = tuple(r for r in self._ended if not self.engine.has_request(r))
         s = self.engine.stats()
         return ReplicaStats(
             replica_id=self.replica_id, ready=self.engine.is_ready, num_waiting=s.num_waiting,
-            num_running=s.num_running, num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+            num_running=s.num_running, max_num_seqs=s.max_num_seqs, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks,
             kv_usage=s.kv_usage, num_queued_tokens=s.num_queued_tokens, block_size=self.engine.block_size,
-            received_ids=received, reported_at=time.monotonic())
+            received_ids=received, ended_ids=ended, reported_at=time.monotonic())
 
     async def generate(self, request: EngineRequest, replica_hint: str | None = None
                        ) -> AsyncIterator[StreamChunk]:
@@ -130,6 +134,7 @@ class EngineReplica:
             yield StreamChunk(error=error_info(e), finished=True)
         finally:
             self._live.discard(request.request_id)
+            self._ended[request.request_id] = None
             self.metrics.record_request(request.priority, coalescer.metrics, coalescer.num_messages,
                                         coalescer.num_output_tokens, len(request.prompt_token_ids))
             if coalescer.finished or failed:  # a client that left, or bad input, is no verdict on the service
@@ -188,9 +193,11 @@ class EngineReplica:
                 key = (stats.ready, stats.num_waiting, stats.num_running, stats.num_free_blocks,
                        stats.num_queued_tokens)
                 due = time.monotonic() - last_sent >= self.config.stats_heartbeat_s
-                if key != last_key or stats.received_ids or due:
+                if key != last_key or stats.received_ids or stats.ended_ids or due:
                     for request_id in stats.received_ids:
                         self._unreported.pop(request_id, None)
+                    for request_id in stats.ended_ids:
+                        self._ended.pop(request_id, None)
                     self.metrics.record_load(stats, self.engine.stats())
                     self.metrics.record_slo_window(self.slo.window())
                     await self._router.report.remote(stats)

@@ -29,16 +29,24 @@ class ReplicaView:
     pending: dict[str, tuple[int, float]] = field(default_factory=dict)  # request id -> (blocks, admitted at)
     num_pending_blocks: int = 0  # sum of pending blocks
     active: set[str] = field(default_factory=set)  # admitted, not yet released
-    num_ended: int = 0  # requests the engine had received that ended since the last report
+    ended: set[str] = field(default_factory=set)  # released, still in the engine's last counts
+    reported_ended: set[str] = field(default_factory=set)  # reported as ended, release not yet seen
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefix hash -> None (LRU)
 
     def est_waiting(self) -> int:
-        """The engine's waiting queue: as last reported, less one for each request that ended
-        since (its slot takes a waiting request; a waiting one that ended leaves the queue), plus
-        the admissions it has not seen. The engine reports its load once per output interval, so
-        without the ended ones a batch would run short of its freed slots until the next report.
-        A report that already counted an end makes this one low until the next one."""
-        return max(self.stats.num_waiting - self.num_ended, 0) + len(self.pending)
+        """The engine's waiting queue once it has what it was sent. A slot-bound engine (or one
+        with free slots) runs up to max_num_seqs and queues the rest: the requests it had at its
+        last report, less those that ended since, plus the admissions it has not seen, over its
+        slots. Admissions thus fill free slots at once and a slot freed by an ended request is
+        refilled at its release, not a report later (the engine reports once per output interval).
+        An engine queueing with slots free is short of KV blocks: its queue as reported, less the
+        ended, plus the unseen. Each end counts once, whether its release or the report showing it
+        comes first."""
+        s = self.stats
+        if s.num_waiting and s.num_running < s.max_num_seqs:
+            return max(s.num_waiting - len(self.ended), 0) + len(self.pending)
+        in_engine = s.num_running + s.num_waiting - len(self.ended) + len(self.pending)
+        return max(in_engine - s.max_num_seqs, 0)
 
     def est_free_blocks(self) -> int:
         return self.stats.num_free_blocks - self.num_pending_blocks
@@ -106,7 +114,11 @@ class ReplicaPool:
         if view is None:
             view = self.views[stats.replica_id] = ReplicaView(stats, now)
         view.stats, view.last_seen = stats, now
-        view.num_ended = 0
+        for request_id in stats.ended_ids:
+            if request_id in view.ended:
+                view.ended.discard(request_id)
+            else:
+                view.reported_ended.add(request_id)
         for request_id in stats.received_ids:
             view.drop_pending(request_id)
         for request_id, (_, admitted_at) in list(view.pending.items()):
@@ -157,6 +169,8 @@ class ReplicaPool:
             view.active.discard(request_id)
             if request_id in view.pending:  # never reached the engine
                 view.drop_pending(request_id)
+            elif request_id in view.reported_ended:  # the counts already show it
+                view.reported_ended.discard(request_id)
             else:
-                view.num_ended += 1
+                view.ended.add(request_id)
             self._refile(view)

@@ -12,8 +12,9 @@ Invariants (checked by tests):
 - Dispatch is strictly in rank order: if the best request fits nowhere, nobody overtakes it.
 - Estimates = last report + what was admitted to that replica but not yet seen by its engine
   (replicas list the request ids that reached them since their previous report) - what ended
-  there since (`release()`), so the router never polls per request, and a freed slot is
-  refilled at its release, not at the next report.
+  there since (`release()`), counted as waiting beyond the engine's batch slots (`max_num_seqs`):
+  the router never polls per request, admissions fill free slots at once, and a freed slot is
+  refilled at its release, not a report later.
 - The wait here is passed on (`AdmitResult.queue_wait_s`): the engine ages the request from
   its arrival at the router, so its rank is continuous across the hop.
 """

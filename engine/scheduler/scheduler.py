@@ -510,7 +510,8 @@ class Scheduler:
         """A snapshot of queues, KV use and counters, with the last step's figures."""
         c = self.counters
         return EngineStats(
-            num_waiting=len(self.waiting), num_running=len(self.running), num_swapped=len(self.swapped),
+            num_waiting=len(self.waiting), num_running=len(self.running), max_num_seqs=self.config.max_num_seqs,
+            num_swapped=len(self.swapped),
             num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks, kv_usage=self.kv.usage,
             prefix_cache_hit_rate=c.num_prefix_hit_tokens / max(c.num_prefix_query_tokens, 1),
             batch_size=step.batch_size, batch_tokens=step.batch_tokens, step_latency_s=step.step_latency_s,

@@ -102,7 +102,8 @@ class FakeAsyncEngine(EngineClient):
     def stats(self) -> EngineStats:
         used = sum(r.num_blocks for r in self._running.values())
         return EngineStats(
-            num_waiting=len(self._waiting), num_running=len(self._running), num_swapped=0,
+            num_waiting=len(self._waiting), num_running=len(self._running), max_num_seqs=self.max_num_seqs,
+            num_swapped=0,
             num_free_blocks=self.num_blocks - used, num_total_blocks=self.num_blocks,
             kv_usage=used / self.num_blocks, prefix_cache_hit_rate=0.0, batch_size=len(self._running),
             batch_tokens=len(self._running), step_latency_s=self.step_delay_s, scheduler_overhead_s=0.0,

@@ -78,7 +78,7 @@ def test_cancelling_the_consumer_aborts_in_engine():
             await asyncio.sleep(0.01)
         assert not replica.engine._running
         assert replica.engine.aborted == ["z"] and not replica.engine.finished
-        assert replica.stats().received_ids == ("z",)
+        assert replica.stats().received_ids == ("z",) and replica.stats().ended_ids == ("z",)
 
     run(go())
 
@@ -129,6 +129,8 @@ def test_load_reports_are_sent_on_change_and_as_a_heartbeat():
         await asyncio.sleep(0.1)
         assert any(r.received_ids == ("x",) for r in router.reports)
         assert router.reports[-1].num_running == 0 and router.reports[-1].ready
+        ended = [r for r in router.reports if r.ended_ids]  # its end listed once, in counts without it
+        assert [r.ended_ids for r in ended] == [("x",)] and ended[0].num_running + ended[0].num_waiting == 0
         before = len(router.reports)
         await asyncio.sleep(0.6)
         assert len(router.reports) == before + 1  # one heartbeat

@@ -22,9 +22,9 @@ def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=(),
 
 
 def stats(rid: str, waiting=0, running=0, free=100, total=100, received=(),
-          queued_tokens=0, ready=True) -> ReplicaStats:
-    return ReplicaStats(rid, ready, waiting, running, free, total, 1 - free / total, queued_tokens, 16,
-                        tuple(received), 0.0)
+          queued_tokens=0, ready=True, slots=4, ended=()) -> ReplicaStats:
+    return ReplicaStats(rid, ready, waiting, running, slots, free, total, 1 - free / total, queued_tokens, 16,
+                        tuple(received), tuple(ended), 0.0)
 
 
 def order(q: AdmissionQueue) -> list[str]:
@@ -84,47 +84,70 @@ def test_queue_bounds_requests_and_tokens_and_counts_depth_per_priority():
 
 
 def test_headroom_unseen_admissions_and_blocks():
-    """1. replica with waiting=0 gets two admissions -> est waiting 2 -> no headroom (max 2).
+    """1. a replica with its one slot taken gets two admissions -> est waiting 2 -> no headroom (max 2).
     2. a report listing both as received, waiting=1 -> headroom again.
     3. free blocks below the prompt's blocks -> no headroom unless idle."""
     pool = ReplicaPool(RouterConfig(max_waiting_per_replica=2))
-    pool.report(stats("r0", running=1), now=0.0)
+    pool.report(stats("r0", running=1, slots=1), now=0.0)
     for rid in ("a", "b"):
         assert pool.choose(req(rid)) == "r0"
         pool.assign("r0", req(rid), now=0.0)
     assert pool.choose(req("c")) is None
-    pool.report(stats("r0", waiting=1, running=2, received=["a", "b"]), now=0.1)
+    pool.report(stats("r0", waiting=1, running=1, received=["a", "b"], slots=1), now=0.1)
     assert pool.choose(req("c")) == "r0"
     pool.assign("r0", req("c"), now=0.1)
     pool.release("c")  # ended (e.g. client left) before the replica listed it: not pending
     assert not pool.views["r0"].pending
-    pool.report(stats("r0", running=2, free=2), now=0.2)
+    pool.report(stats("r0", running=1, free=2, slots=1), now=0.2)
     assert pool.choose(req("big", prompt=100)) is None  # needs 7 blocks
     pool.report(stats("r0", free=2), now=0.3)  # idle
     assert pool.choose(req("big", prompt=100)) == "r0"
 
 
-def test_an_ended_request_frees_its_slot_before_the_next_report():
-    """The engine fills a freed slot from its waiting queue at once; the router counts that at the
-    release, so the replica's queue is topped up without waiting for its next load report."""
+def test_admissions_fill_free_slots_at_once_then_wait_up_to_the_bound():
+    """Requests sent to an engine with free batch slots run at its next step, so they are not
+    waiting ones: the router fills the slots without a report in between, then lets
+    max_waiting_per_replica more wait. An engine queueing with slots free is short of KV blocks,
+    and its reported queue counts."""
     pool = ReplicaPool(RouterConfig(max_waiting_per_replica=2))
-    pool.report(stats("r0"), now=0.0)
+    pool.report(stats("r0", running=1, slots=4), now=0.0)
+    for rid in "abcde":  # three free slots, then two waiting
+        assert pool.choose(req(rid)) == "r0"
+        pool.assign("r0", req(rid), now=0.0)
+    assert pool.views["r0"].est_waiting() == 2 and pool.choose(req("f")) is None
+    pool.report(stats("r0", waiting=2, running=2, slots=4, received="abcde"), now=0.1)  # KV-bound
+    assert pool.views["r0"].est_waiting() == 2 and pool.choose(req("f")) is None
+    pool.release("a")
+    assert pool.choose(req("f")) == "r0"
+
+
+def test_an_ended_request_frees_its_slot_once_whichever_news_comes_first():
+    """The engine fills a freed slot from its waiting queue at once; the router counts that at the
+    release, so the replica's queue is topped up without waiting for its next load report. The
+    report that shows the end lists it, so the end is not counted twice when the release comes
+    after it."""
+    pool = ReplicaPool(RouterConfig(max_waiting_per_replica=2))
+    pool.report(stats("r0", slots=2), now=0.0)
     for rid in "abcd":
         pool.assign("r0", req(rid), now=0.0)
-    pool.report(stats("r0", waiting=2, running=2, received="abcd"), now=0.1)  # a, b run; c, d wait
+    pool.report(stats("r0", waiting=2, running=2, received="abcd", slots=2), now=0.1)  # a, b run; c, d wait
     assert pool.choose(req("e")) is None
-    pool.release("a")  # ended: c takes its slot
+    pool.release("a")  # ended, released before any report: c takes its slot
     assert pool.views["r0"].est_waiting() == 1
     assert pool.choose(req("e")) == "r0"
     pool.assign("r0", req("e"), now=0.2)
     assert pool.choose(req("f")) is None  # d and e wait
     pool.release("e")  # left before the engine saw it: no slot freed, just no longer pending
     assert pool.views["r0"].est_waiting() == 1
-    pool.release("b")
+    pool.report(stats("r0", waiting=1, running=2, slots=2, ended="a"), now=0.3)  # the counts now show a's end
+    assert pool.views["r0"].est_waiting() == 1 and not pool.views["r0"].ended
+    pool.report(stats("r0", running=2, slots=2, ended="b"), now=0.4)  # b ended: the report comes first
+    pool.release("b")  # ... so its release frees nothing more
+    assert pool.views["r0"].est_waiting() == 0 and pool.choose(req("f")) == "r0"
+    assert not pool.views["r0"].ended and not pool.views["r0"].reported_ended
     pool.release("c")
+    pool.release("d")
     assert pool.views["r0"].est_waiting() == 0  # never below empty
-    pool.report(stats("r0", running=1), now=0.3)  # d runs: the report is the truth again
-    assert pool.views["r0"].est_waiting() == 0 and pool.views["r0"].num_ended == 0
 
 
 def test_choice_least_loaded_then_prefix_affinity():

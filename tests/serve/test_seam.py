@@ -66,7 +66,7 @@ def test_a_requests_aged_rank_is_continuous_from_router_to_engine(tiny_llama):
         waiting = asyncio.ensure_future(router.admit(AdmitRequest("old", 9, 4, 4)))
         await asyncio.sleep(0)
         clock.now += 4.0
-        await router.report(ReplicaStats("r0", True, 0, 0, 64, 64, 0.0, 0, 16, (), 0.0))
+        await router.report(ReplicaStats("r0", True, 0, 0, 1, 64, 64, 0.0, 0, 16, (), (), 0.0))
         return (await waiting).queue_wait_s
 
     waited = run(admitted_after_wait())
