@@ -117,7 +117,7 @@ class ReplicaPool:
         for request_id in stats.ended_ids:
             if request_id in view.ended:
                 view.ended.discard(request_id)
-            else:
+            elif request_id in view.active:  # its release is still to come
                 view.reported_ended.add(request_id)
         for request_id in stats.received_ids:
             view.drop_pending(request_id)

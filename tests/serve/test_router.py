@@ -148,6 +148,10 @@ def test_an_ended_request_frees_its_slot_once_whichever_news_comes_first():
     pool.release("c")
     pool.release("d")
     assert pool.views["r0"].est_waiting() == 0  # never below empty
+    pool.assign("r0", req("g"), now=0.5)
+    pool.release("g")  # a short request, released while still pending ...
+    pool.report(stats("r0", slots=2, received="g", ended="cdg"), now=0.6)  # ... then reported both ways
+    assert not pool.views["r0"].ended and not pool.views["r0"].reported_ended and not pool.views["r0"].pending
 
 
 def test_choice_least_loaded_then_prefix_affinity():
