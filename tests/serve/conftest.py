@@ -13,7 +13,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +94,13 @@ def served_real_engine(model: str | None, max_model_len: int, name: str = "tiny"
         yield url
 
 
-def wait_healthy(url: str, timeout_s: float) -> float:
-    """Seconds until the app's /health answers 200 (an engine replica is ready)."""
+def wait_healthy(url: str, timeout_s: float, still_starting: Callable[[], None] | None = None) -> float:
+    """Seconds until the app's /health answers 200 (an engine replica is ready).
+    `still_starting`: called before each try; raises when the server cannot come up any more."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
+        if still_starting is not None:
+            still_starting()
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return time.monotonic() - t0

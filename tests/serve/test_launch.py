@@ -11,13 +11,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 import yaml
+from conftest import wait_healthy
 
 from serve_app.launch import busy_ports, joins_running_cluster, main, plan
 from tests.conftest import free_port_block
@@ -88,17 +89,10 @@ def listener(port: int) -> psutil.Process | None:
     return None
 
 
-def wait_answering(url: str, timeout_s: float, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def launcher_alive(proc: subprocess.Popen, log: Path) -> Callable[[], None]:
+    def check() -> None:
         assert proc.poll() is None, f"launcher exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy within {timeout_s} s")
+    return check
 
 
 def complete(url: str) -> str:
@@ -122,7 +116,7 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     direct, proxy = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     try:
-        wait_answering(direct, 180, proc, log)
+        wait_healthy(direct, 180, launcher_alive(proc, log))
         replica = listener(port)
         assert replica is not None and "ServeReplica:cbserve:EngineIngress" in " ".join(replica.cmdline())
         text = complete(direct)
@@ -130,7 +124,7 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
 
         replica.kill()
         replica.wait(30)
-        wait_answering(direct, 180, proc, log)  # Serve restarts the replica, which takes the port back
+        wait_healthy(direct, 180, launcher_alive(proc, log))  # Serve restarts the replica, which takes the port back
         healed = listener(port)
         assert healed is not None and healed.pid != replica.pid
         assert "ServeReplica:cbserve:EngineIngress" in " ".join(healed.cmdline())
