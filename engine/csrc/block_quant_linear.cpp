@@ -1,8 +1,9 @@
 // Matmul on GGUF block-quantized weights for decode-sized batches. As in llama.cpp, each row of x
 // is quantized per block of 32 and every block's dot product is an integer sum scaled once; but to
 // 15 bits (d = max |x| / 16256), not llama.cpp's 8: int8 activations cost SmolLM2-135M 3% of
-// top-1 agreement with fp32, 15 bits nothing measurable. The weights are widened to 16 bits and
-// each block takes two 16-bit dot products (madd). A decode step is bound by the bytes of weights
+// top-1 agreement with fp32, 15 bits nothing measurable. Q8_0 weights are widened to 16 bits and
+// each block takes two 16-bit dot products (madd); Q4_1 nibbles are multiplied as bytes, each
+// activation split exactly into two (below). A decode step is bound by the bytes of weights
 // it reads (Q4_1 5 bits per weight, Q8_0 8.5, fp32 32) and by the instructions per block: four
 // blocks' sums are reduced together and scaled by one vector multiply, and the scales of a row are
 // stored apart from its quantized values, so they load and convert four at a time. torch has no
@@ -40,7 +41,7 @@ constexpr int64_t kGroup = kQuantizedXGroup;  // blocks whose sums are scaled to
 // How far ahead of the block in hand to ask for weight bytes: the hardware prefetcher alone kept two
 // threads' streams to ~10-17 GB/s; lines requested 2 KiB ahead measured 1.15-1.19x on the layers'
 // matmuls and 1.1-1.3x on the LM head (1, 3 and 4 KiB: 2-6% slower than 2).
-constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kPrefetchBytes = 4096;
 enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1, kQ8_0Bf16 = 2 };
 
 inline int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34; }
@@ -140,18 +141,11 @@ struct Row {
 };
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Block b's 32 weights widened to 16 bits, in x's order: lo = weights 0-15, hi = 16-31.
-template <int64_t Format>
-__attribute__((always_inline)) inline void widen(const Row<Format>& row, int64_t b, __m256i& lo, __m256i& hi) {
-  const uint8_t* q = row.quants + b * Row<Format>::kQuantBytes;
-  if constexpr (Format == kQ8_0) {
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-  } else {
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
-    hi = _mm256_srli_epi16(bytes, 4);
-  }
+// Q8_0 block b's 32 weights widened to 16 bits, in x's order: lo = weights 0-15, hi = 16-31.
+__attribute__((always_inline)) inline void widen(const Row<kQ8_0>& row, int64_t b, __m256i& lo, __m256i& hi) {
+  const uint8_t* q = row.quants + b * Row<kQ8_0>::kQuantBytes;
+  lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
 }
 
 // Eight int32 lanes whose sum is block b's integer dot product with the quantized row xq.
@@ -175,64 +169,227 @@ inline float hsum_ps(__m128 v) {
 }
 
 // Two blocks' lane sums folded pairwise: hadd keeps each block's lanes apart.
-template <int64_t Format, int64_t MB>
-__attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int64_t b, const int16_t* const* xq,
+template <int64_t MB>
+__attribute__((always_inline)) inline void pair_dots(const Row<kQ8_0>& row, int64_t b, const int16_t* const* xq,
                                                      __m256i* pairs) {
   __m256i lo0, hi0, lo1, hi1;
-  widen<Format>(row, b, lo0, hi0);
-  widen<Format>(row, b + 1, lo1, hi1);
+  widen(row, b, lo0, hi0);
+  widen(row, b + 1, lo1, hi1);
   for (int64_t i = 0; i < MB; ++i)
     pairs[i] = _mm256_hadd_epi32(block_dot(lo0, hi0, xq[i], b), block_dot(lo1, hi1, xq[i], b + 1));
 }
+
+// Q4_1 without widening: the nibbles are multiplied as bytes. Each 15-bit activation is split
+// exactly into x = 128 * h + l, h in [-127, 127] and l in [0, 127], both bytes (byte_order), so
+// one byte product (vpdpbusd with AVX512-VNNI, else vpmaddubsw) covers 32 weights where a 16-bit
+// one covers 16, and the nibbles need a mask and one shift for two blocks where widening took a
+// shuffle, a mask and a shift per block. Each block's integer dot product is the widened form's,
+// exactly; lanes of partial sums are scaled as they stand (a float multiply-add per two blocks),
+// not reduced across lanes first. Measured against the widened form on the layers' shapes
+// (BENCHMARKS.md): the widening's shuffles and the per-block reductions were a step's bound.
+constexpr int64_t kPairBytes = 4 * 32;  // a pair of blocks' activation bytes in byte order
+
+// x's rows (quantize_x's q) in byte order: for each pair of blocks b, b + 1 (nbp / 2 of them, the
+// padding zero), four registers' bytes: h of x[0:16] of b then of b + 1, h of x[16:32] likewise,
+// then l the same.
+std::unique_ptr<int8_t[]> byte_order(const QuantizedX& qx, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock, row_bytes = qx.nbp / 2 * kPairBytes;
+  std::unique_ptr<int8_t[]> out(new int8_t[M * row_bytes]);
+  const __m256i low7 = _mm256_set1_epi16(127);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < qx.nbp; b += 2) {
+      __m256i h[2][2], l[2][2];  // [block of the pair][x's first or second 16]
+      for (int64_t j = 0; j < 2; ++j) {
+        for (int64_t half = 0; half < 2; ++half) {
+          const __m256i q = b + j < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             qx.q.get() + m * K + (b + j) * kBlock + 16 * half))
+                                       : _mm256_setzero_si256();
+          h[j][half] = _mm256_srai_epi16(q, 7);
+          l[j][half] = _mm256_and_si256(q, low7);
+        }
+      }
+      // packs interleaves the 128-bit halves of its operands: put them back in order
+      const auto bytes = [](__m256i first, __m256i second) {
+        return _mm256_permute4x64_epi64(_mm256_packs_epi16(first, second), 0xd8);
+      };
+      __m256i* o = reinterpret_cast<__m256i*>(out.get() + m * row_bytes + b / 2 * kPairBytes);
+      _mm256_storeu_si256(o, bytes(h[0][0], h[1][0]));
+      _mm256_storeu_si256(o + 1, bytes(h[0][1], h[1][1]));
+      _mm256_storeu_si256(o + 2, bytes(l[0][0], l[1][0]));
+      _mm256_storeu_si256(o + 3, bytes(l[0][1], l[1][1]));
+    }
+  }
+  return out;
+}
+
+// Two Q4_1 blocks' nibble bytes (32: block b's 16, then b + 1's) times a pair's activation bytes:
+// eight fp32 lanes, four per block (b's low half), summing to the blocks' exact integer dot products.
+__attribute__((always_inline)) inline __m256 pair_dot(__m256i bytes, const int8_t* x) {
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+  const __m256i* v = reinterpret_cast<const __m256i*>(x);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i h = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256(v)), hi, _mm256_loadu_si256(v + 1));
+  const __m256i l = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256(v + 2)), hi,
+                                        _mm256_loadu_si256(v + 3));
+  const __m256i sums = _mm256_add_epi32(_mm256_slli_epi32(h, 7), l);
+#else
+  // pairs of byte products in 16 bits: at most 2 * 15 * 127 each, 4 * 15 * 127 summed: no saturation
+  const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(v)),
+                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256(v + 1)));
+  const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(v + 2)),
+                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256(v + 3)));
+  const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(128)), _mm256_madd_epi16(l, _mm256_set1_epi16(1)));
+#endif
+  return _mm256_cvtepi32_ps(sums);  // |sums| < 2^21: exact
+}
+
+// count (1-4) fp16 values at p as fp32, the rest zero; reads only their bytes, each load straight
+// into a register (assembling them in memory first stalls the load on the partial stores).
+__attribute__((always_inline)) inline __m128 halves(const uint8_t* p, int64_t count) {
+  uint32_t pair = 0;
+  uint16_t one = 0;
+  __m128i bits;
+  switch (count) {
+    case 1: std::memcpy(&one, p, 2); bits = _mm_cvtsi32_si128(one); break;
+    case 2: std::memcpy(&pair, p, 4); bits = _mm_cvtsi32_si128(static_cast<int32_t>(pair)); break;
+    case 3:
+      std::memcpy(&pair, p, 4);
+      std::memcpy(&one, p + 4, 2);
+      bits = _mm_insert_epi16(_mm_cvtsi32_si128(static_cast<int32_t>(pair)), one, 2);
+      break;
+    default: bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); break;
+  }
+  return _mm_cvtph_ps(bits);
+}
+
+// count (1-4) blocks' nibble bytes from q as pairs; missing blocks zero, their bytes not read.
+__attribute__((always_inline)) inline __m256i pair_bytes(const uint8_t* q, int64_t count) {
+  if (count >= 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  if (count == 1) return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  return _mm256_setzero_si256();
+}
+
+// Blocks b to b + Count - 1 (Count <= kGroup) against MB rows: acc += lanes * d_w * d_x per block,
+// offset_acc += m_w * s_x. Count is a template argument: a row's last blocks, short of a group,
+// cost their own work and no branches.
+template <int64_t MB, int64_t Count>
+__attribute__((always_inline)) inline void byte_group(const Row<kQ4_1>& row, int64_t b, const int8_t* const* xb,
+                                                      const float* const* xd, const float* const* xs, __m256* acc,
+                                                      __m128* offset_acc) {
+  const __m256i first = pair_bytes(row.quants + b * 16, Count), second = pair_bytes(row.quants + b * 16 + 32, Count - 2);
+  const __m128 dw = halves(row.scales + 2 * b, Count), mw = halves(row.offsets + 2 * b, Count);
+  const __m256i blocks01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), blocks23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  for (int64_t i = 0; i < MB; ++i) {
+    const __m256 scales = _mm256_castps128_ps256(_mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b)));
+    const int8_t* x = xb[i] + b / 2 * kPairBytes;
+    acc[i] = _mm256_fmadd_ps(pair_dot(first, x), _mm256_permutevar8x32_ps(scales, blocks01), acc[i]);
+    if constexpr (Count > 2)
+      acc[i] = _mm256_fmadd_ps(pair_dot(second, x + kPairBytes), _mm256_permutevar8x32_ps(scales, blocks23), acc[i]);
+    offset_acc[i] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[i] + b), offset_acc[i]);
+  }
+}
+
+// sums[i] = Q4_1 weight row (nb blocks) . row m0 + i of x (xb: in byte order), for i < MB; Tail:
+// nb % kGroup.
+template <int64_t MB, int64_t Tail>
+inline void dot_rows_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, const int8_t* xb_rows, int64_t m0,
+                           float* sums) {
+  const Row<kQ4_1> row(w, nb);
+  const int8_t* xb[MB];
+  const float* xd[MB];
+  const float* xs[MB];
+  for (int64_t i = 0; i < MB; ++i) {
+    xb[i] = xb_rows + (m0 + i) * qx.nbp / 2 * kPairBytes;
+    xd[i] = qx.d.get() + (m0 + i) * qx.nbp;
+    xs[i] = qx.s.get() + (m0 + i) * qx.nbp;
+  }
+  __m256 acc[MB];
+  __m128 offset_acc[MB];
+  for (int64_t i = 0; i < MB; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    offset_acc[i] = _mm_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + kGroup <= nb; b += kGroup) {
+    _mm_prefetch(reinterpret_cast<const char*>(row.quants + b * 16 + kPrefetchBytes), _MM_HINT_T0);
+    byte_group<MB, kGroup>(row, b, xb, xd, xs, acc, offset_acc);
+  }
+  if constexpr (Tail > 0) byte_group<MB, Tail>(row, b, xb, xd, xs, acc, offset_acc);
+  for (int64_t i = 0; i < MB; ++i) {
+    const __m128 lanes = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    sums[i] = hsum_ps(lanes) + hsum_ps(offset_acc[i]);
+  }
+}
+
+template <int64_t Tail>
+inline void dot_pass_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, const int8_t* xb, int64_t m0,
+                           int64_t mb, float* sums) {
+  switch (mb) {
+    case 1: dot_rows_bytes<1, Tail>(w, nb, qx, xb, m0, sums); break;
+    case 2: dot_rows_bytes<2, Tail>(w, nb, qx, xb, m0, sums); break;
+    case 3: dot_rows_bytes<3, Tail>(w, nb, qx, xb, m0, sums); break;
+    default: dot_rows_bytes<4, Tail>(w, nb, qx, xb, m0, sums); break;
+  }
+}
+
+inline void dot_pass_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, const int8_t* xb, int64_t m0,
+                           int64_t mb, float* sums) {
+  switch (nb % kGroup) {
+    case 0: dot_pass_bytes<0>(w, nb, qx, xb, m0, mb, sums); break;
+    case 1: dot_pass_bytes<1>(w, nb, qx, xb, m0, mb, sums); break;
+    case 2: dot_pass_bytes<2>(w, nb, qx, xb, m0, mb, sums); break;
+    default: dot_pass_bytes<3>(w, nb, qx, xb, m0, mb, sums); break;
+  }
+}
 #endif
 
-// sums[i] = weight row (nb blocks) . row m0 + i of x, for i < MB. Each weight block is widened
-// once for the MB rows; Format and MB are template arguments so the layout is fixed and the
-// accumulators stay in registers. Each row's arithmetic is the same whatever MB is.
+// sums[i] = weight row (nb blocks) . row m0 + i of x, for i < MB (with AVX2, Q8_0 rows: Q4_1 takes
+// dot_rows_bytes). Each weight block is widened once for the MB rows; Format and MB are template
+// arguments so the layout is fixed and the accumulators stay in registers. Each row's arithmetic
+// is the same whatever MB is: compiled without -ffast-math, which reassociated the last blocks'
+// scalar sums differently per MB.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
 template <int64_t Format, int64_t MB>
 inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t m0, float* sums) {
   const Row<Format> row(w, nb);
   const int16_t* xq[MB];
   const float* xd[MB];
-  const float* xs[MB];
   for (int64_t i = 0; i < MB; ++i) {
     xq[i] = qx.q.get() + (m0 + i) * nb * kBlock;
     xd[i] = qx.d.get() + (m0 + i) * qx.nbp;
-    xs[i] = qx.s.get() + (m0 + i) * qx.nbp;
   }
-  float tail[MB] = {}, offsets[MB] = {};
+  float tail[MB] = {};
   int64_t b = 0;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  __m128 acc[MB], offset_acc[MB];
-  for (int64_t i = 0; i < MB; ++i) acc[i] = offset_acc[i] = _mm_setzero_ps();
+  static_assert(Format == kQ8_0, "Q4_1 blocks take dot_rows_bytes here");
+  __m128 acc[MB];
+  for (int64_t i = 0; i < MB; ++i) acc[i] = _mm_setzero_ps();
   for (; b + kGroup <= nb; b += kGroup) {
     for (int64_t line = 0; line < kGroup * Row<Format>::kQuantBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row.quants + b * Row<Format>::kQuantBytes + line + kPrefetchBytes),
                    _MM_HINT_T0);
     __m256i first[MB], second[MB];
-    pair_dots<Format, MB>(row, b, xq, first);
-    pair_dots<Format, MB>(row, b + 2, xq, second);
+    pair_dots<MB>(row, b, xq, first);
+    pair_dots<MB>(row, b + 2, xq, second);
     const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.scales + 2 * b)));
-    __m128 mw;
-    if constexpr (Format == kQ4_1) mw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.offsets + 2 * b)));
     for (int64_t i = 0; i < MB; ++i) {
       const __m256i four = _mm256_hadd_epi32(first[i], second[i]);  // lanes: blocks b..b+3, per half
       const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1));
       acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b)), acc[i]);
-      if constexpr (Format == kQ4_1) offset_acc[i] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[i] + b), offset_acc[i]);
     }
   }
   for (; b < nb; ++b) {
     __m256i lo, hi;
-    widen<Format>(row, b, lo, hi);
-    const float dw = half_at(row.scales + 2 * b), mw = Format == kQ4_1 ? half_at(row.offsets + 2 * b) : 0.f;
-    for (int64_t i = 0; i < MB; ++i) {
-      tail[i] += dw * xd[i][b] * static_cast<float>(hsum_epi32(block_dot(lo, hi, xq[i], b)));
-      if constexpr (Format == kQ4_1) offsets[i] += mw * xs[i][b];
-    }
+    widen(row, b, lo, hi);
+    const float dw = half_at(row.scales + 2 * b);
+    for (int64_t i = 0; i < MB; ++i) tail[i] += dw * xd[i][b] * static_cast<float>(hsum_epi32(block_dot(lo, hi, xq[i], b)));
   }
-  for (int64_t i = 0; i < MB; ++i) sums[i] = hsum_ps(acc[i]) + tail[i] + (hsum_ps(offset_acc[i]) + offsets[i]);
+  for (int64_t i = 0; i < MB; ++i) sums[i] = hsum_ps(acc[i]) + tail[i];
 #else
+  float offsets[MB] = {};
   for (; b < nb; ++b) {
     const uint8_t* q = row.quants + b * Row<Format>::kQuantBytes;
     const float dw = half_at(row.scales + 2 * b), mw = Format == kQ4_1 ? half_at(row.offsets + 2 * b) : 0.f;
@@ -244,12 +401,14 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
         dot += wj * xb[j];
       }
       tail[i] += dw * xd[i][b] * static_cast<float>(dot);
-      if constexpr (Format == kQ4_1) offsets[i] += mw * xs[i][b];
+      if constexpr (Format == kQ4_1) offsets[i] += mw * qx.s[(m0 + i) * qx.nbp + b];
     }
   }
   for (int64_t i = 0; i < MB; ++i) sums[i] = tail[i] + offsets[i];
 #endif
 }
+
+#pragma GCC pop_options
 
 template <int64_t Format>
 inline void dot_pass(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t m0, int64_t mb, float* sums) {
@@ -436,6 +595,9 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
   const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   const bool bf16 = format == kQ8_0Bf16;
   const QuantizedX qx = bf16 ? QuantizedX{} : quantize_x(rows, M, K);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const std::unique_ptr<int8_t[]> xb = format == kQ4_1 ? byte_order(qx, M, K) : nullptr;
+#endif
   const std::unique_ptr<float[]> xr = bf16 ? round_bf16(rows, M, K) : nullptr;
   auto out = torch::empty({M, N}, x.options());
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
@@ -454,7 +616,11 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
         } else if (format == kQ8_0) {
           dot_pass<kQ8_0>(wp + n * row_bytes, nb, qx, m0, mb, sums);
         } else {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+          dot_pass_bytes(wp + n * row_bytes, nb, qx, xb.get(), m0, mb, sums);
+#else
           dot_pass<kQ4_1>(wp + n * row_bytes, nb, qx, m0, mb, sums);
+#endif
         }
         for (int64_t i = 0; i < mb; ++i) {
           const int64_t at = (m0 + i) * N + n;

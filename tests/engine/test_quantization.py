@@ -53,7 +53,8 @@ def _name(kind) -> str:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=_name)
-@pytest.mark.parametrize("cols", [96, 160, 256])  # blocks: a tail only, groups of 4 and a tail, groups only
+# blocks: a tail only, groups of 4 and a tail of 1, of 2 (SmolLM2's 576 columns: 18 blocks), groups only
+@pytest.mark.parametrize("cols", [96, 160, 192, 256])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_activations(kind, cols, with_bias):
     torch.manual_seed(0)
@@ -62,7 +63,9 @@ def test_the_kernel_computes_the_gemm_of_the_dequantized_weights_and_quantized_a
     for rows in range(1, BlockQuantLinear.DECODE_ROWS + 1):
         x = torch.randn(rows, cols)
         want = torch.nn.functional.linear(layer.activations(x), layer.weight, layer.bias)
-        torch.testing.assert_close(layer.forward_kernel(x), want, rtol=1e-5, atol=1e-5)
+        got = layer.forward_kernel(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.forward_kernel(x[-1:]), got[-1:])  # a row's bits alone as in the batch
         torch.testing.assert_close(layer.forward_kernel(x.t().contiguous().t()), want, rtol=1e-5, atol=1e-5)  # strided
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)  # whichever path this many rows take
         torch.testing.assert_close(layer(x.repeat(2, 1))[:rows], want, rtol=1e-5, atol=1e-5)  # the large-batch path
