@@ -81,9 +81,9 @@ def cpu_flags() -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
 
 
-def _name_and_dir(march: str, matmuls_only: bool) -> tuple[str, Path]:
+def _name_and_dir(march: str, matmuls_only: bool, csrc: Path = _CSRC) -> tuple[str, Path]:
     capability, flags = _flags(march, matmuls_only)
-    sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))
+    sources = b"".join(p.read_bytes() for p in sorted(csrc.iterdir()))
     key = hashlib.sha256(sources + " ".join(flags + [torch.__version__, cpu_flags()]).encode()).hexdigest()[:12]
     suffix = ("" if march == "native" else "_" + march.replace("-", "_")) + ("_matmuls" if matmuls_only else "")
     name = f"cbserve_cpu_kernels_{capability.lower()}{suffix}_{key}"
@@ -104,8 +104,8 @@ def _import(name: str, path: Path):
     return module
 
 
-def _build(name: str, directory: Path, march: str, matmuls_only: bool):
-    """Compiles the kernels into `directory` and returns the loaded module."""
+def _build(name: str, directory: Path, march: str, matmuls_only: bool, csrc: Path = _CSRC):
+    """Compiles the kernels (the sources in `csrc`) into `directory` and returns the loaded module."""
     import ninja  # torch's builder looks for the ninja binary on PATH; the wheel ships one
     from torch.utils.cpp_extension import load
 
@@ -114,7 +114,7 @@ def _build(name: str, directory: Path, march: str, matmuls_only: bool):
     directory.mkdir(parents=True, exist_ok=True)
     _, flags = _flags(march, matmuls_only)
     t0 = time.monotonic()
-    sources = _MATMUL_SOURCES if matmuls_only else _SOURCES
+    sources = [csrc / p.name for p in (_MATMUL_SOURCES if matmuls_only else _SOURCES)]
     module = load(name=name, sources=[str(p) for p in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                   build_directory=str(directory), verbose=False)
     logger.warning("built the C++ CPU kernels in %.0f s into %s", time.monotonic() - t0, directory)
@@ -138,6 +138,14 @@ def load_cpu_kernels(march: str | None = None, matmuls_only: bool = False):
     except Exception as e:  # no compiler, no ninja, unsupported platform: fall back, say why
         logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch paths", e)
         return None
+
+
+def load_kernels_from(csrc: Path):
+    """This CPU's build of other kernel sources (a directory laid out as csrc/, say another
+    revision's), cached as the engine's own: benchmarks compare two builds in one process."""
+    name, directory = _name_and_dir("native", False, csrc)
+    library = directory / f"{name}.so"
+    return _import(name, library) if library.exists() else _build(name, directory, "native", False, csrc)
 
 
 if __name__ == "__main__":  # `make install`: build (or find) the kernels, say where

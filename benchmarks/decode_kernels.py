@@ -1,0 +1,133 @@
+"""Single-stream decode on the embedded model's GGUF blocks: this tree's C++ kernels against another
+revision's (`--baseline REF`: engine/csrc as git holds it there, built for this CPU into the kernel
+cache), both in one process on the same loaded weights, alternated round by round.
+
+Per build and round: the step's block-quantized matmuls by kind (one token; each of a layer's four
+across all layers, and the LM head), the fused decode stack replayed on a captured decode step,
+and the engine's decode time per token (128 more tokens after a 256-token prompt, from the
+difference of two runs). Medians over the rounds, and each figure's ratio baseline / this tree.
+
+    python benchmarks/decode_kernels.py --baseline HEAD~1 [--rounds 5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from benchmarks.quantization import cpu_features  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.cpu_kernels import kernel_build_key, load_cpu_kernels, load_kernels_from  # noqa: E402
+from engine.models.linear import BlockQuantLinear  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+KINDS = ("qkv", "o", "gate_up", "down")
+
+
+def kernels_at(ref: str):
+    """The kernels of engine/csrc at git revision `ref`, built for this CPU."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", ref, "engine/csrc/"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    csrc = Path(tempfile.mkdtemp(prefix="csrc_")) / "csrc"
+    csrc.mkdir()
+    for name in names:
+        blob = subprocess.run(["git", "show", f"{ref}:{name}"], cwd=ROOT, check=True, capture_output=True).stdout
+        (csrc / Path(name).name).write_bytes(blob)
+    return load_kernels_from(csrc)
+
+
+def use(model, kernels) -> None:
+    """Runs the model's block-quantized matmuls and fused stack on `kernels`."""
+    for m in model.modules():
+        if isinstance(m, BlockQuantLinear):
+            m._kernels = kernels
+    model.fuse_decode_stack(kernels)
+
+
+def best_of(f, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_ms(model, repeats: int) -> dict[str, float]:
+    """ms per step of each kind of matmul at one token: every layer's (or the LM head's) in turn."""
+    out = {}
+    groups = {kind: [getattr(layer, kind) for layer in model.layers] for kind in KINDS} | {"lm_head": [model.lm_head]}
+    for kind, matmuls in groups.items():
+        swiglu = kind == "down"
+        x = torch.randn(1, matmuls[0].weight.shape[1] * (2 if swiglu else 1))
+
+        def sweep(matmuls=matmuls, x=x, swiglu=swiglu):
+            for m in matmuls:
+                m.forward_kernel(x, swiglu=swiglu)
+        out[kind] = 1e3 * best_of(sweep, repeats)
+    return out
+
+
+def decode_ms_per_token(llm: LLM, seed: int) -> float:
+    def run(n: int, offset: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate([list(range(1000 + offset, 1256 + offset))],
+                     SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+    return 1e3 * (run(129, 2 * seed + 1) - run(1, 2 * seed)) / 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="git revision whose engine/csrc is the baseline")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=30, help="best of this many per matmul sweep and stack replay")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    print(f"CPU: {cpu_features()}; threads {torch.get_num_threads()}; this tree's kernels {kernel_build_key()}")
+    builds = {"baseline": kernels_at(args.baseline), "this tree": load_cpu_kernels()}
+    llm = LLM()  # the embedded model in its default mode (its GGUF blocks)
+    model = llm.engine.runner.model
+    captured = []
+    stack = model.decode_stack
+
+    class Capture:  # one decode step's arguments, replayed on each build's stack
+        def forward(self, *args):
+            captured.append(args)
+            return stack.forward(*args)
+
+    model.decode_stack = Capture()
+    llm.generate([list(range(500, 756))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    step = captured[-1]
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
+    for r in range(args.rounds):
+        for name, kernels in builds.items():
+            use(model, kernels)
+            figures = matmul_ms(model, args.repeats)
+            figures["matmuls"] = sum(figures[k] for k in KINDS) + figures["lm_head"]
+            figures["stack"] = 1e3 * best_of(lambda: model.decode_stack.forward(*step), args.repeats)
+            figures["decode_ms_per_token"] = decode_ms_per_token(llm, r)
+            rounds[name].append(figures)
+            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
+    medians = {name: {k: statistics.median(f[k] for f in rs) for k in rs[0]} for name, rs in rounds.items()}
+    print(f"\n| ms (median of {args.rounds} rounds) | baseline ({args.baseline}) | this tree | baseline / this tree |")
+    print("|---|---|---|---|")
+    for k in medians["this tree"]:
+        base, new = medians["baseline"][k], medians["this tree"][k]
+        print(f"| {k} | {base:.3f} | {new:.3f} | {base / new:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "baseline": args.baseline,
+                                               "rounds": rounds, "medians": medians}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
