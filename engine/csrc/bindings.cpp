@@ -24,7 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q (and k) with k and v written to their cache slots",
         py::call_guard<py::gil_scoped_release>());
-  py::class_<DecodeStack>(m, "DecodeStack", "a decode step through block-quantized Llama layers in one call")
+  // module_local: another build of these kernels (benchmarks/decode_kernels.py) loads beside this one
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
+                          "a decode step through block-quantized Llama layers in one call")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                     std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,

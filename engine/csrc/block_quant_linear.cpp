@@ -46,6 +46,16 @@ enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1, kQ8_0Bf16 = 2 };
 
 inline int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34; }
 
+// x, computed as written: -ffast-math may not regroup the arithmetic around it (which it did
+// differently per template instance, so a row's bits depended on its batch).
+inline float in_order(float x) {
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  return __builtin_assoc_barrier(x);
+#else
+  return x;
+#endif
+}
+
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -348,10 +358,8 @@ inline void dot_pass_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, c
 // sums[i] = weight row (nb blocks) . row m0 + i of x, for i < MB (with AVX2, Q8_0 rows: Q4_1 takes
 // dot_rows_bytes). Each weight block is widened once for the MB rows; Format and MB are template
 // arguments so the layout is fixed and the accumulators stay in registers. Each row's arithmetic
-// is the same whatever MB is: compiled without -ffast-math, which reassociated the last blocks'
-// scalar sums differently per MB.
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
+// is the same whatever MB is (the last blocks' scalar sums held in order: -ffast-math regrouped
+// them per MB).
 template <int64_t Format, int64_t MB>
 inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t m0, float* sums) {
   const Row<Format> row(w, nb);
@@ -385,7 +393,8 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
     __m256i lo, hi;
     widen(row, b, lo, hi);
     const float dw = half_at(row.scales + 2 * b);
-    for (int64_t i = 0; i < MB; ++i) tail[i] += dw * xd[i][b] * static_cast<float>(hsum_epi32(block_dot(lo, hi, xq[i], b)));
+    for (int64_t i = 0; i < MB; ++i)
+      tail[i] = in_order(tail[i] + in_order(dw * xd[i][b]) * static_cast<float>(hsum_epi32(block_dot(lo, hi, xq[i], b))));
   }
   for (int64_t i = 0; i < MB; ++i) sums[i] = hsum_ps(acc[i]) + tail[i];
 #else
@@ -400,15 +409,13 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
         const int32_t wj = Format == kQ8_0 ? static_cast<int8_t>(q[j]) : (j < 16 ? q[j] & 0x0f : q[j - 16] >> 4);
         dot += wj * xb[j];
       }
-      tail[i] += dw * xd[i][b] * static_cast<float>(dot);
-      if constexpr (Format == kQ4_1) offsets[i] += mw * qx.s[(m0 + i) * qx.nbp + b];
+      tail[i] = in_order(tail[i] + in_order(dw * xd[i][b]) * static_cast<float>(dot));
+      if constexpr (Format == kQ4_1) offsets[i] = in_order(offsets[i] + mw * qx.s[(m0 + i) * qx.nbp + b]);
     }
   }
   for (int64_t i = 0; i < MB; ++i) sums[i] = tail[i] + offsets[i];
 #endif
 }
-
-#pragma GCC pop_options
 
 template <int64_t Format>
 inline void dot_pass(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t m0, int64_t mb, float* sums) {
