@@ -6,13 +6,16 @@ Per build and round: the step's block-quantized matmuls by kind (one token; each
 across all layers, and the LM head), the fused decode stack replayed on a captured decode step,
 and the engine's decode time per token (128 more tokens after a 256-token prompt, from the
 difference of two runs). Medians over the rounds, and each figure's ratio baseline / this tree.
+`--march haswell` (a cpu_kernels.TARGETS family) times both builds for that family instead of this
+CPU's own, so each vector branch this CPU runs gets its figures.
 
-    python benchmarks/decode_kernels.py --baseline HEAD~1 [--rounds 5] [--json out.json]
+    python benchmarks/decode_kernels.py --baseline HEAD~1 [--march haswell] [--rounds 5] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,8 +35,8 @@ ROOT = Path(__file__).parents[1]
 KINDS = ("qkv", "o", "gate_up", "down")
 
 
-def kernels_at(ref: str):
-    """The kernels of engine/csrc at git revision `ref`, built for this CPU."""
+def kernels_at(ref: str, march: str):
+    """The kernels of engine/csrc at git revision `ref`, built for `march`."""
     names = subprocess.run(["git", "ls-tree", "--name-only", ref, "engine/csrc/"], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split()
     csrc = Path(tempfile.mkdtemp(prefix="csrc_")) / "csrc"
@@ -41,7 +44,7 @@ def kernels_at(ref: str):
     for name in names:
         blob = subprocess.run(["git", "show", f"{ref}:{name}"], cwd=ROOT, check=True, capture_output=True).stdout
         (csrc / Path(name).name).write_bytes(blob)
-    return load_kernels_from(csrc)
+    return load_kernels_from(csrc, march)
 
 
 def use(model, kernels) -> None:
@@ -90,11 +93,14 @@ def main() -> None:
     ap.add_argument("--baseline", required=True, help="git revision whose engine/csrc is the baseline")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=30, help="best of this many per matmul sweep and stack replay")
+    ap.add_argument("--march", default="native", help="the builds' CPU family: native, or a cpu_kernels.TARGETS key")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.march != "native":
+        os.environ["CBSERVE_CPU_MARCH"] = args.march  # the engine loads this tree's build for that family
 
     print(f"CPU: {cpu_features()}; threads {torch.get_num_threads()}; this tree's kernels {kernel_build_key()}")
-    builds = {"baseline": kernels_at(args.baseline), "this tree": load_cpu_kernels()}
+    builds = {"baseline": kernels_at(args.baseline, args.march), "this tree": load_cpu_kernels()}
     llm = LLM()  # the embedded model in its default mode (its GGUF blocks)
     model = llm.engine.runner.model
     captured = []
@@ -125,7 +131,7 @@ def main() -> None:
         base, new = medians["baseline"][k], medians["this tree"][k]
         print(f"| {k} | {base:.3f} | {new:.3f} | {base / new:.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "baseline": args.baseline,
+        Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "march": args.march, "baseline": args.baseline,
                                                "rounds": rounds, "medians": medians}, indent=1))
 
 

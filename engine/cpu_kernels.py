@@ -140,12 +140,13 @@ def load_cpu_kernels(march: str | None = None, matmuls_only: bool = False):
         return None
 
 
-def load_kernels_from(csrc: Path):
-    """This CPU's build of other kernel sources (a directory laid out as csrc/, say another
-    revision's), cached as the engine's own: benchmarks compare two builds in one process."""
-    name, directory = _name_and_dir("native", False, csrc)
+def load_kernels_from(csrc: Path, march: str = "native"):
+    """A build of other kernel sources (a directory laid out as csrc/, say another revision's) for
+    this CPU or a TARGETS family, cached as the engine's own: benchmarks compare two builds in one
+    process."""
+    name, directory = _name_and_dir(march, False, csrc)
     library = directory / f"{name}.so"
-    return _import(name, library) if library.exists() else _build(name, directory, "native", False, csrc)
+    return _import(name, library) if library.exists() else _build(name, directory, march, False, csrc)
 
 
 if __name__ == "__main__":  # `make install`: build (or find) the kernels, say where

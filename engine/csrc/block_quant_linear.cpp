@@ -31,6 +31,9 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CBSERVE_Q4_1_BYTES 1  // Q4_1 rows take dot_rows_bytes (below)
+#endif
 
 namespace {
 
@@ -151,11 +154,18 @@ struct Row {
 };
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Q8_0 block b's 32 weights widened to 16 bits, in x's order: lo = weights 0-15, hi = 16-31.
-__attribute__((always_inline)) inline void widen(const Row<kQ8_0>& row, int64_t b, __m256i& lo, __m256i& hi) {
-  const uint8_t* q = row.quants + b * Row<kQ8_0>::kQuantBytes;
-  lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+// Block b's 32 weights widened to 16 bits, in x's order: lo = weights 0-15, hi = 16-31.
+template <int64_t Format>
+__attribute__((always_inline)) inline void widen(const Row<Format>& row, int64_t b, __m256i& lo, __m256i& hi) {
+  const uint8_t* q = row.quants + b * Row<Format>::kQuantBytes;
+  if constexpr (Format == kQ8_0) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+  } else {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0f));
+    hi = _mm256_srli_epi16(bytes, 4);
+  }
 }
 
 // Eight int32 lanes whose sum is block b's integer dot product with the quantized row xq.
@@ -179,24 +189,28 @@ inline float hsum_ps(__m128 v) {
 }
 
 // Two blocks' lane sums folded pairwise: hadd keeps each block's lanes apart.
-template <int64_t MB>
-__attribute__((always_inline)) inline void pair_dots(const Row<kQ8_0>& row, int64_t b, const int16_t* const* xq,
+template <int64_t Format, int64_t MB>
+__attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int64_t b, const int16_t* const* xq,
                                                      __m256i* pairs) {
   __m256i lo0, hi0, lo1, hi1;
-  widen(row, b, lo0, hi0);
-  widen(row, b + 1, lo1, hi1);
+  widen<Format>(row, b, lo0, hi0);
+  widen<Format>(row, b + 1, lo1, hi1);
   for (int64_t i = 0; i < MB; ++i)
     pairs[i] = _mm256_hadd_epi32(block_dot(lo0, hi0, xq[i], b), block_dot(lo1, hi1, xq[i], b + 1));
 }
 
-// Q4_1 without widening: the nibbles are multiplied as bytes. Each 15-bit activation is split
-// exactly into x = 128 * h + l, h in [-127, 127] and l in [0, 127], both bytes (byte_order), so
-// one byte product (vpdpbusd with AVX512-VNNI, else vpmaddubsw) covers 32 weights where a 16-bit
-// one covers 16, and the nibbles need a mask and one shift for two blocks where widening took a
-// shuffle, a mask and a shift per block. Each block's integer dot product is the widened form's,
-// exactly; lanes of partial sums are scaled as they stand (a float multiply-add per two blocks),
-// not reduced across lanes first. Against the widened form on the embedded model's matmuls,
-// 1.01-1.13x by kind and a decode step 1.08x (benchmarks/decode_kernels.py, BENCHMARKS.md).
+#endif
+
+#if defined(CBSERVE_Q4_1_BYTES)
+// Q4_1 without widening, with AVX512-VNNI: the nibbles are multiplied as bytes. Each 15-bit
+// activation is split exactly into x = 128 * h + l, h in [-127, 127] and l in [0, 127], both bytes
+// (byte_order), so one vpdpbusd covers 32 weights where a 16-bit product covers 16, and the
+// nibbles need a mask and one shift for two blocks where widening took a shuffle, a mask and a
+// shift per block. Each block's integer dot product is the widened form's, exactly; lanes of
+// partial sums are scaled as they stand (a float multiply-add per two blocks), not reduced across
+// lanes first. Against the widened form on the embedded model's matmuls, 1.01-1.13x by kind and a
+// decode step 1.08x; without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) it measured no faster,
+// so other builds keep widening (benchmarks/decode_kernels.py, BENCHMARKS.md).
 constexpr int64_t kPairBytes = 4 * 32;  // a pair of blocks' activation bytes in byte order
 
 // x's rows (quantize_x's q) in byte order: for each pair of blocks b, b + 1 (nbp / 2 of them, the
@@ -238,20 +252,11 @@ __attribute__((always_inline)) inline __m256 pair_dot(__m256i bytes, const int8_
   const __m256i mask = _mm256_set1_epi8(0x0f);
   const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
   const __m256i* v = reinterpret_cast<const __m256i*>(x);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   const __m256i zero = _mm256_setzero_si256();
   const __m256i h = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256(v)), hi, _mm256_loadu_si256(v + 1));
   const __m256i l = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256(v + 2)), hi,
                                         _mm256_loadu_si256(v + 3));
   const __m256i sums = _mm256_add_epi32(_mm256_slli_epi32(h, 7), l);
-#else
-  // pairs of byte products in 16 bits: at most 2 * 15 * 127 each, 4 * 15 * 127 summed: no saturation
-  const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(v)),
-                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256(v + 1)));
-  const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(v + 2)),
-                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256(v + 3)));
-  const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(128)), _mm256_madd_epi16(l, _mm256_set1_epi16(1)));
-#endif
   return _mm256_cvtepi32_ps(sums);  // |sums| < 2^21: exact
 }
 
@@ -355,50 +360,55 @@ inline void dot_pass_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, c
 }
 #endif
 
-// sums[i] = weight row (nb blocks) . row m0 + i of x, for i < MB (with AVX2, Q8_0 rows: Q4_1 takes
-// dot_rows_bytes). Each weight block is widened once for the MB rows; Format and MB are template
-// arguments so the layout is fixed and the accumulators stay in registers. Each row's arithmetic
-// is the same whatever MB is (the last blocks' scalar sums held in order: -ffast-math regrouped
-// them per MB).
+// sums[i] = weight row (nb blocks) . row m0 + i of x, for i < MB (with AVX512-VNNI, Q8_0 rows: Q4_1
+// takes dot_rows_bytes). Each weight block is widened once for the MB rows; Format and MB are
+// template arguments so the layout is fixed and the accumulators stay in registers. Each row's
+// arithmetic is the same whatever MB is (the last blocks' scalar sums held in order: -ffast-math
+// regrouped them per MB).
 template <int64_t Format, int64_t MB>
 inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t m0, float* sums) {
   const Row<Format> row(w, nb);
   const int16_t* xq[MB];
   const float* xd[MB];
+  const float* xs[MB];
   for (int64_t i = 0; i < MB; ++i) {
     xq[i] = qx.q.get() + (m0 + i) * nb * kBlock;
     xd[i] = qx.d.get() + (m0 + i) * qx.nbp;
+    xs[i] = qx.s.get() + (m0 + i) * qx.nbp;
   }
-  float tail[MB] = {};
+  float tail[MB] = {}, offsets[MB] = {};
   int64_t b = 0;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  static_assert(Format == kQ8_0, "Q4_1 blocks take dot_rows_bytes here");
-  __m128 acc[MB];
-  for (int64_t i = 0; i < MB; ++i) acc[i] = _mm_setzero_ps();
+  __m128 acc[MB], offset_acc[MB];
+  for (int64_t i = 0; i < MB; ++i) acc[i] = offset_acc[i] = _mm_setzero_ps();
   for (; b + kGroup <= nb; b += kGroup) {
     for (int64_t line = 0; line < kGroup * Row<Format>::kQuantBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row.quants + b * Row<Format>::kQuantBytes + line + kPrefetchBytes),
                    _MM_HINT_T0);
     __m256i first[MB], second[MB];
-    pair_dots<MB>(row, b, xq, first);
-    pair_dots<MB>(row, b + 2, xq, second);
+    pair_dots<Format, MB>(row, b, xq, first);
+    pair_dots<Format, MB>(row, b + 2, xq, second);
     const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.scales + 2 * b)));
+    __m128 mw;
+    if constexpr (Format == kQ4_1) mw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.offsets + 2 * b)));
     for (int64_t i = 0; i < MB; ++i) {
       const __m256i four = _mm256_hadd_epi32(first[i], second[i]);  // lanes: blocks b..b+3, per half
       const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1));
       acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b)), acc[i]);
+      if constexpr (Format == kQ4_1) offset_acc[i] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[i] + b), offset_acc[i]);
     }
   }
   for (; b < nb; ++b) {
     __m256i lo, hi;
-    widen(row, b, lo, hi);
-    const float dw = half_at(row.scales + 2 * b);
-    for (int64_t i = 0; i < MB; ++i)
+    widen<Format>(row, b, lo, hi);
+    const float dw = half_at(row.scales + 2 * b), mw = Format == kQ4_1 ? half_at(row.offsets + 2 * b) : 0.f;
+    for (int64_t i = 0; i < MB; ++i) {
       tail[i] = in_order(tail[i] + in_order(dw * xd[i][b]) * static_cast<float>(hsum_epi32(block_dot(lo, hi, xq[i], b))));
+      if constexpr (Format == kQ4_1) offsets[i] = in_order(offsets[i] + mw * xs[i][b]);
+    }
   }
-  for (int64_t i = 0; i < MB; ++i) sums[i] = hsum_ps(acc[i]) + tail[i];
+  for (int64_t i = 0; i < MB; ++i) sums[i] = hsum_ps(acc[i]) + tail[i] + (hsum_ps(offset_acc[i]) + offsets[i]);
 #else
-  float offsets[MB] = {};
   for (; b < nb; ++b) {
     const uint8_t* q = row.quants + b * Row<Format>::kQuantBytes;
     const float dw = half_at(row.scales + 2 * b), mw = Format == kQ4_1 ? half_at(row.offsets + 2 * b) : 0.f;
@@ -410,7 +420,7 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedX& qx, int64_t
         dot += wj * xb[j];
       }
       tail[i] = in_order(tail[i] + in_order(dw * xd[i][b]) * static_cast<float>(dot));
-      if constexpr (Format == kQ4_1) offsets[i] = in_order(offsets[i] + mw * qx.s[(m0 + i) * qx.nbp + b]);
+      if constexpr (Format == kQ4_1) offsets[i] = in_order(offsets[i] + mw * xs[i][b]);
     }
   }
   for (int64_t i = 0; i < MB; ++i) sums[i] = tail[i] + offsets[i];
@@ -602,7 +612,7 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
   const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   const bool bf16 = format == kQ8_0Bf16;
   const QuantizedX qx = bf16 ? QuantizedX{} : quantize_x(rows, M, K);
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(CBSERVE_Q4_1_BYTES)
   const std::unique_ptr<int8_t[]> xb = format == kQ4_1 ? byte_order(qx, M, K) : nullptr;
 #endif
   const std::unique_ptr<float[]> xr = bf16 ? round_bf16(rows, M, K) : nullptr;
@@ -623,7 +633,7 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
         } else if (format == kQ8_0) {
           dot_pass<kQ8_0>(wp + n * row_bytes, nb, qx, m0, mb, sums);
         } else {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(CBSERVE_Q4_1_BYTES)
           dot_pass_bytes(wp + n * row_bytes, nb, qx, xb.get(), m0, mb, sums);
 #else
           dot_pass<kQ4_1>(wp + n * row_bytes, nb, qx, m0, mb, sums);

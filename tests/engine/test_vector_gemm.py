@@ -3,7 +3,8 @@ in every build this CPU runs: the native one (this CPU's own branch: AVX512-VNNI
 EPYCs, AVX2 on older ones) and the matmul kernels built for older families (cpu_kernels.TARGETS:
 AVX-512 without VNNI or BF16, AVX2, the plain loops). Each computes fp32 GEMM of the dequantized
 weights on the rounded activations, with the prologue and residual fusions, each row the same bits
-in any batch; the decode kernel of the same build computes the same values."""
+in any batch; the decode kernel of the same build computes the same values, its rows too the same
+bits in any batch."""
 from __future__ import annotations
 
 import pytest
@@ -81,9 +82,11 @@ def test_the_vector_gemm_computes_fp32_gemm_of_the_dequantized_weights_each_row_
         x = batch[:rows]
         got, want = w.vector(kernels, x), w.want(x)
         torch.testing.assert_close(got, want, **tolerance)
-        torch.testing.assert_close(kernels.block_quant_linear(x, w.layer.rows, w.layer.format, w.layer.bias, None,
-                                                              0.0, False, None), want,
-                                   rtol=1e-5, atol=4 * tolerance["atol"])  # the decode kernel, summing in another order
+        decoded = kernels.block_quant_linear(x, w.layer.rows, w.layer.format, w.layer.bias, None, 0.0, False, None)
+        torch.testing.assert_close(decoded, want, rtol=1e-5,
+                                   atol=4 * tolerance["atol"])  # the decode kernel, summing in another order
+        alone = kernels.block_quant_linear(x[-1:], w.layer.rows, w.layer.format, w.layer.bias, None, 0.0, False, None)
+        assert torch.equal(alone, decoded[-1:])  # its rows too the same bits in any batch
         assert torch.equal(w.vector(kernels, x, residual=residual[:rows]), whole[:rows])
         assert torch.equal(w.vector(kernels, batch[rows - 1:rows])[0], got[-1])  # alone
     shifted = w.vector(kernels, batch[7:300], residual=residual[7:300])  # other rows around it, other row tiles
