@@ -5,7 +5,8 @@ cache), both in one process on the same loaded weights, alternated round by roun
 Per build and round: the step's block-quantized matmuls by kind (one token; each of a layer's four
 across all layers, and the LM head), the fused decode stack replayed on a captured decode step,
 and the engine's decode time per token (128 more tokens after a 256-token prompt, from the
-difference of two runs). Medians over the rounds, and each figure's ratio baseline / this tree.
+difference of two runs). Medians over the rounds, and the median of the rounds' ratios baseline /
+this tree.
 `--march haswell` (a cpu_kernels.TARGETS family) times both builds for that family instead of this
 CPU's own, so each vector branch this CPU runs gets its figures.
 
@@ -125,14 +126,17 @@ def main() -> None:
             rounds[name].append(figures)
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
     medians = {name: {k: statistics.median(f[k] for f in rs) for k in rs[0]} for name, rs in rounds.items()}
-    print(f"\n| ms (median of {args.rounds} rounds) | baseline ({args.baseline}) | this tree | baseline / this tree |")
+    # each round's own ratio first: the machine's speed drifts between rounds, not within one
+    ratios = {k: statistics.median(b[k] / n[k] for b, n in zip(rounds["baseline"], rounds["this tree"]))
+              for k in medians["this tree"]}
+    print(f"\n| ms (median of {args.rounds} rounds) | baseline ({args.baseline}) | this tree | "
+          "baseline / this tree (median of the rounds' ratios) |")
     print("|---|---|---|---|")
     for k in medians["this tree"]:
-        base, new = medians["baseline"][k], medians["this tree"][k]
-        print(f"| {k} | {base:.3f} | {new:.3f} | {base / new:.2f} |")
+        print(f"| {k} | {medians['baseline'][k]:.3f} | {medians['this tree'][k]:.3f} | {ratios[k]:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "march": args.march, "baseline": args.baseline,
-                                               "rounds": rounds, "medians": medians}, indent=1))
+                                               "rounds": rounds, "medians": medians, "ratios": ratios}, indent=1))
 
 
 if __name__ == "__main__":
