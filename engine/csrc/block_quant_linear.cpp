@@ -43,7 +43,9 @@ constexpr int64_t kRowsPerPass = 4;  // rows of x sharing one read of a weight b
 constexpr int64_t kGroup = kQuantizedXGroup;  // blocks whose sums are scaled together
 // How far ahead of the block in hand to ask for weight bytes: the hardware prefetcher alone kept two
 // threads' streams to ~10-17 GB/s; lines requested 2 KiB ahead measured 1.15-1.19x on the layers'
-// matmuls and 1.1-1.3x on the LM head (1, 3 and 4 KiB: 2-6% slower than 2).
+// matmuls and 1.1-1.3x on the LM head (1, 3 and 4 KiB: 2-6% slower than 2, with the widened form
+// alone). The byte form's loop streamed 100 MB at 60 GB/s 4 KiB ahead against 56 at 2 KiB, and the
+// widened form 4 KiB ahead kept its speed in the engine (BENCHMARKS.md, the Q4_1 decode kernel).
 constexpr int64_t kPrefetchBytes = 4096;
 enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1, kQ8_0Bf16 = 2 };
 
@@ -198,7 +200,6 @@ __attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int
   for (int64_t i = 0; i < MB; ++i)
     pairs[i] = _mm256_hadd_epi32(block_dot(lo0, hi0, xq[i], b), block_dot(lo1, hi1, xq[i], b + 1));
 }
-
 #endif
 
 #if defined(CBSERVE_Q4_1_BYTES)
