@@ -4,8 +4,8 @@ cache), both in one process on the same loaded weights, alternated round by roun
 
 Per build and round: the step's block-quantized matmuls by kind (one token; each of a layer's four
 across all layers, and the LM head), the fused decode stack replayed on a captured decode step,
-and the engine's decode time per token (128 more tokens after a 256-token prompt, from the
-difference of two runs). Medians over the rounds, and the median of the rounds' ratios baseline /
+and the engine's decode time per token (quantization.py's single stream: 127 more tokens after
+a 128-token prompt's first). Medians over the rounds, and the median of the rounds' ratios baseline /
 this tree.
 `--march haswell` (a cpu_kernels.TARGETS family) times both builds for that family instead of this
 CPU's own, so each vector branch this CPU runs gets its figures.
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from benchmarks.quantization import cpu_features  # noqa: E402
+from benchmarks.quantization import cpu_features, single_stream  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.cpu_kernels import kernel_build_key, load_cpu_kernels, load_kernels_from  # noqa: E402
 from engine.models.linear import BlockQuantLinear  # noqa: E402
@@ -80,15 +80,6 @@ def matmul_ms(model, repeats: int) -> dict[str, float]:
     return out
 
 
-def decode_ms_per_token(llm: LLM, seed: int) -> float:
-    def run(n: int, offset: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate([list(range(1000 + offset, 1256 + offset))],
-                     SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t0
-    return 1e3 * (run(129, 2 * seed + 1) - run(1, 2 * seed)) / 128
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="git revision whose engine/csrc is the baseline")
@@ -122,7 +113,7 @@ def main() -> None:
             figures = matmul_ms(model, args.repeats)
             figures["matmuls"] = sum(figures[k] for k in KINDS) + figures["lm_head"]
             figures["stack"] = 1e3 * best_of(lambda: model.decode_stack.forward(*step), args.repeats)
-            figures["decode_ms_per_token"] = decode_ms_per_token(llm, r)
+            figures["decode_ms_per_token"] = 1e3 / single_stream(llm)[0]
             rounds[name].append(figures)
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
     medians = {name: {k: statistics.median(f[k] for f in rs) for k in rs[0]} for name, rs in rounds.items()}

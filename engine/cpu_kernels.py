@@ -121,6 +121,16 @@ def _build(name: str, directory: Path, march: str, matmuls_only: bool, csrc: Pat
     return module
 
 
+def _load(march: str, matmuls_only: bool, csrc: Path = _CSRC):
+    """The build of `csrc` for `march` from the cache, compiled first if the cache lacks it."""
+    name, directory = _name_and_dir(march, matmuls_only, csrc)
+    library = directory / f"{name}.so"
+    if library.exists():
+        return _import(name, library)
+    logger.warning("C++ CPU kernels not built yet (`make install` builds them); building them now")
+    return _build(name, directory, march, matmuls_only, csrc)
+
+
 @functools.cache
 def load_cpu_kernels(march: str | None = None, matmuls_only: bool = False):
     """The compiled module (built first if the cache lacks it), or None, with the reason
@@ -128,13 +138,7 @@ def load_cpu_kernels(march: str | None = None, matmuls_only: bool = False):
     unless CBSERVE_CPU_MARCH names a TARGETS entry); `march` and `matmuls_only`: the matmul
     kernels built for another family (tests)."""
     try:
-        march = march or _engine_march()
-        name, directory = _name_and_dir(march, matmuls_only)
-        library = directory / f"{name}.so"
-        if library.exists():
-            return _import(name, library)
-        logger.warning("C++ CPU kernels not built yet (`make install` builds them); building them now")
-        return _build(name, directory, march, matmuls_only)
+        return _load(march or _engine_march(), matmuls_only)
     except Exception as e:  # no compiler, no ninja, unsupported platform: fall back, say why
         logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch paths", e)
         return None
@@ -144,9 +148,7 @@ def load_kernels_from(csrc: Path, march: str = "native"):
     """A build of other kernel sources (a directory laid out as csrc/, say another revision's) for
     this CPU or a TARGETS family, cached as the engine's own: benchmarks compare two builds in one
     process."""
-    name, directory = _name_and_dir(march, False, csrc)
-    library = directory / f"{name}.so"
-    return _import(name, library) if library.exists() else _build(name, directory, march, False, csrc)
+    return _load(march, False, csrc)
 
 
 if __name__ == "__main__":  # `make install`: build (or find) the kernels, say where

@@ -209,8 +209,8 @@ __attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int
 // nibbles need a mask and one shift for two blocks where widening took a shuffle, a mask and a
 // shift per block. Each block's integer dot product is the widened form's, exactly; lanes of
 // partial sums are scaled as they stand (a float multiply-add per two blocks), not reduced across
-// lanes first. Against the widened form on the embedded model's matmuls, 1.01-1.13x by kind and a
-// decode step 1.08x; without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) it measured no faster,
+// lanes first. Against the widened form on the embedded model's matmuls, 1.08-1.16x by kind and a
+// decode step 1.06x; without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) it measured no faster,
 // so other builds keep widening (benchmarks/decode_kernels.py, BENCHMARKS.md).
 constexpr int64_t kPairBytes = 4 * 32;  // a pair of blocks' activation bytes in byte order
 
