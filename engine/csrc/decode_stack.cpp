@@ -1,5 +1,5 @@
 // A decode step through a Llama-family stack of block-quantized layers in one call: per layer,
-// RMSNorm + qkv (block_quant_linear), RoPE on q and k with k and v written to their cache slots
+// the step's KV slots asked for ahead (prefetch_kv_slots), RMSNorm + qkv (block_quant_linear), RoPE on q and k with k and v written to their cache slots
 // (rope_write_kv), paged attention (paged_decode_attention), o + residual, RMSNorm + gate/up,
 // SwiGLU + down + residual:
 // engine/models/llama.py's LlamaLayer.forward, with the same kernels and the same arithmetic (past
@@ -53,6 +53,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t i = l * kMatmuls;
     const torch::Tensor layer_cache = kv_cache[l];
+    prefetch_kv_slots(layer_cache, slot_mapping);
     const torch::Tensor qkv = matmul(i, hidden, norms_[2 * l], false, c10::nullopt);
     const torch::Tensor q = rope_write_kv(qkv, cos, sin, layer_cache, slot_mapping, H, false);
     const torch::Tensor attn = paged_decode_attention(q, layer_cache, block_tables, seq_lens, scale).view({T, H * D});

@@ -103,6 +103,9 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
                             bool with_keys);
+// The cache lines rope_write_kv will write for these slots, asked for (to write) ahead: a step's
+// slots were last touched long ago, and the stores' misses otherwise hold up the attention after.
+void prefetch_kv_slots(const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping);
 
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
 // Llama layers, each layer's four matmuls (qkv, o, gate_up, down: block_quant_linear's rows,

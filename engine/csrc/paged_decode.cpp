@@ -55,6 +55,17 @@ struct StagedRows {
   const float* at(int64_t t) const { return base + (t - t0) * head_dim; }
 };
 
+// Asks for every cache line of rows [t0, t1) at once. The rows lie in blocks scattered through the
+// cache and were last read a step ago, so they come from memory; fetched one row at a time as
+// `stage` reads them, each waited out its own miss.
+void prefetch_rows(const at::Half* base, const int64_t* table, int64_t block_size, int64_t D, int64_t t0,
+                   int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const char* row = reinterpret_cast<const char*>(base + (table[t / block_size] * block_size + t % block_size) * D);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(at::Half)); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
 void stage(const at::Half* base, const int64_t* table, int64_t block_size, int64_t D, int64_t t0, int64_t t1,
            float* out) {
   for (int64_t t = t0; t < t1; ++t) {
@@ -237,6 +248,8 @@ void attend(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
         const CacheRows keys{kp + h * NB * BS * D, table, BS, D}, values{vp + h * NB * BS * D, table, BS, D};
         attend_chunk(q, G, keys, values, D, t0, t1, fscale, scores.data(), parts.data(), outs.data());
       } else {
+        prefetch_rows(kp + h * NB * BS * D, table, BS, D, t0, t1);
+        prefetch_rows(vp + h * NB * BS * D, table, BS, D, t0, t1);
         stage(kp + h * NB * BS * D, table, BS, D, t0, t1, staged.data());
         stage(vp + h * NB * BS * D, table, BS, D, t0, t1, staged.data() + kChunk * D);
         const StagedRows keys{staged.data(), t0, D}, values{staged.data() + kChunk * D, t0, D};

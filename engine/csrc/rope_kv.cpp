@@ -89,3 +89,13 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
                    out.data_ptr<float>(), out_heads, layer_cache.data_ptr<float>());
   return out;
 }
+
+void prefetch_kv_slots(const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping) {
+  const int64_t KVH = layer_cache.size(1), slots = layer_cache.size(2) * layer_cache.size(3);
+  const int64_t row_bytes = layer_cache.size(4) * layer_cache.element_size();
+  const char* base = static_cast<const char*>(layer_cache.data_ptr());
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    for (int64_t row = 0; row < 2 * KVH; ++row)  // each kv head's k, then each one's v
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(base + (row * slots + slot[t]) * row_bytes + b, 1);
+}
