@@ -598,6 +598,56 @@ torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<tor
   return out;
 }
 
+int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format) {
+  return blocks.size(1) / block_bytes(format) * kBlock;
+}
+
+LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, bool swiglu,
+                         int64_t format) {
+  LinearInput in{M, K};
+  const float* rows = x;
+  if (swiglu || norm_weight != nullptr) {
+    in.transformed = prologue(x, M, K, norm_weight, static_cast<float>(eps), swiglu);
+    rows = in.transformed.get();
+  }
+  if (format == kQ8_0Bf16) {
+    in.xr = round_bf16(rows, M, K);
+    return in;
+  }
+  in.qx = quantize_x(rows, M, K);
+#if defined(CBSERVE_Q4_1_BYTES)
+  if (format == kQ4_1) in.xb = byte_order(in.qx, M, K);
+#endif
+  return in;
+}
+
+void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, int64_t N, const float* bias,
+                 const float* residual, float* out, int64_t n0, int64_t n1) {
+  const int64_t M = in.M, nb = in.K / kBlock, row_bytes = nb * block_bytes(format);
+  float sums[kRowsPerPass];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      const int64_t mb = std::min(kRowsPerPass, M - m0);
+      if (format == kQ8_0Bf16) {
+        dot_pass_bf16(blocks + n * row_bytes, nb, in.xr.get(), in.K, m0, mb, sums);
+      } else if (format == kQ8_0) {
+        dot_pass<kQ8_0>(blocks + n * row_bytes, nb, in.qx, m0, mb, sums);
+      } else {
+#if defined(CBSERVE_Q4_1_BYTES)
+        dot_pass_bytes(blocks + n * row_bytes, nb, in.qx, in.xb.get(), m0, mb, sums);
+#else
+        dot_pass<kQ4_1>(blocks + n * row_bytes, nb, in.qx, m0, mb, sums);
+#endif
+      }
+      // a residual may be out itself: each element is read before it is written, by this row's thread
+      for (int64_t i = 0; i < mb; ++i) {
+        const int64_t at = (m0 + i) * N + n;
+        out[at] = (residual ? residual[at] : 0.f) + (sums[i] + (bias ? bias[n] : 0.f));
+      }
+    }
+  }
+}
+
 torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
                                  const c10::optional<torch::Tensor>& bias,
                                  const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
@@ -609,43 +659,15 @@ torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& bl
   const int64_t N = blocks.size(0), nb = blocks.size(1) / block_bytes(format), K = nb * kBlock, M = x.size(0);
   check_prologue(x, K, norm_weight, swiglu);
   check_bias_residual(bias, residual, M, N);
-  std::unique_ptr<float[]> transformed;
-  const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
-  const bool bf16 = format == kQ8_0Bf16;
-  const QuantizedX qx = bf16 ? QuantizedX{} : quantize_x(rows, M, K);
-#if defined(CBSERVE_Q4_1_BYTES)
-  const std::unique_ptr<int8_t[]> xb = format == kQ4_1 ? byte_order(qx, M, K) : nullptr;
-#endif
-  const std::unique_ptr<float[]> xr = bf16 ? round_bf16(rows, M, K) : nullptr;
+  const LinearInput in = linear_input(x.data_ptr<float>(), M, K,
+                                      norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, swiglu,
+                                      format);
   auto out = torch::empty({M, N}, x.options());
-  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.size(1);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    float sums[kRowsPerPass];
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-        const int64_t mb = std::min(kRowsPerPass, M - m0);
-        if (bf16) {
-          dot_pass_bf16(wp + n * row_bytes, nb, xr.get(), K, m0, mb, sums);
-        } else if (format == kQ8_0) {
-          dot_pass<kQ8_0>(wp + n * row_bytes, nb, qx, m0, mb, sums);
-        } else {
-#if defined(CBSERVE_Q4_1_BYTES)
-          dot_pass_bytes(wp + n * row_bytes, nb, qx, xb.get(), m0, mb, sums);
-#else
-          dot_pass<kQ4_1>(wp + n * row_bytes, nb, qx, m0, mb, sums);
-#endif
-        }
-        for (int64_t i = 0; i < mb; ++i) {
-          const int64_t at = (m0 + i) * N + n;
-          op[at] = (rp ? rp[at] : 0.f) + (sums[i] + (bp ? bp[n] : 0.f));
-        }
-      }
-    }
-  });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { linear_rows(in, wp, format, N, bp, rp, op, n0, n1); });
   return out;
 }

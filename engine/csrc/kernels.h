@@ -4,10 +4,32 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 // paged_decode.cpp: one query token per request attends over its KV blocks (fp32 or fp16) in place.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
+
+// paged_decode.cpp: paged_decode_attention's work, for callers that split it among threads
+// themselves (the decode stack): one step's shape (the same in every layer), its (chunk, kv head)
+// items, attend(items [begin, end) of q (B, H, D) against a layer's cache, into `partial`), then
+// merge(rows [begin, end) of out (B, H, D): each query head's chunks combined) once all items are done.
+struct DecodeAttention {
+  DecodeAttention(int64_t num_heads, const torch::Tensor& layer_cache, const torch::Tensor& block_tables,
+                  const torch::Tensor& seq_lens, double scale);
+  int64_t num_items() const;
+  int64_t stride() const { return D + 2; }  // per item and query head: max score, sum of exp, D of output
+  void attend(const float* q, const void* layer_cache, int64_t begin, int64_t end) const;
+  void merge(float* out, int64_t begin, int64_t end) const;
+
+  int64_t B, H, KVH, NB, BS, D, max_blocks;
+  bool half;
+  float scale;
+  const int64_t* tables;
+  const int64_t* lens;
+  std::vector<int64_t> first_chunk;  // request b's first chunk among all requests' chunks
+  std::unique_ptr<float[]> partial;
+};
 
 // block_quant_linear.cpp: residual + prologue(x) times GGUF Q8_0 (format 0) or Q4_1 (format 1) weight
 // blocks (N, K / 32 * block bytes) + bias, x quantized per block of 32 inside; or Q8_0 blocks times x
@@ -97,15 +119,41 @@ struct QuantizedX {
 };
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
 
+// block_quant_linear.cpp: block_quant_linear in two parts, for callers that split the rows among
+// threads themselves (the decode stack): x (M, K) after its prologue, quantized (or rounded to bf16)
+// as the kernel reads it; then rows [n0, n1) of out (M, N) = residual + x times blocks (N, K / 32 *
+// block bytes) + bias, residual and bias optional (nullptr), residual possibly out itself.
+struct LinearInput {
+  int64_t M, K;
+  std::unique_ptr<float[]> transformed;  // the prologue's rows, if any
+  QuantizedX qx;
+  std::unique_ptr<int8_t[]> xb;  // qx in byte order (Q4_1 on AVX512-VNNI builds)
+  std::unique_ptr<float[]> xr;   // rounded to bf16 (format 2)
+};
+// The columns K of blocks (N, K / 32 * block bytes) in format.
+int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format);
+LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, bool swiglu,
+                         int64_t format);
+void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, int64_t N, const float* bias,
+                 const float* residual, float* out, int64_t n0, int64_t n1);
+
 // rope_kv.cpp: RoPE on qkv's q heads (and k heads), k and v written to the slots of a layer's cache
 // (2, kv_heads, blocks, block_size, head_dim), fp32 or fp16: returns q (T, heads, head_dim), or with
 // with_keys q and k (T, heads + kv_heads, head_dim), as llama.py's _rope computes them.
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
                             bool with_keys);
+// rope_write_kv's checks, then its work (q heads only) for a layer of kv_cache (layers, 2, kv_heads,
+// blocks, block_size, head_dim) into q (T, heads, head_dim), unchecked: for the decode stack, which
+// checks once per step and may not throw inside its thread team.
+void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads);
+void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t T,
+                        int64_t num_heads, const torch::Tensor& kv_cache, int64_t layer, float* q);
 // The cache lines rope_write_kv will write for these slots, asked for (to write) ahead: a step's
 // slots were last touched long ago, and the stores' misses otherwise hold up the attention after.
-void prefetch_kv_slots(const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping);
+// kv_cache: (layers, 2, kv_heads, blocks, block_size, head_dim).
+void prefetch_kv_slots(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& slot_mapping);
 
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
 // Llama layers, each layer's four matmuls (qkv, o, gate_up, down: block_quant_linear's rows,
@@ -134,6 +182,12 @@ class DecodeStack {
   // Matmul i (layer * kMatmuls + which) of x, its prologue and residual fused.
   torch::Tensor matmul(int64_t i, const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, bool swiglu,
                        const c10::optional<torch::Tensor>& residual) const;
+  // forward when every matmul runs block_quant_linear's kernel: one thread team for the whole step,
+  // each op's rows shared out and a barrier between ops, no tensor made or thread woken per op.
+  torch::Tensor forward_team(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                             int64_t num_layers) const;
 
   std::vector<torch::Tensor> rows_;
   std::vector<int64_t> formats_;

@@ -213,73 +213,77 @@ void attend_chunk(const float* q, int64_t G, const Rows& keys, const Rows& value
 }
 
 template <typename T>
-void attend(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
-            const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = cache.size(1), NB = cache.size(2), BS = cache.size(3), M = block_tables.size(1);
-  const int64_t G = H / KVH;
-  const float* qp = q.data_ptr<float>();
-  const T* kp = cache.data_ptr<T>();
-  const T* vp = kp + KVH * NB * BS * D;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  // first_chunk[b]: request b's first chunk among all requests' chunks
-  std::vector<int64_t> first_chunk(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) first_chunk[b + 1] = first_chunk[b] + (lens[b] + kChunk - 1) / kChunk;
-  const int64_t chunks = first_chunk[B];
-  // per (chunk, kv head, query head of the group): max score, sum of exp, then D of output
-  const int64_t stride = D + 2;
-  std::vector<float> partial(chunks * KVH * G * stride);
-
-  at::parallel_for(0, chunks * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * kChunk), staged(std::is_same<T, float>::value ? 0 : 2 * kChunk * D);
-    std::vector<float*> parts(G), outs(G);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / KVH, h = item % KVH;
-      const int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), chunk) - first_chunk.begin() - 1;
-      const int64_t t0 = (chunk - first_chunk[b]) * kChunk, t1 = std::min(lens[b], t0 + kChunk);
-      for (int64_t g = 0; g < G; ++g) parts[g] = partial.data() + (item * G + g) * stride, outs[g] = parts[g] + 2;
-      const float* q = qp + (b * H + h * G) * D;
-      const int64_t* table = tables + b * M;
-      if constexpr (std::is_same<T, float>::value) {
-        const CacheRows keys{kp + h * NB * BS * D, table, BS, D}, values{vp + h * NB * BS * D, table, BS, D};
-        attend_chunk(q, G, keys, values, D, t0, t1, fscale, scores.data(), parts.data(), outs.data());
-      } else {
-        prefetch_rows(kp + h * NB * BS * D, table, BS, D, t0, t1);
-        prefetch_rows(vp + h * NB * BS * D, table, BS, D, t0, t1);
-        stage(kp + h * NB * BS * D, table, BS, D, t0, t1, staged.data());
-        stage(vp + h * NB * BS * D, table, BS, D, t0, t1, staged.data() + kChunk * D);
-        const StagedRows keys{staged.data(), t0, D}, values{staged.data() + kChunk * D, t0, D};
-        attend_chunk(q, G, keys, values, D, t0, t1, fscale, scores.data(), parts.data(), outs.data());
-      }
+void attend_items(const DecodeAttention& a, const float* q, const T* cache, int64_t begin, int64_t end) {
+  const int64_t D = a.D, G = a.H / a.KVH, head = a.NB * a.BS * D;
+  const T* values = cache + a.KVH * head;
+  std::vector<float> scores(G * kChunk), staged(std::is_same<T, float>::value ? 0 : 2 * kChunk * D);
+  std::vector<float*> parts(G), outs(G);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t chunk = item / a.KVH, h = item % a.KVH;
+    const int64_t b = std::upper_bound(a.first_chunk.begin(), a.first_chunk.end(), chunk) - a.first_chunk.begin() - 1;
+    const int64_t t0 = (chunk - a.first_chunk[b]) * kChunk, t1 = std::min(a.lens[b], t0 + kChunk);
+    for (int64_t g = 0; g < G; ++g) parts[g] = a.partial.get() + (item * G + g) * a.stride(), outs[g] = parts[g] + 2;
+    const float* qh = q + (b * a.H + h * G) * D;
+    const int64_t* table = a.tables + b * a.max_blocks;
+    if constexpr (std::is_same<T, float>::value) {
+      const CacheRows keys{cache + h * head, table, a.BS, D}, vals{values + h * head, table, a.BS, D};
+      attend_chunk(qh, G, keys, vals, D, t0, t1, a.scale, scores.data(), parts.data(), outs.data());
+    } else {
+      prefetch_rows(cache + h * head, table, a.BS, D, t0, t1);
+      prefetch_rows(values + h * head, table, a.BS, D, t0, t1);
+      stage(cache + h * head, table, a.BS, D, t0, t1, staged.data());
+      stage(values + h * head, table, a.BS, D, t0, t1, staged.data() + kChunk * D);
+      const StagedRows keys{staged.data(), t0, D}, vals{staged.data() + kChunk * D, t0, D};
+      attend_chunk(qh, G, keys, vals, D, t0, t1, a.scale, scores.data(), parts.data(), outs.data());
     }
-  });
-
-  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / H, h = row % H / G, g = row % G;
-      auto part = [&](int64_t chunk) { return partial.data() + ((chunk * KVH + h) * G + g) * stride; };
-      float mx = -INFINITY;
-      for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; ++c) mx = std::max(mx, part(c)[0]);
-      float* o = op + row * D;
-      std::fill(o, o + D, 0.f);
-      float sum = 0.f;
-      for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; ++c) {
-        const float* pc = part(c);
-        const float w = std::exp(pc[0] - mx);
-        sum += w * pc[1];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * pc[2 + d];
-      }
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no context: zeros
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    }
-  });
+  }
 }
 
 }  // namespace
+
+DecodeAttention::DecodeAttention(int64_t num_heads, const torch::Tensor& layer_cache, const torch::Tensor& block_tables,
+                                 const torch::Tensor& seq_lens, double scale)
+    : B(seq_lens.numel()), H(num_heads), KVH(layer_cache.size(1)), NB(layer_cache.size(2)), BS(layer_cache.size(3)),
+      D(layer_cache.size(4)), max_blocks(block_tables.size(1)), half(layer_cache.scalar_type() == torch::kHalf),
+      scale(static_cast<float>(scale)), tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()),
+      first_chunk(B + 1, 0) {
+  TORCH_CHECK(layer_cache.scalar_type() == torch::kFloat32 || half, "cache: fp32 or fp16");
+  TORCH_CHECK(layer_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong &&
+                  block_tables.size(0) >= B, "block_tables (B, max blocks), seq_lens (B): int64");
+  for (int64_t b = 0; b < B; ++b) first_chunk[b + 1] = first_chunk[b] + (lens[b] + kChunk - 1) / kChunk;
+  partial.reset(new float[num_items() * (H / KVH) * stride()]);
+}
+
+int64_t DecodeAttention::num_items() const { return first_chunk[B] * KVH; }
+
+void DecodeAttention::attend(const float* q, const void* layer_cache, int64_t begin, int64_t end) const {
+  if (half)
+    attend_items(*this, q, static_cast<const at::Half*>(layer_cache), begin, end);
+  else
+    attend_items(*this, q, static_cast<const float*>(layer_cache), begin, end);
+}
+
+void DecodeAttention::merge(float* out, int64_t begin, int64_t end) const {
+  const int64_t G = H / KVH;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t b = row / H, h = row % H / G, g = row % G;
+    auto part = [&](int64_t chunk) { return partial.get() + ((chunk * KVH + h) * G + g) * stride(); };
+    float mx = -INFINITY;
+    for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; ++c) mx = std::max(mx, part(c)[0]);
+    float* o = out + row * D;
+    std::fill(o, o + D, 0.f);
+    float sum = 0.f;
+    for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; ++c) {
+      const float* pc = part(c);
+      const float w = std::exp(pc[0] - mx);
+      sum += w * pc[1];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * pc[2 + d];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no context: zeros
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
 
 // q (B, H, D); cache (2, KVH, NB, BS, D) fp32 or fp16; block_tables (B, M) int64; seq_lens (B) int64
 // -> out (B, H, D)
@@ -289,10 +293,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   TORCH_CHECK(cache.dtype() == torch::kFloat32 || cache.dtype() == torch::kFloat16, "cache: fp32 or fp16");
   q = q.contiguous();
   TORCH_CHECK(cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
+  const DecodeAttention attention(q.size(1), cache, block_tables, seq_lens, scale);
+  TORCH_CHECK(q.size(0) == attention.B && q.size(2) == attention.D, "q: (B, H, head_dim)");
   auto out = torch::empty_like(q);
-  if (cache.dtype() == torch::kFloat16)
-    attend<at::Half>(q, cache, block_tables, seq_lens, scale, out);
-  else
-    attend<float>(q, cache, block_tables, seq_lens, scale, out);
+  const float* qp = q.data_ptr<float>();
+  at::parallel_for(0, attention.num_items(), 1,
+                   [&](int64_t begin, int64_t end) { attention.attend(qp, cache.data_ptr(), begin, end); });
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, attention.B * attention.H, 16, [&](int64_t begin, int64_t end) { attention.merge(op, begin, end); });
   return out;
 }

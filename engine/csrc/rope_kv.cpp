@@ -61,9 +61,8 @@ void rope_and_write(const float* qkv, const float* cos, const float* sin, const 
 
 }  // namespace
 
-torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                            const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
-                            bool with_keys) {
+void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads) {
   const int64_t T = qkv.size(0), H = num_heads;
   TORCH_CHECK(layer_cache.dim() == 5 && layer_cache.size(0) == 2 && layer_cache.is_contiguous(),
               "layer_cache: contiguous (2, kv_heads, blocks, block_size, head_dim)");
@@ -79,6 +78,27 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
               "slot_mapping: int64 (T)");
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot out of the cache");
+}
+
+void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t T,
+                        int64_t num_heads, const torch::Tensor& kv_cache, int64_t layer, float* q) {
+  const int64_t KVH = kv_cache.size(2), slots = kv_cache.size(3) * kv_cache.size(4), D = kv_cache.size(5);
+  const int64_t layer_elements = 2 * KVH * slots * D;
+  if (kv_cache.scalar_type() == torch::kHalf)
+    rope_and_write(qkv, cos, sin, slot, T, num_heads, KVH, D, slots, q, num_heads,
+                   kv_cache.data_ptr<at::Half>() + layer * layer_elements);
+  else
+    rope_and_write(qkv, cos, sin, slot, T, num_heads, KVH, D, slots, q, num_heads,
+                   kv_cache.data_ptr<float>() + layer * layer_elements);
+}
+
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
+                            bool with_keys) {
+  check_rope_write_kv(qkv, cos, sin, layer_cache, slot_mapping, num_heads);
+  const int64_t T = qkv.size(0), H = num_heads, KVH = layer_cache.size(1), D = layer_cache.size(4);
+  const int64_t slots = layer_cache.size(2) * layer_cache.size(3);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   const int64_t out_heads = with_keys ? H + KVH : H;
   torch::Tensor out = torch::empty({T, out_heads, D}, qkv.options());
   if (layer_cache.scalar_type() == torch::kHalf)
@@ -90,10 +110,10 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
   return out;
 }
 
-void prefetch_kv_slots(const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping) {
-  const int64_t KVH = layer_cache.size(1), slots = layer_cache.size(2) * layer_cache.size(3);
-  const int64_t row_bytes = layer_cache.size(4) * layer_cache.element_size();
-  const char* base = static_cast<const char*>(layer_cache.data_ptr());
+void prefetch_kv_slots(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& slot_mapping) {
+  const int64_t KVH = kv_cache.size(2), slots = kv_cache.size(3) * kv_cache.size(4);
+  const int64_t row_bytes = kv_cache.size(5) * kv_cache.element_size();
+  const char* base = static_cast<const char*>(kv_cache.data_ptr()) + layer * 2 * KVH * slots * row_bytes;
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < slot_mapping.numel(); ++t)
     for (int64_t row = 0; row < 2 * KVH; ++row)  // each kv head's k, then each one's v
