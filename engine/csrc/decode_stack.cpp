@@ -116,10 +116,14 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    // this thread's share of [0, count), split as at::parallel_for splits it, then a barrier
-    const auto share = [&](int64_t count, const auto& work) {
+    // this thread's part of [0, count), split as at::parallel_for splits it
+    const auto part = [&](int64_t count) {
       const int64_t chunk = (count + threads - 1) / threads, begin = std::min(count, thread * chunk);
-      if (begin < std::min(count, begin + chunk)) work(begin, std::min(count, begin + chunk));
+      return std::pair<int64_t, int64_t>{begin, std::min(count, begin + chunk)};
+    };
+    // work on this thread's part, then wait for the others
+    const auto share = [&](std::pair<int64_t, int64_t> range, const auto& work) {
+      if (range.first < range.second) work(range.first, range.second);
 #pragma omp barrier
     };
     // matmul i of x (T, K) after its prologue, each thread quantizing x itself (no wait for one to)
@@ -129,17 +133,18 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       const uint8_t* blocks = rows_[i].data_ptr<uint8_t>();
       const float* bias = biases_[i].has_value() ? biases_[i]->data_ptr<float>() : nullptr;
       const int64_t N = rows_[i].size(0);
-      share(N, [&](int64_t n0, int64_t n1) { linear_rows(in, blocks, formats_[i], N, bias, residual, y, n0, n1); });
+      share(part(N), [&](int64_t n0, int64_t n1) { linear_rows(in, blocks, formats_[i], N, bias, residual, y, n0, n1); });
     };
     for (int64_t l = 0; l < num_layers; ++l) {
       const int64_t i = l * kMatmuls;
       if (thread == 0) prefetch_kv_slots(kv_cache, l, slot_mapping);
       matmul(i, hp, norms_[2 * l].data_ptr<float>(), false, nullptr, wp);
-#pragma omp single
-      rope_write_kv_into(wp, cos.data_ptr<float>(), sin.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(), T, H,
-                         kv_cache, l, qp);
-      share(attention.num_items(), [&](int64_t b, int64_t e) { attention.attend(qp, cache + l * layer_bytes, b, e); });
-      share(T * H, [&](int64_t b, int64_t e) { attention.merge(ap, b, e); });
+      share(part(T * (H + num_kv_heads_)), [&](int64_t b, int64_t e) {
+        rope_write_kv_into(wp, cos.data_ptr<float>(), sin.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(), H,
+                           kv_cache, l, qp, b, e);
+      });
+      share(attention.items_of(thread, threads), [&](int64_t b, int64_t e) { attention.attend(qp, cache + l * layer_bytes, b, e); });
+      share(part(T * H), [&](int64_t b, int64_t e) { attention.merge(ap, b, e); });
       matmul(i + 1, ap, nullptr, false, hp, hp);
       matmul(i + 2, hp, norms_[2 * l + 1].data_ptr<float>(), false, nullptr, wp);
       matmul(i + 3, wp, nullptr, true, hp, hp);

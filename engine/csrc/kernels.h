@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 // paged_decode.cpp: one query token per request attends over its KV blocks (fp32 or fp16) in place.
@@ -18,6 +19,9 @@ struct DecodeAttention {
   DecodeAttention(int64_t num_heads, const torch::Tensor& layer_cache, const torch::Tensor& block_tables,
                   const torch::Tensor& seq_lens, double scale);
   int64_t num_items() const;
+  // The items thread `thread` of `threads` takes: even shares of the items' tokens (a request's last
+  // chunk is short), where even shares of items left one thread a third of the other's work idle.
+  std::pair<int64_t, int64_t> items_of(int64_t thread, int64_t threads) const;
   int64_t stride() const { return D + 2; }  // per item and query head: max score, sum of exp, D of output
   void attend(const float* q, const void* layer_cache, int64_t begin, int64_t end) const;
   void merge(float* out, int64_t begin, int64_t end) const;
@@ -28,6 +32,7 @@ struct DecodeAttention {
   const int64_t* tables;
   const int64_t* lens;
   std::vector<int64_t> first_chunk;  // request b's first chunk among all requests' chunks
+  std::vector<int64_t> work_before;  // per item, the work of the items before it (tokens + kItemWork)
   std::unique_ptr<float[]> partial;
 };
 
@@ -144,12 +149,13 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
                             const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
                             bool with_keys);
 // rope_write_kv's checks, then its work (q heads only) for a layer of kv_cache (layers, 2, kv_heads,
-// blocks, block_size, head_dim) into q (T, heads, head_dim), unchecked: for the decode stack, which
-// checks once per step and may not throw inside its thread team.
+// blocks, block_size, head_dim) into q (T, heads, head_dim), unchecked, for items [begin, end) of
+// the T * (heads + kv_heads) (token, q or k head): for the decode stack, which checks once per
+// step, may not throw inside its thread team, and shares the items out.
 void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                          const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads);
-void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t T,
-                        int64_t num_heads, const torch::Tensor& kv_cache, int64_t layer, float* q);
+void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_heads,
+                        const torch::Tensor& kv_cache, int64_t layer, float* q, int64_t begin, int64_t end);
 // The cache lines rope_write_kv will write for these slots, asked for (to write) ahead: a step's
 // slots were last touched long ago, and the stores' misses otherwise hold up the attention after.
 // kv_cache: (layers, 2, kv_heads, blocks, block_size, head_dim).

@@ -37,6 +37,7 @@ inline Vec load(const at::Half* p) {
 }
 
 constexpr int64_t kChunk = 64;  // tokens per work item
+constexpr int64_t kItemWork = 8;  // an item's fixed work (staging, softmax), in tokens' worth, for sharing items out
 constexpr int64_t kTokens = 4;  // keys scored together: four independent FMA chains share each load of q
 
 // Rows of one kv head's keys or values in an fp32 cache, through a request's block table.
@@ -253,6 +254,26 @@ DecodeAttention::DecodeAttention(int64_t num_heads, const torch::Tensor& layer_c
                   block_tables.size(0) >= B, "block_tables (B, max blocks), seq_lens (B): int64");
   for (int64_t b = 0; b < B; ++b) first_chunk[b + 1] = first_chunk[b] + (lens[b] + kChunk - 1) / kChunk;
   partial.reset(new float[num_items() * (H / KVH) * stride()]);
+  work_before.assign(num_items() + 1, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t chunk = first_chunk[b]; chunk < first_chunk[b + 1]; ++chunk) {
+      const int64_t tokens = std::min(kChunk, lens[b] - (chunk - first_chunk[b]) * kChunk);
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t item = chunk * KVH + h;
+        work_before[item + 1] = work_before[item] + tokens + kItemWork;
+      }
+    }
+}
+
+std::pair<int64_t, int64_t> DecodeAttention::items_of(int64_t thread, int64_t threads) const {
+  // the item boundary nearest to each thread's even share of the work
+  const auto boundary = [&](int64_t t) {
+    const int64_t n = num_items(), target = work_before[n] * t / threads;
+    int64_t i = std::lower_bound(work_before.begin(), work_before.end(), target) - work_before.begin();
+    if (i > 0 && target - work_before[i - 1] < work_before[i] - target) --i;
+    return std::min(i, n);
+  };
+  return {boundary(thread), boundary(thread + 1)};
 }
 
 int64_t DecodeAttention::num_items() const { return first_chunk[B] * KVH; }

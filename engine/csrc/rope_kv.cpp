@@ -38,25 +38,24 @@ void store(const float* x, int64_t D, at::Half* out) {
   for (; i < D; ++i) out[i] = static_cast<at::Half>(x[i]);
 }
 
-// Each token's q heads after RoPE into out (out_heads per token: H, or H + KVH with its k heads
-// after RoPE too), its k heads after RoPE and its v heads into their cache slots.
+// Items [begin, end) of (token, q or k head): each token's q heads after RoPE into out (out_heads
+// per token: H, or H + KVH with its k heads after RoPE too), its k heads after RoPE and their v
+// heads into their cache slots.
 template <typename Element>
-void rope_and_write(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_tokens,
-                    int64_t H, int64_t KVH, int64_t D, int64_t slots, float* out, int64_t out_heads, Element* keys) {
+void rope_items(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t H, int64_t KVH,
+                int64_t D, int64_t slots, float* out, int64_t out_heads, Element* keys, int64_t begin, int64_t end) {
   const int64_t QK = H + KVH;
   Element* values = keys + KVH * slots * D;
-  at::parallel_for(0, num_tokens * QK, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / QK, head = item % QK;
-      const float* x = qkv + (t * (QK + KVH) + head) * D;
-      float* rotated = head < out_heads ? out + (t * out_heads + head) * D : scratch.data();
-      rope(x, cos + t * D, sin + t * D, D, rotated);
-      if (head < H) continue;
-      store(rotated, D, keys + ((head - H) * slots + slot[t]) * D);
-      store(qkv + (t * (QK + KVH) + QK + head - H) * D, D, values + ((head - H) * slots + slot[t]) * D);  // its v
-    }
-  });
+  std::vector<float> scratch(D);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t t = item / QK, head = item % QK;
+    const float* x = qkv + (t * (QK + KVH) + head) * D;
+    float* rotated = head < out_heads ? out + (t * out_heads + head) * D : scratch.data();
+    rope(x, cos + t * D, sin + t * D, D, rotated);
+    if (head < H) continue;
+    store(rotated, D, keys + ((head - H) * slots + slot[t]) * D);
+    store(qkv + (t * (QK + KVH) + QK + head - H) * D, D, values + ((head - H) * slots + slot[t]) * D);  // its v
+  }
 }
 
 }  // namespace
@@ -80,16 +79,16 @@ void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, con
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot out of the cache");
 }
 
-void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t T,
-                        int64_t num_heads, const torch::Tensor& kv_cache, int64_t layer, float* q) {
+void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_heads,
+                        const torch::Tensor& kv_cache, int64_t layer, float* q, int64_t begin, int64_t end) {
   const int64_t KVH = kv_cache.size(2), slots = kv_cache.size(3) * kv_cache.size(4), D = kv_cache.size(5);
   const int64_t layer_elements = 2 * KVH * slots * D;
   if (kv_cache.scalar_type() == torch::kHalf)
-    rope_and_write(qkv, cos, sin, slot, T, num_heads, KVH, D, slots, q, num_heads,
-                   kv_cache.data_ptr<at::Half>() + layer * layer_elements);
+    rope_items(qkv, cos, sin, slot, num_heads, KVH, D, slots, q, num_heads,
+               kv_cache.data_ptr<at::Half>() + layer * layer_elements, begin, end);
   else
-    rope_and_write(qkv, cos, sin, slot, T, num_heads, KVH, D, slots, q, num_heads,
-                   kv_cache.data_ptr<float>() + layer * layer_elements);
+    rope_items(qkv, cos, sin, slot, num_heads, KVH, D, slots, q, num_heads,
+               kv_cache.data_ptr<float>() + layer * layer_elements, begin, end);
 }
 
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -101,12 +100,15 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   const int64_t out_heads = with_keys ? H + KVH : H;
   torch::Tensor out = torch::empty({T, out_heads, D}, qkv.options());
-  if (layer_cache.scalar_type() == torch::kHalf)
-    rope_and_write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, T, H, KVH, D, slots,
-                   out.data_ptr<float>(), out_heads, layer_cache.data_ptr<at::Half>());
-  else
-    rope_and_write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slot, T, H, KVH, D, slots,
-                   out.data_ptr<float>(), out_heads, layer_cache.data_ptr<float>());
+  const float* x = qkv.data_ptr<float>();
+  const float *c = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * (H + KVH), 64, [&](int64_t begin, int64_t end) {
+    if (layer_cache.scalar_type() == torch::kHalf)
+      rope_items(x, c, sn, slot, H, KVH, D, slots, op, out_heads, layer_cache.data_ptr<at::Half>(), begin, end);
+    else
+      rope_items(x, c, sn, slot, H, KVH, D, slots, op, out_heads, layer_cache.data_ptr<float>(), begin, end);
+  });
   return out;
 }
 
