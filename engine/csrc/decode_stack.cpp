@@ -45,6 +45,17 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> rows, std::vector<int64_t> f
   }
   for (const torch::Tensor& norm : norms_)
     TORCH_CHECK(norm.scalar_type() == torch::kFloat && norm.is_contiguous(), "norms: contiguous fp32");
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    const int64_t i = l * kMatmuls;
+    const auto columns = [&](int64_t m) { return block_quant_columns(rows_[i + m], formats_[i + m]); };
+    const int64_t hidden = columns(0);
+    TORCH_CHECK(rows_[i].size(0) == (num_heads_ + 2 * num_kv_heads_) * head_dim_ && columns(1) == num_heads_ * head_dim_ &&
+                    rows_[i + 1].size(0) == hidden && columns(2) == hidden && rows_[i + 2].size(0) == 2 * columns(3) &&
+                    rows_[i + 3].size(0) == hidden && norms_[2 * l].numel() == hidden &&
+                    norms_[2 * l + 1].numel() == hidden,
+                "a layer: qkv (heads + 2 kv heads) x hidden, o hidden x heads, gate_up 2 intermediate x hidden, "
+                "down hidden x intermediate, norms hidden");
+  }
 }
 
 torch::Tensor DecodeStack::matmul(int64_t i, const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight,
@@ -92,7 +103,7 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
                                         const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
                                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                                         int64_t num_layers) const {
-  const int64_t T = hidden.size(0), E = hidden.size(1), D = head_dim_, H = num_heads_;
+  const int64_t T = hidden.size(0), D = head_dim_, H = num_heads_;
   int64_t widest = 0;  // the widest matmul output held between ops: qkv's or gate_up's
   for (const torch::Tensor& r : rows_) widest = std::max(widest, r.size(0));
   const torch::Tensor out = hidden.clone();  // the residual stream, updated in place
@@ -100,6 +111,7 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
   const torch::Tensor q = torch::empty({T, H, D}, hidden.options()), attn = torch::empty({T, H * D}, hidden.options());
   // every check before the team: nothing may throw inside it
   if (num_layers > 0) {
+    TORCH_CHECK(hidden.size(1) == block_quant_columns(rows_[0], formats_[0]), "hidden: (T, the layers' hidden size)");
     const int64_t qkv_width = rows_[0].size(0);
     check_rope_write_kv(wide.view(-1).narrow(0, 0, T * qkv_width).view({T, qkv_width}), cos, sin, kv_cache[0],
                         slot_mapping, H);
@@ -143,7 +155,8 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
         rope_write_kv_into(wp, cos.data_ptr<float>(), sin.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(), H,
                            kv_cache, l, qp, b, e);
       });
-      share(attention.items_of(thread, threads), [&](int64_t b, int64_t e) { attention.attend(qp, cache + l * layer_bytes, b, e); });
+      share(attention.items_of(thread, threads),
+            [&](int64_t b, int64_t e) { attention.attend(qp, cache + l * layer_bytes, b, e); });
       share(part(T * H), [&](int64_t b, int64_t e) { attention.merge(ap, b, e); });
       matmul(i + 1, ap, nullptr, false, hp, hp);
       matmul(i + 2, hp, norms_[2 * l + 1].data_ptr<float>(), false, nullptr, wp);
