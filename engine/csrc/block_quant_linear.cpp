@@ -542,14 +542,22 @@ std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const fl
   return rows;
 }
 
+// x's rows as they are without a prologue (no norm_weight, no swiglu), else the prologue's, kept in
+// `transformed`.
+const float* rows_after_prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps,
+                                 bool swiglu, std::unique_ptr<float[]>& transformed) {
+  if (!swiglu && norm_weight == nullptr) return x;
+  transformed = prologue(x, M, K, norm_weight, static_cast<float>(eps), swiglu);
+  return transformed.get();
+}
+
 }  // namespace
 
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
                            double eps, bool swiglu, std::unique_ptr<float[]>& transformed) {
-  if (!swiglu && !norm_weight.has_value()) return x.data_ptr<float>();
-  transformed = prologue(x.data_ptr<float>(), M, K, norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr,
-                         static_cast<float>(eps), swiglu);
-  return transformed.get();
+  return rows_after_prologue(x.data_ptr<float>(), M, K,
+                             norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, swiglu,
+                             transformed);
 }
 
 void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, bool swiglu) {
@@ -605,11 +613,7 @@ int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format) {
 LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, bool swiglu,
                          int64_t format) {
   LinearInput in{M, K};
-  const float* rows = x;
-  if (swiglu || norm_weight != nullptr) {
-    in.transformed = prologue(x, M, K, norm_weight, static_cast<float>(eps), swiglu);
-    rows = in.transformed.get();
-  }
+  const float* rows = rows_after_prologue(x, M, K, norm_weight, eps, swiglu, in.transformed);
   if (format == kQ8_0Bf16) {
     in.xr = round_bf16(rows, M, K);
     return in;

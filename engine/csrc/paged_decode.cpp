@@ -311,9 +311,7 @@ void DecodeAttention::merge(float* out, int64_t begin, int64_t end) const {
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q: fp32");
-  TORCH_CHECK(cache.dtype() == torch::kFloat32 || cache.dtype() == torch::kFloat16, "cache: fp32 or fp16");
   q = q.contiguous();
-  TORCH_CHECK(cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
   const DecodeAttention attention(q.size(1), cache, block_tables, seq_lens, scale);
   TORCH_CHECK(q.size(0) == attention.B && q.size(2) == attention.D, "q: (B, H, head_dim)");
   auto out = torch::empty_like(q);

@@ -58,6 +58,16 @@ void rope_items(const float* qkv, const float* cos, const float* sin, const int6
   }
 }
 
+// rope_items on a cache of either element type, from its element `first` (a layer's start).
+void rope_items_in(const torch::Tensor& cache, int64_t first, const float* qkv, const float* cos, const float* sin,
+                   const int64_t* slot, int64_t H, int64_t KVH, int64_t D, int64_t slots, float* out,
+                   int64_t out_heads, int64_t begin, int64_t end) {
+  if (cache.scalar_type() == torch::kHalf)
+    rope_items(qkv, cos, sin, slot, H, KVH, D, slots, out, out_heads, cache.data_ptr<at::Half>() + first, begin, end);
+  else
+    rope_items(qkv, cos, sin, slot, H, KVH, D, slots, out, out_heads, cache.data_ptr<float>() + first, begin, end);
+}
+
 }  // namespace
 
 void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -82,13 +92,8 @@ void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, con
 void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_heads,
                         const torch::Tensor& kv_cache, int64_t layer, float* q, int64_t begin, int64_t end) {
   const int64_t KVH = kv_cache.size(2), slots = kv_cache.size(3) * kv_cache.size(4), D = kv_cache.size(5);
-  const int64_t layer_elements = 2 * KVH * slots * D;
-  if (kv_cache.scalar_type() == torch::kHalf)
-    rope_items(qkv, cos, sin, slot, num_heads, KVH, D, slots, q, num_heads,
-               kv_cache.data_ptr<at::Half>() + layer * layer_elements, begin, end);
-  else
-    rope_items(qkv, cos, sin, slot, num_heads, KVH, D, slots, q, num_heads,
-               kv_cache.data_ptr<float>() + layer * layer_elements, begin, end);
+  rope_items_in(kv_cache, layer * 2 * KVH * slots * D, qkv, cos, sin, slot, num_heads, KVH, D, slots, q, num_heads,
+                begin, end);
 }
 
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -104,10 +109,7 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
   const float *c = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T * (H + KVH), 64, [&](int64_t begin, int64_t end) {
-    if (layer_cache.scalar_type() == torch::kHalf)
-      rope_items(x, c, sn, slot, H, KVH, D, slots, op, out_heads, layer_cache.data_ptr<at::Half>(), begin, end);
-    else
-      rope_items(x, c, sn, slot, H, KVH, D, slots, op, out_heads, layer_cache.data_ptr<float>(), begin, end);
+    rope_items_in(layer_cache, 0, x, c, sn, slot, H, KVH, D, slots, op, out_heads, begin, end);
   });
   return out;
 }
