@@ -3,10 +3,11 @@ revision's (`--baseline REF`: engine/csrc as git holds it there, built for this 
 cache), both in one process on the same loaded weights, alternated round by round.
 
 Per build and round: the step's block-quantized matmuls by kind (one token; each of a layer's four
-across all layers, and the LM head), the fused decode stack replayed on a captured decode step,
-and the engine's decode time per token (quantization.py's single stream: 127 more tokens after
-a 128-token prompt's first). Medians over the rounds, and the median of the rounds' ratios baseline /
-this tree.
+across all layers, and the LM head), the fused decode stack replayed on captured decode steps of
+one, two and four requests (`stack`, `stack_2`, `stack_4`: the decode kernel takes up to
+BlockQuantLinear.VECTOR_DECODE_ROWS tokens a step), and the engine's decode time per token
+(quantization.py's single stream: 127 more tokens after a 128-token prompt's first). Medians
+over the rounds, and the median of the rounds' ratios baseline / this tree.
 `--march haswell` (a cpu_kernels.TARGETS family) times both builds for that family instead of this
 CPU's own, so each vector branch this CPU runs gets its figures.
 
@@ -34,6 +35,7 @@ from engine.models.linear import BlockQuantLinear  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 KINDS = ("qkv", "o", "gate_up", "down")
+STACK_TOKENS = {"stack": 1, "stack_2": 2, "stack_4": 4}  # a replayed decode step's tokens (requests)
 
 
 def kernels_at(ref: str, march: str):
@@ -104,15 +106,19 @@ def main() -> None:
             return stack.forward(*args)
 
     model.decode_stack = Capture()
-    llm.generate([list(range(500, 756))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-    step = captured[-1]
+    steps = {}
+    for name, tokens in STACK_TOKENS.items():
+        prompts = [list(range(500 + 300 * j, 756 + 300 * j)) for j in range(tokens)]
+        llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        steps[name] = next(args for args in reversed(captured) if args[0].shape[0] == tokens)  # all decoding
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
     for r in range(args.rounds):
         for name, kernels in builds.items():
             use(model, kernels)
             figures = matmul_ms(model, args.repeats)
             figures["matmuls"] = sum(figures[k] for k in KINDS) + figures["lm_head"]
-            figures["stack"] = 1e3 * best_of(lambda: model.decode_stack.forward(*step), args.repeats)
+            for stack, step in steps.items():
+                figures[stack] = 1e3 * best_of(lambda step=step: model.decode_stack.forward(*step), args.repeats)
             figures["decode_ms_per_token"] = 1e3 / single_stream(llm)[0]
             rounds[name].append(figures)
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)

@@ -31,7 +31,7 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CBSERVE_Q4_1_BYTES 1  // Q4_1 rows take dot_rows_bytes (below)
 #endif
 
@@ -205,158 +205,151 @@ __attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int
 #if defined(CBSERVE_Q4_1_BYTES)
 // Q4_1 without widening, with AVX512-VNNI: the nibbles are multiplied as bytes. Each 15-bit
 // activation is split exactly into x = 128 * h + l, h in [-127, 127] and l in [0, 127], both bytes
-// (byte_order), so one vpdpbusd covers 32 weights where a 16-bit product covers 16, and the
-// nibbles need a mask and one shift for two blocks where widening took a shuffle, a mask and a
-// shift per block. Each block's integer dot product is the widened form's, exactly; lanes of
-// partial sums are scaled as they stand (a float multiply-add per two blocks), not reduced across
-// lanes first. Against the widened form on the embedded model's matmuls, 1.08-1.16x by kind and a
-// decode step 1.06x; without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) it measured no faster,
-// so other builds keep widening (benchmarks/decode_kernels.py, BENCHMARKS.md).
-constexpr int64_t kPairBytes = 4 * 32;  // a pair of blocks' activation bytes in byte order
+// (byte_order), so one vpdpbusd covers 64 weights where a 16-bit product covers 16. A 512-bit
+// register holds four blocks' nibble bytes, one block per 128-bit lane: a mask and one shift give
+// weights 0-15 and 16-31 of all four, and four vpdpbusd their integer dot products, exactly the
+// widened form's. Lanes of partial sums are scaled as they stand (one float multiply-add per four
+// blocks), not reduced across lanes first. A one-token step reads several weight rows in one pass
+// (kWeightPassBytes): their instructions interleave and the activation bytes load once for them.
+// Without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) the byte form measured no faster, so other
+// builds keep widening (benchmarks/decode_kernels.py, BENCHMARKS.md).
+constexpr int64_t kQuadBytes = 4 * 64;  // a group of four blocks' activation bytes in byte order
+// Weight rows a pass reads at one token: 4, 2 or 1, as many as fit in kWeightPassBytes. Against one row
+// a pass, 1.24-1.49x on the embedded model's matmuls with two rows, four 1.33-1.50x where rows are
+// short (K = 576) but 1.21x where they are long (K = 1536: four streams of 960 bytes).
+constexpr int64_t kWeightPassBytes = 2048;
+// The byte form asks for a pass's whole rows this far ahead (its scales and offsets too, which a
+// stride over the quantized values skips): 8-12 KiB measured 1.1-1.2x over 4 KiB a block group.
+constexpr int64_t kRowPrefetchBytes = 12288;
 
-// x's rows (quantize_x's q) in byte order: for each pair of blocks b, b + 1 (nbp / 2 of them, the
-// padding zero), four registers' bytes: h of x[0:16] of b then of b + 1, h of x[16:32] likewise,
-// then l the same.
+// x's rows (quantize_x's q) in byte order: for each group of four blocks b..b + 3 (nbp / 4 of
+// them, the padding zero), four registers' bytes: h of x[0:16] of each block (16 bytes a block,
+// in block order), h of x[16:32] likewise, then l the same.
 std::unique_ptr<int8_t[]> byte_order(const QuantizedX& qx, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock, row_bytes = qx.nbp / 2 * kPairBytes;
+  const int64_t nb = K / kBlock, row_bytes = qx.nbp / kGroup * kQuadBytes;
   std::unique_ptr<int8_t[]> out(new int8_t[M * row_bytes]);
   const __m256i low7 = _mm256_set1_epi16(127);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < qx.nbp; b += 2) {
-      __m256i h[2][2], l[2][2];  // [block of the pair][x's first or second 16]
-      for (int64_t j = 0; j < 2; ++j) {
+    for (int64_t b = 0; b < qx.nbp; b += kGroup) {
+      int8_t* o = out.get() + m * row_bytes + b / kGroup * kQuadBytes;
+      for (int64_t j = 0; j < kGroup; ++j) {
         for (int64_t half = 0; half < 2; ++half) {
           const __m256i q = b + j < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                                              qx.q.get() + m * K + (b + j) * kBlock + 16 * half))
                                        : _mm256_setzero_si256();
-          h[j][half] = _mm256_srai_epi16(q, 7);
-          l[j][half] = _mm256_and_si256(q, low7);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 64 * half + 16 * j), _mm256_cvtepi16_epi8(_mm256_srai_epi16(q, 7)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 128 + 64 * half + 16 * j),
+                           _mm256_cvtepi16_epi8(_mm256_and_si256(q, low7)));
         }
       }
-      // packs interleaves the 128-bit halves of its operands: put them back in order
-      const auto bytes = [](__m256i first, __m256i second) {
-        return _mm256_permute4x64_epi64(_mm256_packs_epi16(first, second), 0xd8);
-      };
-      __m256i* o = reinterpret_cast<__m256i*>(out.get() + m * row_bytes + b / 2 * kPairBytes);
-      _mm256_storeu_si256(o, bytes(h[0][0], h[1][0]));
-      _mm256_storeu_si256(o + 1, bytes(h[0][1], h[1][1]));
-      _mm256_storeu_si256(o + 2, bytes(l[0][0], l[1][0]));
-      _mm256_storeu_si256(o + 3, bytes(l[0][1], l[1][1]));
     }
   }
   return out;
 }
 
-// Two Q4_1 blocks' nibble bytes (32: block b's 16, then b + 1's) times a pair's activation bytes:
-// eight fp32 lanes, four per block (b's low half), summing to the blocks' exact integer dot products.
-__attribute__((always_inline)) inline __m256 pair_dot(__m256i bytes, const int8_t* x) {
-  const __m256i mask = _mm256_set1_epi8(0x0f);
-  const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-  const __m256i* v = reinterpret_cast<const __m256i*>(x);
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i h = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256(v)), hi, _mm256_loadu_si256(v + 1));
-  const __m256i l = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256(v + 2)), hi,
-                                        _mm256_loadu_si256(v + 3));
-  const __m256i sums = _mm256_add_epi32(_mm256_slli_epi32(h, 7), l);
-  return _mm256_cvtepi32_ps(sums);  // |sums| < 2^21: exact
-}
-
-// count (1-4) fp16 values at p as fp32, the rest zero; reads only their bytes, each load straight
-// into a register (assembling them in memory first stalls the load on the partial stores).
+// count (1-4) fp16 values at p as fp32, the rest zero; reads only their bytes.
 __attribute__((always_inline)) inline __m128 halves(const uint8_t* p, int64_t count) {
-  uint32_t pair = 0;
-  uint16_t one = 0;
-  __m128i bits;
-  switch (count) {
-    case 1: std::memcpy(&one, p, 2); bits = _mm_cvtsi32_si128(one); break;
-    case 2: std::memcpy(&pair, p, 4); bits = _mm_cvtsi32_si128(static_cast<int32_t>(pair)); break;
-    case 3:
-      std::memcpy(&pair, p, 4);
-      std::memcpy(&one, p + 4, 2);
-      bits = _mm_insert_epi16(_mm_cvtsi32_si128(static_cast<int32_t>(pair)), one, 2);
-      break;
-    default: bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); break;
-  }
-  return _mm_cvtph_ps(bits);
+  if (count == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), p));
 }
 
-// count (1-4) blocks' nibble bytes from q as pairs; missing blocks zero, their bytes not read.
-__attribute__((always_inline)) inline __m256i pair_bytes(const uint8_t* q, int64_t count) {
-  if (count >= 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  if (count == 1) return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  return _mm256_setzero_si256();
+// Four blocks' nibble bytes times a group's activation bytes: sixteen fp32 lanes, four per block
+// (lane j / 4 is block j / 4), summing to the blocks' exact integer dot products.
+__attribute__((always_inline)) inline __m512 quad_dot(__m512i lo, __m512i hi, const int8_t* x) {
+  const __m512i* v = reinterpret_cast<const __m512i*>(x);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(v)), hi, _mm512_loadu_si512(v + 1));
+  const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(v + 2)), hi,
+                                        _mm512_loadu_si512(v + 3));
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));  // |sums| < 2^21: exact
 }
 
-// Blocks b to b + Count - 1 (Count <= kGroup) against MB rows: acc += lanes * d_w * d_x per block,
-// offset_acc += m_w * s_x. Count is a template argument: a row's last blocks, short of a group,
-// cost their own work and no branches.
-template <int64_t MB, int64_t Count>
-__attribute__((always_inline)) inline void byte_group(const Row<kQ4_1>& row, int64_t b, const int8_t* const* xb,
-                                                      const float* const* xd, const float* const* xs, __m256* acc,
-                                                      __m128* offset_acc) {
-  const __m256i first = pair_bytes(row.quants + b * 16, Count), second = pair_bytes(row.quants + b * 16 + 32, Count - 2);
-  const __m128 dw = halves(row.scales + 2 * b, Count), mw = halves(row.offsets + 2 * b, Count);
-  const __m256i blocks01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), blocks23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-  for (int64_t i = 0; i < MB; ++i) {
-    const __m256 scales = _mm256_castps128_ps256(_mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b)));
-    const int8_t* x = xb[i] + b / 2 * kPairBytes;
-    acc[i] = _mm256_fmadd_ps(pair_dot(first, x), _mm256_permutevar8x32_ps(scales, blocks01), acc[i]);
-    if constexpr (Count > 2)
-      acc[i] = _mm256_fmadd_ps(pair_dot(second, x + kPairBytes), _mm256_permutevar8x32_ps(scales, blocks23), acc[i]);
-    offset_acc[i] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[i] + b), offset_acc[i]);
+// Blocks b to b + Count - 1 (Count <= kGroup) of NR weight rows against MB rows of x:
+// acc += lanes * d_w * d_x per block, offset_acc += m_w * s_x. Count is a template argument: a
+// row's last blocks, short of a group, cost their own work and no branches; missing blocks' bytes
+// are not read.
+template <int64_t NR, int64_t MB, int64_t Count>
+__attribute__((always_inline)) inline void byte_group(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t b,
+                                                      const int8_t* const* xb,
+                                                      const float* const* xd, const float* const* xs,
+                                                      __m512 (&acc)[NR][MB], __m128 (&offset_acc)[NR][MB]) {
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // block of each lane
+  for (int64_t r = 0; r < NR; ++r) {
+    const Row<kQ4_1> row(w + r * row_bytes, nb);
+    const uint8_t* q = row.quants + b * 16;
+    const __m512i bytes = Count == kGroup ? _mm512_loadu_si512(q) : _mm512_maskz_loadu_epi8((1ull << (16 * Count)) - 1, q);
+    const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
+    const __m128 dw = halves(row.scales + 2 * b, Count), mw = halves(row.offsets + 2 * b, Count);
+    for (int64_t i = 0; i < MB; ++i) {
+      const __m128 scales = _mm_mul_ps(dw, _mm_loadu_ps(xd[i] + b));
+      acc[r][i] = _mm512_fmadd_ps(quad_dot(lo, hi, xb[i] + b / kGroup * kQuadBytes),
+                                  _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scales)), acc[r][i]);
+      offset_acc[r][i] = _mm_fmadd_ps(mw, _mm_loadu_ps(xs[i] + b), offset_acc[r][i]);
+    }
   }
 }
 
-// sums[i] = Q4_1 weight row (nb blocks) . row m0 + i of x (xb: in byte order), for i < MB; Tail:
-// nb % kGroup.
-template <int64_t MB, int64_t Tail>
-inline void dot_rows_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, const int8_t* xb_rows, int64_t m0,
-                           float* sums) {
-  const Row<kQ4_1> row(w, nb);
+// sums[r * MB + i] = Q4_1 weight row r (nb blocks, rows row_bytes apart from w) . row m0 + i of x
+// (xb: in byte order), for r < NR, i < MB; Tail: nb % kGroup. Each row's arithmetic is the same
+// whatever NR and MB are.
+template <int64_t NR, int64_t MB, int64_t Tail>
+inline void dot_rows_bytes(const uint8_t* w, int64_t row_bytes, int64_t nb, const QuantizedX& qx, const int8_t* xb_rows,
+                           int64_t m0, float* sums) {
+  for (int64_t line = 0; line < NR * row_bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w + line + kRowPrefetchBytes), _MM_HINT_T0);
   const int8_t* xb[MB];
   const float* xd[MB];
   const float* xs[MB];
   for (int64_t i = 0; i < MB; ++i) {
-    xb[i] = xb_rows + (m0 + i) * qx.nbp / 2 * kPairBytes;
+    xb[i] = xb_rows + (m0 + i) * qx.nbp / kGroup * kQuadBytes;
     xd[i] = qx.d.get() + (m0 + i) * qx.nbp;
     xs[i] = qx.s.get() + (m0 + i) * qx.nbp;
   }
-  __m256 acc[MB];
-  __m128 offset_acc[MB];
-  for (int64_t i = 0; i < MB; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    offset_acc[i] = _mm_setzero_ps();
+  __m512 acc[NR][MB];
+  __m128 offset_acc[NR][MB];
+  for (int64_t r = 0; r < NR; ++r) {
+    for (int64_t i = 0; i < MB; ++i) {
+      acc[r][i] = _mm512_setzero_ps();
+      offset_acc[r][i] = _mm_setzero_ps();
+    }
   }
   int64_t b = 0;
-  for (; b + kGroup <= nb; b += kGroup) {
-    _mm_prefetch(reinterpret_cast<const char*>(row.quants + b * 16 + kPrefetchBytes), _MM_HINT_T0);
-    byte_group<MB, kGroup>(row, b, xb, xd, xs, acc, offset_acc);
-  }
-  if constexpr (Tail > 0) byte_group<MB, Tail>(row, b, xb, xd, xs, acc, offset_acc);
-  for (int64_t i = 0; i < MB; ++i) {
-    const __m128 lanes = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-    sums[i] = hsum_ps(lanes) + hsum_ps(offset_acc[i]);
+  for (; b + kGroup <= nb; b += kGroup) byte_group<NR, MB, kGroup>(w, row_bytes, nb, b, xb, xd, xs, acc, offset_acc);
+  if constexpr (Tail > 0) byte_group<NR, MB, Tail>(w, row_bytes, nb, b, xb, xd, xs, acc, offset_acc);
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t i = 0; i < MB; ++i) sums[r * MB + i] = _mm512_reduce_add_ps(acc[r][i]) + hsum_ps(offset_acc[r][i]);
+}
+
+// nr weight rows (1, 2 or 4) against mb rows of x, nr * mb <= 4.
+template <int64_t NR, int64_t Tail>
+inline void dot_pass_bytes(const uint8_t* w, int64_t row_bytes, int64_t nb, const QuantizedX& qx, const int8_t* xb,
+                           int64_t m0, int64_t mb, float* sums) {
+  switch (mb) {
+    case 1: dot_rows_bytes<NR, 1, Tail>(w, row_bytes, nb, qx, xb, m0, sums); break;
+    case 2: if constexpr (NR <= 2) dot_rows_bytes<NR, 2, Tail>(w, row_bytes, nb, qx, xb, m0, sums); break;
+    case 3: if constexpr (NR == 1) dot_rows_bytes<1, 3, Tail>(w, row_bytes, nb, qx, xb, m0, sums); break;
+    default: if constexpr (NR == 1) dot_rows_bytes<1, 4, Tail>(w, row_bytes, nb, qx, xb, m0, sums); break;
   }
 }
 
 template <int64_t Tail>
-inline void dot_pass_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, const int8_t* xb, int64_t m0,
-                           int64_t mb, float* sums) {
-  switch (mb) {
-    case 1: dot_rows_bytes<1, Tail>(w, nb, qx, xb, m0, sums); break;
-    case 2: dot_rows_bytes<2, Tail>(w, nb, qx, xb, m0, sums); break;
-    case 3: dot_rows_bytes<3, Tail>(w, nb, qx, xb, m0, sums); break;
-    default: dot_rows_bytes<4, Tail>(w, nb, qx, xb, m0, sums); break;
+inline void dot_pass_bytes(const uint8_t* w, int64_t row_bytes, int64_t nb, const QuantizedX& qx, const int8_t* xb,
+                           int64_t m0, int64_t mb, int64_t nr, float* sums) {
+  switch (nr) {
+    case 4: dot_pass_bytes<4, Tail>(w, row_bytes, nb, qx, xb, m0, mb, sums); break;
+    case 2: dot_pass_bytes<2, Tail>(w, row_bytes, nb, qx, xb, m0, mb, sums); break;
+    default: dot_pass_bytes<1, Tail>(w, row_bytes, nb, qx, xb, m0, mb, sums); break;
   }
 }
 
-inline void dot_pass_bytes(const uint8_t* w, int64_t nb, const QuantizedX& qx, const int8_t* xb, int64_t m0,
-                           int64_t mb, float* sums) {
+inline void dot_pass_bytes(const uint8_t* w, int64_t row_bytes, int64_t nb, const QuantizedX& qx, const int8_t* xb,
+                           int64_t m0, int64_t mb, int64_t nr, float* sums) {
   switch (nb % kGroup) {
-    case 0: dot_pass_bytes<0>(w, nb, qx, xb, m0, mb, sums); break;
-    case 1: dot_pass_bytes<1>(w, nb, qx, xb, m0, mb, sums); break;
-    case 2: dot_pass_bytes<2>(w, nb, qx, xb, m0, mb, sums); break;
-    default: dot_pass_bytes<3>(w, nb, qx, xb, m0, mb, sums); break;
+    case 0: dot_pass_bytes<0>(w, row_bytes, nb, qx, xb, m0, mb, nr, sums); break;
+    case 1: dot_pass_bytes<1>(w, row_bytes, nb, qx, xb, m0, mb, nr, sums); break;
+    case 2: dot_pass_bytes<2>(w, row_bytes, nb, qx, xb, m0, mb, nr, sums); break;
+    default: dot_pass_bytes<3>(w, row_bytes, nb, qx, xb, m0, mb, nr, sums); break;
   }
 }
 #endif
@@ -625,8 +618,47 @@ LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm
   return in;
 }
 
+namespace {
+
+// out[m, n] for the pass's rows [n, n + nr) of weights and [m0, m0 + mb) of x, from the pass's
+// sums (sums[r * mb + i]); a residual may be out itself: each element is read before it is
+// written, by this row's thread.
+inline void store_pass(const float* sums, int64_t n, int64_t nr, int64_t m0, int64_t mb, int64_t N, const float* bias,
+                       const float* residual, float* out) {
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t i = 0; i < mb; ++i) {
+      const int64_t at = (m0 + i) * N + n + r;
+      out[at] = (residual ? residual[at] : 0.f) + (sums[r * mb + i] + (bias ? bias[n + r] : 0.f));
+    }
+  }
+}
+
+#if defined(CBSERVE_Q4_1_BYTES)
+// linear_rows on Q4_1 rows in the byte form: at one or two tokens a pass reads several weight rows.
+void linear_rows_bytes(const LinearInput& in, const uint8_t* blocks, int64_t N, const float* bias,
+                       const float* residual, float* out, int64_t n0, int64_t n1) {
+  const int64_t M = in.M, nb = in.K / kBlock, row_bytes = nb * block_bytes(kQ4_1);
+  const int64_t fit = kWeightPassBytes / row_bytes, weight_rows = M > 2 ? 1 : fit >= 4 && M == 1 ? 4 : fit >= 2 ? 2 : 1;
+  float sums[kRowsPerPass];  // nr * mb <= kRowsPerPass
+  for (int64_t n = n0; n < n1;) {
+    const int64_t left = n1 - n, nr = weight_rows <= left ? weight_rows : left >= 2 ? 2 : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      const int64_t mb = std::min(kRowsPerPass, M - m0);
+      dot_pass_bytes(blocks + n * row_bytes, row_bytes, nb, in.qx, in.xb.get(), m0, mb, nr, sums);
+      store_pass(sums, n, nr, m0, mb, N, bias, residual, out);
+    }
+    n += nr;
+  }
+}
+#endif
+
+}  // namespace
+
 void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, int64_t N, const float* bias,
                  const float* residual, float* out, int64_t n0, int64_t n1) {
+#if defined(CBSERVE_Q4_1_BYTES)
+  if (format == kQ4_1) return linear_rows_bytes(in, blocks, N, bias, residual, out, n0, n1);
+#endif
   const int64_t M = in.M, nb = in.K / kBlock, row_bytes = nb * block_bytes(format);
   float sums[kRowsPerPass];
   for (int64_t n = n0; n < n1; ++n) {
@@ -637,17 +669,9 @@ void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, i
       } else if (format == kQ8_0) {
         dot_pass<kQ8_0>(blocks + n * row_bytes, nb, in.qx, m0, mb, sums);
       } else {
-#if defined(CBSERVE_Q4_1_BYTES)
-        dot_pass_bytes(blocks + n * row_bytes, nb, in.qx, in.xb.get(), m0, mb, sums);
-#else
         dot_pass<kQ4_1>(blocks + n * row_bytes, nb, in.qx, m0, mb, sums);
-#endif
       }
-      // a residual may be out itself: each element is read before it is written, by this row's thread
-      for (int64_t i = 0; i < mb; ++i) {
-        const int64_t at = (m0 + i) * N + n;
-        out[at] = (residual ? residual[at] : 0.f) + (sums[i] + (bias ? bias[n] : 0.f));
-      }
+      store_pass(sums, n, 1, m0, mb, N, bias, residual, out);
     }
   }
 }
