@@ -22,8 +22,15 @@ struct DecodeAttention {
   // The items thread `thread` of `threads` takes: even shares of the items' tokens (a request's last
   // chunk is short), where even shares of items left one thread a third of the other's work idle.
   std::pair<int64_t, int64_t> items_of(int64_t thread, int64_t threads) const;
+  struct Item {  // request b's tokens [t0, t1), kv head h
+    int64_t b, h, t0, t1;
+    const int64_t* table;  // b's block table
+  };
+  Item item(int64_t index) const;
   int64_t stride() const { return D + 2; }  // per item and query head: max score, sum of exp, D of output
   void attend(const float* q, const void* layer_cache, int64_t begin, int64_t end) const;
+  // Asks for the keys and values of items [begin, end) into L2, for a later attend.
+  void prefetch(const void* layer_cache, int64_t begin, int64_t end) const;
   void merge(float* out, int64_t begin, int64_t end) const;
 
   int64_t B, H, KVH, NB, BS, D, max_blocks;

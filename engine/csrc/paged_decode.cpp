@@ -56,14 +56,14 @@ struct StagedRows {
   const float* at(int64_t t) const { return base + (t - t0) * head_dim; }
 };
 
-// Asks for every cache line of rows [t0, t1) at once. The rows lie in blocks scattered through the
-// cache and were last read a step ago, so they come from memory; fetched one row at a time as
-// `stage` reads them, each waited out its own miss.
-void prefetch_rows(const at::Half* base, const int64_t* table, int64_t block_size, int64_t D, int64_t t0,
-                   int64_t t1) {
+// Asks for every cache line of rows [t0, t1) at once, into the cache level Hint names. The rows lie
+// in blocks scattered through the cache and were last read a step ago, so they come from memory;
+// fetched one row at a time as `stage` reads them, each waited out its own miss.
+template <int Hint, typename T>
+void prefetch_rows(const T* base, const int64_t* table, int64_t block_size, int64_t D, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     const char* row = reinterpret_cast<const char*>(base + (table[t / block_size] * block_size + t % block_size) * D);
-    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(at::Half)); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(row + b, static_cast<_mm_hint>(Hint));
   }
 }
 
@@ -219,24 +219,32 @@ void attend_items(const DecodeAttention& a, const float* q, const T* cache, int6
   const T* values = cache + a.KVH * head;
   std::vector<float> scores(G * kChunk), staged(std::is_same<T, float>::value ? 0 : 2 * kChunk * D);
   std::vector<float*> parts(G), outs(G);
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t chunk = item / a.KVH, h = item % a.KVH;
-    const int64_t b = std::upper_bound(a.first_chunk.begin(), a.first_chunk.end(), chunk) - a.first_chunk.begin() - 1;
-    const int64_t t0 = (chunk - a.first_chunk[b]) * kChunk, t1 = std::min(a.lens[b], t0 + kChunk);
-    for (int64_t g = 0; g < G; ++g) parts[g] = a.partial.get() + (item * G + g) * a.stride(), outs[g] = parts[g] + 2;
-    const float* qh = q + (b * a.H + h * G) * D;
-    const int64_t* table = a.tables + b * a.max_blocks;
+  for (int64_t index = begin; index < end; ++index) {
+    const DecodeAttention::Item item = a.item(index);
+    for (int64_t g = 0; g < G; ++g) parts[g] = a.partial.get() + (index * G + g) * a.stride(), outs[g] = parts[g] + 2;
+    const float* qh = q + (item.b * a.H + item.h * G) * D;
+    const T *keys_base = cache + item.h * head, *values_base = values + item.h * head;
     if constexpr (std::is_same<T, float>::value) {
-      const CacheRows keys{cache + h * head, table, a.BS, D}, vals{values + h * head, table, a.BS, D};
-      attend_chunk(qh, G, keys, vals, D, t0, t1, a.scale, scores.data(), parts.data(), outs.data());
+      const CacheRows keys{keys_base, item.table, a.BS, D}, vals{values_base, item.table, a.BS, D};
+      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.data(), parts.data(), outs.data());
     } else {
-      prefetch_rows(cache + h * head, table, a.BS, D, t0, t1);
-      prefetch_rows(values + h * head, table, a.BS, D, t0, t1);
-      stage(cache + h * head, table, a.BS, D, t0, t1, staged.data());
-      stage(values + h * head, table, a.BS, D, t0, t1, staged.data() + kChunk * D);
-      const StagedRows keys{staged.data(), t0, D}, vals{staged.data() + kChunk * D, t0, D};
-      attend_chunk(qh, G, keys, vals, D, t0, t1, a.scale, scores.data(), parts.data(), outs.data());
+      prefetch_rows<_MM_HINT_T0>(keys_base, item.table, a.BS, D, item.t0, item.t1);
+      prefetch_rows<_MM_HINT_T0>(values_base, item.table, a.BS, D, item.t0, item.t1);
+      stage(keys_base, item.table, a.BS, D, item.t0, item.t1, staged.data());
+      stage(values_base, item.table, a.BS, D, item.t0, item.t1, staged.data() + kChunk * D);
+      const StagedRows keys{staged.data(), item.t0, D}, vals{staged.data() + kChunk * D, item.t0, D};
+      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.data(), parts.data(), outs.data());
     }
+  }
+}
+
+template <typename T>
+void prefetch_items(const DecodeAttention& a, const T* cache, int64_t begin, int64_t end) {
+  const int64_t head = a.NB * a.BS * a.D;
+  for (int64_t index = begin; index < end; ++index) {
+    const DecodeAttention::Item item = a.item(index);
+    prefetch_rows<_MM_HINT_T1>(cache + item.h * head, item.table, a.BS, a.D, item.t0, item.t1);
+    prefetch_rows<_MM_HINT_T1>(cache + (a.KVH + item.h) * head, item.table, a.BS, a.D, item.t0, item.t1);
   }
 }
 
@@ -278,11 +286,24 @@ std::pair<int64_t, int64_t> DecodeAttention::items_of(int64_t thread, int64_t th
 
 int64_t DecodeAttention::num_items() const { return first_chunk[B] * KVH; }
 
+DecodeAttention::Item DecodeAttention::item(int64_t index) const {
+  const int64_t chunk = index / KVH, b = std::upper_bound(first_chunk.begin(), first_chunk.end(), chunk) - first_chunk.begin() - 1;
+  const int64_t t0 = (chunk - first_chunk[b]) * kChunk;
+  return {b, index % KVH, t0, std::min(lens[b], t0 + kChunk), tables + b * max_blocks};
+}
+
 void DecodeAttention::attend(const float* q, const void* layer_cache, int64_t begin, int64_t end) const {
   if (half)
     attend_items(*this, q, static_cast<const at::Half*>(layer_cache), begin, end);
   else
     attend_items(*this, q, static_cast<const float*>(layer_cache), begin, end);
+}
+
+void DecodeAttention::prefetch(const void* layer_cache, int64_t begin, int64_t end) const {
+  if (half)
+    prefetch_items(*this, static_cast<const at::Half*>(layer_cache), begin, end);
+  else
+    prefetch_items(*this, static_cast<const float*>(layer_cache), begin, end);
 }
 
 void DecodeAttention::merge(float* out, int64_t begin, int64_t end) const {
