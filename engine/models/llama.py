@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.models.linear import BlockQuantLinear, Linear, rms_norm
+from engine.models.linear import BlockQuantLinear, Linear
 
 
 class LlamaLayer(nn.Module):
@@ -110,8 +110,7 @@ class LlamaForPagedAttention(nn.Module):
         else:
             for layer, layer_cache in zip(islice(self.layers, num_layers), kv_cache):
                 hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
-        hidden = rms_norm(hidden[sample_indices], self.norm, self.eps)
-        return self.lm_head(hidden)
+        return self.lm_head(hidden[sample_indices], norm=(self.norm, self.eps))  # the final norm: its prologue
 
 
 @torch.no_grad()
