@@ -209,17 +209,20 @@ __attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int
 // register holds four blocks' nibble bytes, one block per 128-bit lane: a mask and one shift give
 // weights 0-15 and 16-31 of all four, and four vpdpbusd their integer dot products, exactly the
 // widened form's. Lanes of partial sums are scaled as they stand (one float multiply-add per four
-// blocks), not reduced across lanes first. A one-token step reads several weight rows in one pass
+// blocks), not reduced across lanes first. At one or two tokens a pass reads several weight rows
 // (kWeightPassBytes): their instructions interleave and the activation bytes load once for them.
 // Without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) the byte form measured no faster, so other
 // builds keep widening (benchmarks/decode_kernels.py, BENCHMARKS.md).
 constexpr int64_t kQuadBytes = 4 * 64;  // a group of four blocks' activation bytes in byte order
-// Weight rows a pass reads at one token: 4, 2 or 1, as many as fit in kWeightPassBytes. Against one row
-// a pass, 1.24-1.49x on the embedded model's matmuls with two rows, four 1.33-1.50x where rows are
-// short (K = 576) but 1.21x where they are long (K = 1536: four streams of 960 bytes).
+// Weight rows a pass reads: at one token 4, 2 or 1, as many as fit in kWeightPassBytes; at two
+// tokens at most 2 (a pass keeps at most four rows of sums); past two, 1. One thread, one token,
+// weights out of cache: against one row a pass, two rows 1.24-1.41x on the embedded model's
+// matmuls, four 1.33-1.49x where rows are short (K = 576) but 1.21x where they are long (K = 1536:
+// four streams of 960 bytes).
 constexpr int64_t kWeightPassBytes = 2048;
-// The byte form asks for a pass's whole rows this far ahead (its scales and offsets too, which a
-// stride over the quantized values skips): 8-12 KiB measured 1.1-1.2x over 4 KiB a block group.
+// A pass asks for its whole rows this far ahead, scales and offsets included (a stride over the
+// quantized values skipped a fifth of each row): 8-12 KiB measured 1.1-1.2x over 4 KiB ahead of
+// each block group, on the same measure.
 constexpr int64_t kRowPrefetchBytes = 12288;
 
 // x's rows (quantize_x's q) in byte order: for each group of four blocks b..b + 3 (nbp / 4 of
