@@ -11,6 +11,7 @@ crosses either boundary is one of the dataclasses below.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import queue
@@ -176,21 +177,34 @@ def _one_per_request(events: list[Event]) -> list[Event]:
 
 
 class ThreadCore:
-    """The step loop on a daemon thread of this process."""
+    """The step loop on a daemon thread of this process, which builds the engine too: libgomp gives
+    each thread that starts parallel regions a pool of its own, and once a process holds more pool
+    threads than CPUs it stops spinning at barriers (each wait a futex sleep and wake). Built on
+    the caller's thread and stepped on this one, the decode stack's ~240 barriers a step made a
+    single stream's decode 2.5x slower."""
 
     def __init__(self, config: EngineConfig, emit: Emit, draft_transport: DraftTransportFactory | None = None,
                  output_interval_s: float = 0.0):
-        from engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(config, draft_transport=draft_transport)
-        self.info = _info(engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = False
-        loop = StepLoop(engine, emit, output_interval_s)
-        self._thread = threading.Thread(target=loop.run, args=(self._receive,), name="engine-step-loop",
-                                        daemon=True)
+        ready: concurrent.futures.Future[CoreInfo] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True,
+                                        args=(config, emit, draft_transport, output_interval_s, ready))
         self._thread.start()
+        self.info = ready.result()  # or the engine's construction error, raised here
+
+    def _run(self, config: EngineConfig, emit: Emit, draft_transport: DraftTransportFactory | None,
+             output_interval_s: float, ready: concurrent.futures.Future[CoreInfo]) -> None:
+        from engine.llm_engine import LLMEngine
+
+        try:
+            engine = LLMEngine(config, draft_transport=draft_transport)
+        except BaseException as e:
+            ready.set_exception(e)
+            return
+        ready.set_result(_info(engine))
+        StepLoop(engine, emit, output_interval_s).run(self._receive)
 
     def send(self, command: Command) -> None:
         self._commands.put(command)

@@ -3,6 +3,7 @@ each with the step loop on a thread and in its own process."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -40,6 +41,34 @@ def test_concurrent_streams_equal_offline_generate(engine, tiny_llama):
     for (tokens, text, deltas, last), ref in zip(asyncio.run(main()), expected):
         assert tokens == ref.outputs[0].token_ids and text == ref.outputs[0].text
         assert deltas > 1 and last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_thread_core_builds_and_steps_the_engine_on_one_thread(tiny_llama, monkeypatch):
+    """Every parallel region starts from the step loop's thread: libgomp stops spinning at
+    barriers once a process holds more OpenMP pools' threads than CPUs, and an engine built on
+    the caller's thread gave its pool to that one."""
+    import engine.llm_engine as llm_engine
+
+    threads = set()
+    build, step = llm_engine.LLMEngine.__init__, llm_engine.LLMEngine.step
+
+    def recorded_build(self, *args, **kwargs):
+        threads.add(threading.get_ident())
+        build(self, *args, **kwargs)
+
+    def recorded_step(self):
+        threads.add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", recorded_build)
+    monkeypatch.setattr(llm_engine.LLMEngine, "step", recorded_step)
+    eng = AsyncEngine.from_engine_args(tiny_llama, engine_process=False)
+    try:
+        tokens, _, _, _ = asyncio.run(_collect(eng, [1, 2, 3], "one"))
+    finally:
+        eng.shutdown()
+    assert len(tokens) == PARAMS.max_tokens
+    assert len(threads) == 1 and threading.get_ident() not in threads
 
 
 def test_abort_ends_stream_and_frees_blocks(engine):
