@@ -15,9 +15,9 @@
 // asks for each layer's KV slots before its qkv matmul (prefetch_kv_slots), and each thread for its
 // attention items' keys and values of the next layer before this layer's down matmul
 // (DecodeAttention::prefetch): read from memory as the items came, attention waited out its misses
-// (~430-470 µs of a ~2 ms stack at a 300-token context; ~250-300 with them in L2 beforehand, the
-// down matmul ~70 µs slower for the requests it shares memory with). Larger batches, which take
-// the vector GEMM (itself parallel), go op by op.
+// (~430-470 µs of a ~2 ms stack at a 300-token context; ~250-300 with them in L2 beforehand, while
+// the down matmul, sharing the memory's bandwidth with them, takes ~70 µs longer). Larger batches,
+// which take the vector GEMM (itself parallel), go op by op.
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
