@@ -641,7 +641,11 @@ inline void store_pass(const float* sums, int64_t n, int64_t nr, int64_t m0, int
 void linear_rows_bytes(const LinearInput& in, const uint8_t* blocks, int64_t N, const float* bias,
                        const float* residual, float* out, int64_t n0, int64_t n1) {
   const int64_t M = in.M, nb = in.K / kBlock, row_bytes = nb * block_bytes(kQ4_1);
-  const int64_t fit = kWeightPassBytes / row_bytes, weight_rows = M > 2 ? 1 : fit >= 4 && M == 1 ? 4 : fit >= 2 ? 2 : 1;
+  // kWeightPassBytes' rule: 4, 2 or 1 rows at one token, at most 2 at two, 1 past two
+  const int64_t fit = kWeightPassBytes / row_bytes;
+  int64_t weight_rows = 1;
+  if (M == 1 && fit >= 4) weight_rows = 4;
+  else if (M <= 2 && fit >= 2) weight_rows = 2;
   float sums[kRowsPerPass];  // nr * mb <= kRowsPerPass
   for (int64_t n = n0; n < n1;) {
     const int64_t left = n1 - n, nr = weight_rows <= left ? weight_rows : left >= 2 ? 2 : 1;
