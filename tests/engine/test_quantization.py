@@ -6,6 +6,7 @@ in any batch, under every scheduler feature."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -505,6 +506,40 @@ def test_decode_steps_run_the_fused_stack_and_compute_what_the_layers_compute(mo
         if fused:
             assert counting.calls >= 19  # at least every decode step of the last request alone
     assert [(o.token_ids, o.logprobs) for o in runs[True]] == [(o.token_ids, o.logprobs) for o in runs[False]]
+
+
+class _RecordingStack:
+    """Delegates to the model's compiled decode stack and keeps each step's arguments."""
+
+    def __init__(self, stack):
+        self.stack, self.steps = stack, []
+
+    def forward(self, *args):
+        self.steps.append(args)
+        return self.stack.forward(*args)
+
+
+def test_a_team_of_more_threads_than_cores_computes_each_step_as_one_thread_does():
+    """More threads than cores: threads lose their core mid-step and the others take their
+    chunks of rows and attention items (decode_stack.cpp's TeamOps). Each is computed whole by
+    whichever thread takes it, so every replayed step is one thread's result, bit for bit."""
+    llm = LLM(quantization="gguf", max_num_seqs=4)  # the embedded model: several chunks per thread
+    recording = llm.engine.loaded.model.decode_stack = _RecordingStack(llm.engine.loaded.model.decode_stack)
+    lengths = [2, 5, 9, 12]  # steps of four requests down to one
+    llm.generate(_prompts(4, seed=5), [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths],
+                 use_tqdm=False)
+    steps = {args[0].shape[0]: args for args in recording.steps}
+    assert sorted(steps) == [1, 2, 3, 4]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = {size: recording.stack.forward(*args) for size, args in steps.items()}
+        torch.set_num_threads(2 * os.cpu_count() + 1)
+        for _ in range(10):
+            for size, args in steps.items():
+                assert torch.equal(recording.stack.forward(*args), want[size]), size
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_self_draft_of_a_quantized_target_drafts_through_the_stacks_first_layers(tiny_llama):
