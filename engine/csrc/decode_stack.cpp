@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <immintrin.h>
+#include <x86intrin.h>
 #include <omp.h>
 #include <optional>
 #include <thread>
@@ -109,21 +110,21 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
 
 namespace {
 
-// The team's ops in sequence, each shared out in chunks that any thread may take: a thread takes
-// its own part's chunks first (the part a static split gives it), then what is left of the others'
-// parts, and waits until every chunk of the op is done (a count of work done, not of threads
-// arrived). On 2 cores, another process's wake-up takes a core from one of the team's threads for
-// tens of µs to a few ms; with a barrier per op (~240 a step) its partner idled through each such
-// wait, and the step ran 10-15% slower beside an idle Ray node than alone. Now the partner does the
-// descheduled thread's chunks, and waits only for the chunk it was in. Waiting threads spin, and
-// after some tens of µs yield their core (libgomp's barrier made a futex_wake syscall at every
-// release, ~45,000 a second).
 // A matmul's chunk: the rows of 32 KiB of weights (~1.5 µs at one token), whole passes of four rows.
 constexpr int64_t kChunkBytes = 32768;
 
+// The team's ops in sequence, each shared out in chunks that any thread may take: a thread takes
+// its own part's chunks (the part a static split gives it), waits until every chunk of the op is
+// done (a count of work done, not of threads arrived), and takes what is left of the others' parts
+// once no chunk has been done for a few µs. On 2 cores, another process's wake-up takes a core
+// from one of the team's threads for tens of µs to a few ms; with a barrier per op (~240 a step)
+// its partner idled through each such wait, and the step ran 10-15% slower beside an idle Ray node
+// than alone. Now the partner does the descheduled thread's chunks, and waits only for the chunk
+// it was in. Waiting threads spin, and after some tens of µs yield their core (libgomp's barrier
+// made a futex_wake syscall at every release, ~45,000 a second).
 class TeamOps {
  public:
-  explicit TeamOps(int64_t threads) : cursors_(threads) {}
+  explicit TeamOps(int64_t threads) : slots_(threads) {}
 
   // One thread's view of the sequence: the ops it has reached, and the work done by their end.
   class Member {
@@ -131,26 +132,37 @@ class TeamOps {
     Member(TeamOps& ops, int64_t thread, int64_t threads) : ops_(ops), thread_(thread), threads_(threads) {}
 
     // The next op, of `count` work units split among the threads by part_of(thread) -> [begin, end):
-    // work(begin, end) on chunks of at most `chunk` units, then a wait for all of the op's chunks.
+    // work(begin, end) on chunks of at most `chunk` units, until all of the op's chunks are done.
     template <class PartOf, class Work>
     void run(int64_t count, int64_t chunk, const PartOf& part_of, const Work& work) {
       const uint64_t tag = static_cast<uint64_t>(++op_) << 32;
       target_ += count;
-      for (int64_t k = 0; k < threads_; ++k) {
-        const int64_t owner = (thread_ + k) % threads_;
+      const auto take = [&](int64_t owner) {  // owner's part's chunks, until none is left
         const auto [begin, end] = part_of(owner);
         for (int64_t at; (at = ops_.claim(owner, tag, begin, end, chunk)) >= 0;) {
           const int64_t stop = std::min(at + chunk, end);
           work(at, stop);
-          ops_.done_.fetch_add(stop - at, std::memory_order_release);
+          done_ += stop - at;
+          ops_.slots_[thread_].done.store(done_, std::memory_order_release);
         }
-      }
-      for (int spins = 0; ops_.done_.load(std::memory_order_acquire) < target_;) {
+      };
+      take(thread_);
+      int64_t seen = ops_.done(threads_);
+      uint64_t since = __rdtsc();  // when the team's work done last changed
+      for (int spins = 0; seen < target_;) {
         if (spins < kSpins) {
           ++spins;
           _mm_pause();
         } else {
           std::this_thread::yield();
+        }
+        const int64_t now_done = ops_.done(threads_);
+        if (now_done != seen) {
+          seen = now_done;
+          since = __rdtsc();
+        } else if (__rdtsc() - since > kStalledCycles) {  // a thread has lost its core: take its chunks
+          for (int64_t k = 1; k < threads_; ++k) take((thread_ + k) % threads_);
+          since = __rdtsc();
         }
       }
     }
@@ -158,23 +170,30 @@ class TeamOps {
    private:
     TeamOps& ops_;
     const int64_t thread_, threads_;  // this thread, of the team's threads
-    int64_t op_ = 0, target_ = 0;
+    int64_t op_ = 0, target_ = 0, done_ = 0;  // ops reached; work units in them, and done by this thread
   };
 
  private:
   static constexpr int kSpins = 2000;
+  // No chunk done by any thread for this long (~4 µs at 2.5 GHz, two to three chunks): the others'
+  // parts are taken. Before, a finished thread took the others' last chunks at once, and the
+  // cursors' lines went back and forth between cores at every op (~4% of a step, no thread
+  // descheduled).
+  static constexpr uint64_t kStalledCycles = 10000;
   static constexpr uint64_t kIndex = 0xffffffffu;
-  // A part's next unit, tagged with the op it belongs to (op << 32 | next, ops counted from 1).
-  // Whichever thread comes to an op first starts each part's cursor; a later op's tag means the
-  // op is done.
-  struct alignas(64) Cursor {
-    std::atomic<uint64_t> at{0};
+  // Per thread, its part's next unit, tagged with the op it belongs to (op << 32 | next, ops counted
+  // from 1): whichever thread comes to an op first starts each part's cursor, and a later op's tag
+  // means the op is done. And the work units the thread has done (its own line: one counter for the
+  // team, bounced between cores at every chunk, cost ~10% of a step).
+  struct alignas(128) Slot {
+    std::atomic<uint64_t> cursor{0};
+    std::atomic<int64_t> done{0};
   };
 
   // The first unit of a chunk of owner's part [begin, end) of the op tagged `tag`, taken; -1 when
   // none is left.
   int64_t claim(int64_t owner, uint64_t tag, int64_t begin, int64_t end, int64_t chunk) {
-    std::atomic<uint64_t>& cursor = cursors_[owner].at;
+    std::atomic<uint64_t>& cursor = slots_[owner].cursor;
     uint64_t seen = cursor.load(std::memory_order_relaxed);
     for (;;) {
       if ((seen & ~kIndex) > tag) return -1;
@@ -186,8 +205,14 @@ class TeamOps {
     }
   }
 
-  std::vector<Cursor> cursors_;
-  alignas(64) std::atomic<int64_t> done_{0};  // work units done, over all ops so far
+  // Work units done by the team's first `threads`, over all ops so far.
+  int64_t done(int64_t threads) const {
+    int64_t sum = 0;
+    for (int64_t t = 0; t < threads; ++t) sum += slots_[t].done.load(std::memory_order_acquire);
+    return sum;
+  }
+
+  std::vector<Slot> slots_;
 };
 
 }  // namespace
