@@ -8,8 +8,8 @@
 // matmuls; here a step makes one call.
 //
 // Where every matmul runs block_quant_linear's kernel (decode steps), one thread team runs the whole
-// step (forward_team): each op's rows or work items are shared out among the threads in chunks
-// (TeamOps), each thread quantizes a matmul's activations itself, and the buffers are made once.
+// step (forward_team): each op's rows or work items are shared out among the threads with a barrier
+// between ops, each thread quantizes a matmul's activations itself, and the buffers are made once.
 // Per op, at::parallel_for woke the team and joined it (~2 µs of a 7-27 µs matmul at one token)
 // after the calling thread alone had normed, quantized and allocated (~2 µs more). The team also
 // asks for each layer's KV slots before its qkv matmul (prefetch_kv_slots), and each thread for its
@@ -23,9 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <immintrin.h>
-#include <x86intrin.h>
 #include <omp.h>
-#include <optional>
 #include <thread>
 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
@@ -110,109 +108,32 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
 
 namespace {
 
-// A matmul's chunk: the rows of 32 KiB of weights (~1.5 µs at one token), whole passes of four rows.
-constexpr int64_t kChunkBytes = 32768;
-
-// The team's ops in sequence, each shared out in chunks that any thread may take: a thread takes
-// its own part's chunks (the part a static split gives it), waits until every chunk of the op is
-// done (a count of work done, not of threads arrived), and takes what is left of the others' parts
-// once no chunk has been done for a few µs. On 2 cores, another process's wake-up takes a core
-// from one of the team's threads for tens of µs to a few ms; with a barrier per op (~240 a step)
-// its partner idled through each such wait, and the step ran 10-15% slower beside an idle Ray node
-// than alone. Now the partner does the descheduled thread's chunks, and waits only for the chunk
-// it was in. Waiting threads spin, and after some tens of µs yield their core (libgomp's barrier
-// made a futex_wake syscall at every release, ~45,000 a second).
-class TeamOps {
+// The team's barrier between ops: the threads spin on a generation count. libgomp's barrier makes
+// a futex_wake syscall at every release, waiter asleep or not: ~240 a step, ~45,000 a second.
+// A thread that has spun some tens of µs yields its core, for a partner that lost its own.
+class SpinBarrier {
  public:
-  explicit TeamOps(int64_t threads) : slots_(threads) {}
-
-  // One thread's view of the sequence: the ops it has reached, and the work done by their end.
-  class Member {
-   public:
-    Member(TeamOps& ops, int64_t thread, int64_t threads) : ops_(ops), thread_(thread), threads_(threads) {}
-
-    // The next op, of `count` work units split among the threads by part_of(thread) -> [begin, end):
-    // work(begin, end) on chunks of at most `chunk` units, until all of the op's chunks are done.
-    template <class PartOf, class Work>
-    void run(int64_t count, int64_t chunk, const PartOf& part_of, const Work& work) {
-      const uint64_t tag = static_cast<uint64_t>(++op_) << 32;
-      target_ += count;
-      const auto take = [&](int64_t owner) {  // owner's part's chunks, until none is left
-        const auto [begin, end] = part_of(owner);
-        for (int64_t at; (at = ops_.claim(owner, tag, begin, end, chunk)) >= 0;) {
-          const int64_t stop = std::min(at + chunk, end);
-          work(at, stop);
-          done_ += stop - at;
-          ops_.slots_[thread_].done.store(done_, std::memory_order_release);
-        }
-      };
-      take(thread_);
-      int64_t seen = ops_.done(threads_);
-      uint64_t since = __rdtsc();  // when the team's work done last changed
-      for (int spins = 0; seen < target_;) {
-        if (spins < kSpins) {
-          ++spins;
-          _mm_pause();
-        } else {
-          std::this_thread::yield();
-        }
-        const int64_t now_done = ops_.done(threads_);
-        if (now_done != seen) {
-          seen = now_done;
-          since = __rdtsc();
-        } else if (__rdtsc() - since > kStalledCycles) {  // a thread has lost its core: take its chunks
-          for (int64_t k = 1; k < threads_; ++k) take((thread_ + k) % threads_);
-          since = __rdtsc();
-        }
+  void wait(int64_t threads) {  // the team's size
+    const unsigned generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation;) {
+      if (spins < kSpins) {
+        ++spins;
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
       }
     }
-
-   private:
-    TeamOps& ops_;
-    const int64_t thread_, threads_;  // this thread, of the team's threads
-    int64_t op_ = 0, target_ = 0, done_ = 0;  // ops reached; work units in them, and done by this thread
-  };
+  }
 
  private:
   static constexpr int kSpins = 2000;
-  // No chunk done by any thread for this long (~4 µs at 2.5 GHz, two to three chunks): the others'
-  // parts are taken. Before, a finished thread took the others' last chunks at once, and the
-  // cursors' lines went back and forth between cores at every op (~4% of a step, no thread
-  // descheduled).
-  static constexpr uint64_t kStalledCycles = 10000;
-  static constexpr uint64_t kIndex = 0xffffffffu;
-  // Per thread, its part's next unit, tagged with the op it belongs to (op << 32 | next, ops counted
-  // from 1): whichever thread comes to an op first starts each part's cursor, and a later op's tag
-  // means the op is done. And the work units the thread has done (its own line: one counter for the
-  // team, bounced between cores at every chunk, cost ~10% of a step).
-  struct alignas(128) Slot {
-    std::atomic<uint64_t> cursor{0};
-    std::atomic<int64_t> done{0};
-  };
-
-  // The first unit of a chunk of owner's part [begin, end) of the op tagged `tag`, taken; -1 when
-  // none is left.
-  int64_t claim(int64_t owner, uint64_t tag, int64_t begin, int64_t end, int64_t chunk) {
-    std::atomic<uint64_t>& cursor = slots_[owner].cursor;
-    uint64_t seen = cursor.load(std::memory_order_relaxed);
-    for (;;) {
-      if ((seen & ~kIndex) > tag) return -1;
-      const int64_t at = (seen & ~kIndex) == tag ? static_cast<int64_t>(seen & kIndex) : begin;
-      if (at >= end) return -1;
-      if (cursor.compare_exchange_weak(seen, tag | static_cast<uint64_t>(std::min(at + chunk, end)),
-                                       std::memory_order_relaxed))
-        return at;
-    }
-  }
-
-  // Work units done by the team's first `threads`, over all ops so far.
-  int64_t done(int64_t threads) const {
-    int64_t sum = 0;
-    for (int64_t t = 0; t < threads; ++t) sum += slots_[t].done.load(std::memory_order_acquire);
-    return sum;
-  }
-
-  std::vector<Slot> slots_;
+  std::atomic<int64_t> arrived_{0};
+  std::atomic<unsigned> generation_{0};
 };
 
 }  // namespace
@@ -243,49 +164,43 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
   const int64_t layer_bytes = kv_cache.numel() / kv_cache.size(0) * kv_cache.element_size();
   const char* const cache = static_cast<const char*>(kv_cache.data_ptr());
 
-  TeamOps ops(at::get_num_threads());
+  SpinBarrier barrier;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    TeamOps::Member team(ops, thread, threads);
-    // thread t's part of [0, count), split as at::parallel_for splits it
-    const auto even = [&](int64_t count) {
-      return [count, threads](int64_t t) {
-        const int64_t size = (count + threads - 1) / threads, begin = std::min(count, t * size);
-        return std::pair<int64_t, int64_t>{begin, std::min(count, begin + size)};
-      };
+    // this thread's part of [0, count), split as at::parallel_for splits it
+    const auto part = [&](int64_t count) {
+      const int64_t chunk = (count + threads - 1) / threads, begin = std::min(count, thread * chunk);
+      return std::pair<int64_t, int64_t>{begin, std::min(count, begin + chunk)};
     };
-    // matmul i of x (T, K) after its prologue: a thread quantizes x itself when it first takes rows
+    // work on this thread's part, then wait for the others
+    const auto share = [&](std::pair<int64_t, int64_t> range, const auto& work) {
+      if (range.first < range.second) work(range.first, range.second);
+      barrier.wait(threads);
+    };
+    // matmul i of x (T, K) after its prologue, each thread quantizing x itself (no wait for one to)
     const auto matmul = [&](int64_t i, const float* x, const float* norm, bool swiglu, const float* residual, float* y) {
+      const LinearInput in = linear_input(x, T, block_quant_columns(rows_[i], formats_[i]), norm, eps_, swiglu,
+                                          formats_[i]);
       const uint8_t* blocks = rows_[i].data_ptr<uint8_t>();
       const float* bias = biases_[i].has_value() ? biases_[i]->data_ptr<float>() : nullptr;
-      const int64_t N = rows_[i].size(0), chunk = std::max<int64_t>(4, kChunkBytes / rows_[i].size(1) / 4 * 4);
-      std::optional<LinearInput> in;
-      team.run(N, chunk, even(N), [&](int64_t n0, int64_t n1) {
-        if (!in) in.emplace(linear_input(x, T, block_quant_columns(rows_[i], formats_[i]), norm, eps_, swiglu,
-                                         formats_[i]));
-        linear_rows(*in, blocks, formats_[i], N, bias, residual, y, n0, n1);
-      });
+      const int64_t N = rows_[i].size(0);
+      share(part(N), [&](int64_t n0, int64_t n1) { linear_rows(in, blocks, formats_[i], N, bias, residual, y, n0, n1); });
     };
-    const auto items = [&](int64_t t) { return attention.items_of(t, threads); };
     // this thread's attention items of layer l, asked for into L2 ahead of its attention
-    const auto prefetch_attention = [&](int64_t l) {
-      const auto [first, last] = items(thread);
-      attention.prefetch(cache + l * layer_bytes, first, last);
-    };
+    const auto [first_item, last_item] = attention.items_of(thread, threads);
+    const auto prefetch_attention = [&](int64_t l) { attention.prefetch(cache + l * layer_bytes, first_item, last_item); };
     if (num_layers > 0) prefetch_attention(0);
-    const int64_t heads = T * (H + num_kv_heads_);
     for (int64_t l = 0; l < num_layers; ++l) {
       const int64_t i = l * kMatmuls;
       if (thread == 0) prefetch_kv_slots(kv_cache, l, slot_mapping);
       matmul(i, hp, norms_[2 * l].data_ptr<float>(), false, nullptr, wp);
-      team.run(heads, heads, even(heads), [&](int64_t b, int64_t e) {
+      share(part(T * (H + num_kv_heads_)), [&](int64_t b, int64_t e) {
         rope_write_kv_into(wp, cos.data_ptr<float>(), sin.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(), H,
                            kv_cache, l, qp, b, e);
       });
-      team.run(attention.num_items(), 1, items,
-               [&](int64_t b, int64_t e) { attention.attend(qp, cache + l * layer_bytes, b, e); });
-      team.run(T * H, T * H, even(T * H), [&](int64_t b, int64_t e) { attention.merge(ap, b, e); });
+      share({first_item, last_item}, [&](int64_t b, int64_t e) { attention.attend(qp, cache + l * layer_bytes, b, e); });
+      share(part(T * H), [&](int64_t b, int64_t e) { attention.merge(ap, b, e); });
       matmul(i + 1, ap, nullptr, false, hp, hp);
       matmul(i + 2, hp, norms_[2 * l + 1].data_ptr<float>(), false, nullptr, wp);
       if (l + 1 < num_layers) prefetch_attention(l + 1);

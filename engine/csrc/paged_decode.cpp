@@ -217,9 +217,7 @@ template <typename T>
 void attend_items(const DecodeAttention& a, const float* q, const T* cache, int64_t begin, int64_t end) {
   const int64_t D = a.D, G = a.H / a.KVH, head = a.NB * a.BS * D;
   const T* values = cache + a.KVH * head;
-  // scratch, written before it is read: left uninitialised, as zeroing its 33 KiB cost ~1 µs a call
-  const std::unique_ptr<float[]> scores(new float[G * kChunk]),
-      staged(new float[std::is_same<T, float>::value ? 0 : 2 * kChunk * D]);
+  std::vector<float> scores(G * kChunk), staged(std::is_same<T, float>::value ? 0 : 2 * kChunk * D);
   std::vector<float*> parts(G), outs(G);
   for (int64_t index = begin; index < end; ++index) {
     const DecodeAttention::Item item = a.item(index);
@@ -228,14 +226,14 @@ void attend_items(const DecodeAttention& a, const float* q, const T* cache, int6
     const T *keys_base = cache + item.h * head, *values_base = values + item.h * head;
     if constexpr (std::is_same<T, float>::value) {
       const CacheRows keys{keys_base, item.table, a.BS, D}, vals{values_base, item.table, a.BS, D};
-      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.get(), parts.data(), outs.data());
+      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.data(), parts.data(), outs.data());
     } else {
       prefetch_rows<_MM_HINT_T0>(keys_base, item.table, a.BS, D, item.t0, item.t1);
       prefetch_rows<_MM_HINT_T0>(values_base, item.table, a.BS, D, item.t0, item.t1);
-      stage(keys_base, item.table, a.BS, D, item.t0, item.t1, staged.get());
-      stage(values_base, item.table, a.BS, D, item.t0, item.t1, staged.get() + kChunk * D);
-      const StagedRows keys{staged.get(), item.t0, D}, vals{staged.get() + kChunk * D, item.t0, D};
-      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.get(), parts.data(), outs.data());
+      stage(keys_base, item.table, a.BS, D, item.t0, item.t1, staged.data());
+      stage(values_base, item.table, a.BS, D, item.t0, item.t1, staged.data() + kChunk * D);
+      const StagedRows keys{staged.data(), item.t0, D}, vals{staged.data() + kChunk * D, item.t0, D};
+      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.data(), parts.data(), outs.data());
     }
   }
 }

@@ -520,9 +520,9 @@ class _RecordingStack:
 
 
 def test_a_team_of_more_threads_than_cores_computes_each_step_as_one_thread_does():
-    """More threads than cores: threads lose their core mid-step and the others take their
-    chunks of rows and attention items (decode_stack.cpp's TeamOps). Each is computed whole by
-    whichever thread takes it, so every replayed step is one thread's result, bit for bit."""
+    """More threads than cores: threads lose their core mid-step, and the team's spin barrier
+    waits them out (a waiter yields its core). Every replayed step is one thread's result, bit
+    for bit."""
     llm = LLM(quantization="gguf", max_num_seqs=4)  # the embedded model: several chunks per thread
     recording = llm.engine.loaded.model.decode_stack = _RecordingStack(llm.engine.loaded.model.decode_stack)
     lengths = [2, 5, 9, 12]  # steps of four requests down to one
