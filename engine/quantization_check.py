@@ -13,7 +13,8 @@ an fp16 KV cache where the mode's figures through it pass (the cache `auto` asks
 model's. A GGUF's own blocks go ahead of any re-quantization of their dequantized copy that is
 slower on a lone stream. fp32 always qualifies. The decision (mode, cache, timings, figures) is
 cached per model file, candidates, CPU features and kernel and scoring code, so a restart neither
-times nor scores. On CUDA, or with 16-bit weights, `auto` is fp32: the quantized kernels are CPU
+times nor scores; one timed while other processes took the cores the timing ran on is used but
+not kept (engine/serving_mix.py's OtherLoad), so the next start times again. On CUDA, or with 16-bit weights, `auto` is fp32: the quantized kernels are CPU
 code computing in float32.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ from engine.cpu_kernels import kernel_build_key
 from engine.model_loader import Checkpoint
 from engine.models.linear import quantize
 from engine.quality import KV_CHUNK, TEXT_PATH, WINDOW, Quality, TokenScores, compare, eval_tokens, token_scores
-from engine.serving_mix import SERVING_MIX, MixTiming, time_mix
+from engine.serving_mix import SERVING_MIX, MixTiming, OtherLoad, time_mix
 
 logger = logging.getLogger(__name__)
 
@@ -135,15 +136,22 @@ class _Chooser:
             logger.info("quantization auto: %s with a %s KV cache (decided on this machine before: %s)",
                         decision.mode, decision.kv_cache_dtype, self.path)
         else:
-            decision = self.decide()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
-            partial.write_text(json.dumps(asdict(decision), indent=1))
-            partial.replace(self.path)
+            load = OtherLoad()
+            decision = self.decide(load)
+            if load.contends_with(torch.get_num_threads()):
+                logger.warning("quantization auto: other processes took %.2f cores while the modes were timed; "
+                               "%s runs now, but the decision is not kept, so the next start times again",
+                               load.cores, decision.mode)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                partial = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+                partial.write_text(json.dumps(asdict(decision), indent=1))
+                partial.replace(self.path)
         quality = Quality(**decision.quality) if decision.quality else None
         return Checked(self.build(decision.mode), decision.mode, quality, getattr(torch, decision.kv_cache_dtype))
 
-    def decide(self) -> Decision:
+    def decide(self, load: OtherLoad) -> Decision:
+        """Times the candidates, `load` measuring the rest of the machine meanwhile, and scores them."""
         timings = {}
         for mode in self.candidates:
             try:
@@ -151,7 +159,8 @@ class _Chooser:
             except ValueError as e:  # e.g. a GGUF whose block types the kernel does not read
                 logger.info("quantization auto: %s does not apply: %s", mode, e)
                 continue
-            timings[mode] = time_mix(model, self.fp32_model, self.kv_options[0], self.max_model_len)
+            with load:
+                timings[mode] = time_mix(model, self.fp32_model, self.kv_options[0], self.max_model_len)
             logger.info("quantization auto: %s %s", mode, timings[mode])
         ratios = {mode: t.ratios for mode, t in timings.items()}
         for mode in scoring_order(timings):

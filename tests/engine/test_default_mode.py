@@ -4,7 +4,11 @@ machine and read back on every later start; `quantization: none` stays the exact
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ from engine.cpu_kernels import load_cpu_kernels
 from engine.model_loader import converted_gguf, default_model_path
 from engine.model_setup import load_model
 from engine.quality import Quality
-from engine.serving_mix import SERVING_MIX, MixTiming
+from engine.serving_mix import SERVING_MIX, MixTiming, OtherLoad
 
 
 def _timing(single: float, saturated: float) -> MixTiming:
@@ -90,6 +94,53 @@ def test_the_decision_is_cached_and_a_restart_neither_times_nor_scores(tiny_llam
     assert len(out.token_ids) > 0
     # an explicit mode or cache is not the decision's: fp32 stays the exact reference
     assert load_model(ModelConfig(model=tiny_llama, quantization="none")).kv_cache_dtype == torch.float32
+
+
+def _spinners(count: int, seconds: float) -> list[subprocess.Popen]:
+    """`count` processes each spinning on a core for `seconds`, started (interpreters up)."""
+    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+    time.sleep(0.3)
+    return spinners
+
+
+def test_other_load_counts_other_processes_cpu_and_not_this_ones():
+    with OtherLoad() as own:
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:  # this process on a core of its own
+            pass
+    [spinner] = _spinners(1, 1.5)
+    with OtherLoad() as other:
+        time.sleep(0.6)
+    spinner.wait()
+    assert other.cores >= 0.6  # about one core
+    assert own.cores < 0.5
+
+
+def test_a_decision_timed_while_other_processes_took_the_cores_is_not_kept(tiny_llama, tmp_path, monkeypatch):
+    """Every core taken by a spinning process while the modes are timed: the timings are not the
+    machine's (each mode's skewed by how it shares a core), so the mode chosen runs but the
+    decision is not written, and the next start, on a quiet machine, times again and keeps it."""
+    monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(qc, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no block kernels needed
+    timed = []
+
+    def time_mix(model, fp32_model, kv_cache_dtype, max_model_len):
+        timed.append(model)
+        time.sleep(0.5)  # the span the rest of the machine is measured over
+        return _timing(1.5, 1.5)  # slower than fp32: nothing is scored, fp32 stays
+
+    monkeypatch.setattr(qc, "time_mix", time_mix)
+    spinners = _spinners(os.cpu_count(), 10)
+    try:
+        assert load_model(ModelConfig(model=tiny_llama)).quantization == "none"
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert len(timed) == 2 and not list((tmp_path / "decisions").glob("*.json"))
+    assert load_model(ModelConfig(model=tiny_llama)).quantization == "none"
+    assert len(timed) == 4 and len(list((tmp_path / "decisions").glob("*.json"))) == 1
 
 
 def test_auto_is_fp32_where_the_quantized_kernels_do_not_run(tiny_llama):
