@@ -14,8 +14,8 @@ model's. A GGUF's own blocks go ahead of any re-quantization of their dequantize
 slower on a lone stream. fp32 always qualifies. The decision (mode, cache, timings, figures) is
 cached per model file, candidates, CPU features and kernel and scoring code, so a restart neither
 times nor scores; one timed while other processes took the cores the timing ran on is used but
-not kept (engine/serving_mix.py's OtherLoad), so the next start times again. On CUDA, or with 16-bit weights, `auto` is fp32: the quantized kernels are CPU
-code computing in float32.
+not kept (engine/serving_mix.py's OtherLoad), so the next start times again. On CUDA, or with
+16-bit weights, `auto` is fp32: the quantized kernels are CPU code computing in float32.
 """
 from __future__ import annotations
 
