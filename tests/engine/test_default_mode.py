@@ -104,6 +104,16 @@ def _spinners(count: int, seconds: float) -> list[subprocess.Popen]:
     return spinners
 
 
+def _wait_for_a_quiet_machine() -> None:
+    """Until other processes (an earlier test's Ray node winding down) take under a tenth of a core."""
+    for _ in range(50):
+        with OtherLoad() as load:
+            time.sleep(0.3)
+        if load.cores < 0.1:
+            return
+    pytest.fail(f"other processes kept taking {load.cores:.2f} cores")
+
+
 def test_other_load_counts_other_processes_cpu_and_not_this_ones():
     with OtherLoad() as own:
         end = time.perf_counter() + 0.5
@@ -139,6 +149,7 @@ def test_a_decision_timed_while_other_processes_took_the_cores_is_not_kept(tiny_
             spinner.kill()
             spinner.wait()
     assert len(timed) == 2 and not list((tmp_path / "decisions").glob("*.json"))
+    _wait_for_a_quiet_machine()
     assert load_model(ModelConfig(model=tiny_llama)).quantization == "none"
     assert len(timed) == 4 and len(list((tmp_path / "decisions").glob("*.json"))) == 1
 
