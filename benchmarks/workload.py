@@ -14,6 +14,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from engine.cpu_load import machine_busy_cpu_s, own_cpu_s
+
 # SmolLM2's special tokens live at the bottom of the vocabulary (0..16); stay well clear of them.
 MIN_TOKEN_ID = 100
 DEFAULT_VOCAB_SIZE = 49152
@@ -117,31 +119,13 @@ def warmup_prompts(n: int = 2) -> list[list[int]]:
     return [random_prompt(16 + 8 * i, seed=1000 + i) for i in range(n)]
 
 
-def _system_busy_cpu_s() -> float | None:
-    """CPU seconds all processes spent busy so far (from /proc/stat), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            parts = f.readline().split()
-        ticks = [int(x) for x in parts[1:]]
-        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-        busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal
-        return busy / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def others_cpu_load(window_s: float = 2.0) -> float | None:
     """Cores' worth of CPU used by *other* processes over a short window (this one sleeps)."""
-    b0, o0, t0 = _system_busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    b0, o0, t0 = machine_busy_cpu_s(), own_cpu_s(), time.perf_counter()
     if b0 is None:
         return None
     time.sleep(window_s)
-    b1, o1, t1 = _system_busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    b1, o1, t1 = machine_busy_cpu_s(), own_cpu_s(), time.perf_counter()
     return max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
 
 
@@ -175,15 +159,15 @@ class Stopwatch:
 
     def __enter__(self) -> Stopwatch:
         self.others_before = wait_for_quiet(QUIET_WAIT["max_wait_s"], QUIET_WAIT["threshold"], QUIET_WAIT["log"])
-        self._cpu0 = _own_cpu_s()
-        self._sys0 = _system_busy_cpu_s()
+        self._cpu0 = own_cpu_s()
+        self._sys0 = machine_busy_cpu_s()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         self.wall_s = time.perf_counter() - self._t0
-        self.cpu_s = _own_cpu_s() - self._cpu0
-        sys1 = _system_busy_cpu_s()
+        self.cpu_s = own_cpu_s() - self._cpu0
+        sys1 = machine_busy_cpu_s()
         self.others = (
             max(0.0, (sys1 - self._sys0 - self.cpu_s) / self.wall_s)
             if sys1 is not None and self._sys0 is not None and self.wall_s > 0

@@ -14,7 +14,7 @@ model's. A GGUF's own blocks go ahead of any re-quantization of their dequantize
 slower on a lone stream. fp32 always qualifies. The decision (mode, cache, timings, figures) is
 cached per model file, candidates, CPU features and kernel and scoring code, so a restart neither
 times nor scores; one timed while other processes took the cores the timing ran on is used but
-not kept (engine/serving_mix.py's OtherLoad), so the next start times again. On CUDA, or with
+not kept (engine/cpu_load.py), so the next start times again. On CUDA, or with
 16-bit weights, `auto` is fp32: the quantized kernels are CPU code computing in float32.
 """
 from __future__ import annotations
@@ -34,10 +34,11 @@ from engine.attention.selector import resolve_kv_cache_dtype
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.cpu_kernels import kernel_build_key
+from engine.cpu_load import OtherLoad
 from engine.model_loader import Checkpoint
 from engine.models.linear import quantize
 from engine.quality import KV_CHUNK, TEXT_PATH, WINDOW, Quality, TokenScores, compare, eval_tokens, token_scores
-from engine.serving_mix import SERVING_MIX, MixTiming, OtherLoad, time_mix
+from engine.serving_mix import SERVING_MIX, MixTiming, time_mix
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ stream's ratio and the saturated server's, by which no chosen mode may lose to a
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ BLOCK_SIZE = 16
 DECODE_CONTEXT = 64  # tokens each decode row attends to
 PREFILL_CHUNK = 256  # tokens of one prefill chunk (at most the model's length)
 REPEATS = 5
-SPARE_CORES_SLACK = 0.25  # cores other processes may take beyond those the timed threads leave them
 
 
 @dataclass(frozen=True)
@@ -131,41 +129,3 @@ def time_mix(model: nn.Module, fp32_model: nn.Module, kv_cache_dtype: torch.dtyp
             samples.append(seconds[0] / seconds[1])
         ratios[step.name] = statistics.median(samples)
     return MixTiming(ratios)
-
-
-class OtherLoad:
-    """The CPU the rest of the machine takes over the spans this context manager encloses, in cores
-    on average over a span, the most of any: /proc/stat's busy time less this process's own (None
-    where /proc/stat is missing). Ratios timed while other processes want the timed threads' cores
-    are skewed, each mode by how it shares a core: on 2 cores during a compile, int8 timed 0.04x
-    fp32 on a lone stream and gguf 0.13x, where the quiet machine gives 0.28x and 0.19x."""
-
-    cores: float | None = None
-
-    def __enter__(self) -> OtherLoad:
-        self._start = self._read()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        end = self._read()
-        if self._start is not None and end is not None:
-            (busy0, own0, wall0), (busy1, own1, wall1) = self._start, end
-            span = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
-            self.cores = max(self.cores or 0.0, span)
-
-    def contends_with(self, threads: int) -> bool:
-        """Whether the others took more than the cores `threads` timed threads left them."""
-        spare = max(0, (os.cpu_count() or 1) - threads)
-        return self.cores is not None and self.cores > spare + SPARE_CORES_SLACK
-
-    @staticmethod
-    def _read() -> tuple[float, float, float] | None:
-        """(machine busy CPU-s, this process's CPU-s, wall s)."""
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-        return busy, time.process_time(), time.perf_counter()

@@ -19,10 +19,11 @@ from engine import LLM
 from engine import quantization_check as qc
 from engine.config import ModelConfig
 from engine.cpu_kernels import load_cpu_kernels
+from engine.cpu_load import OtherLoad
 from engine.model_loader import converted_gguf, default_model_path
 from engine.model_setup import load_model
 from engine.quality import Quality
-from engine.serving_mix import SERVING_MIX, MixTiming, OtherLoad
+from engine.serving_mix import SERVING_MIX, MixTiming
 
 
 def _timing(single: float, saturated: float) -> MixTiming:
