@@ -473,15 +473,16 @@ def test_gguf_greedy_is_the_same_alone_and_in_a_batch_on_the_embedded_model(engi
 
 class _CountingStack:
     """Delegates to the model's compiled decode stack and records the steps it takes: their count,
-    depths (layers) and sizes (tokens)."""
+    depths (layers), sizes (tokens) and arguments."""
 
     def __init__(self, stack):
-        self.stack, self.calls, self.depths, self.sizes = stack, 0, set(), []
+        self.stack, self.calls, self.depths, self.sizes, self.steps = stack, 0, set(), [], []
 
     def forward(self, hidden, *args):
         self.calls += 1
         self.depths.add(args[-1])  # num_layers
         self.sizes.append(hidden.shape[0])
+        self.steps.append((hidden, *args))
         return self.stack.forward(hidden, *args)
 
 
@@ -508,36 +509,25 @@ def test_decode_steps_run_the_fused_stack_and_compute_what_the_layers_compute(mo
     assert [(o.token_ids, o.logprobs) for o in runs[True]] == [(o.token_ids, o.logprobs) for o in runs[False]]
 
 
-class _RecordingStack:
-    """Delegates to the model's compiled decode stack and keeps each step's arguments."""
-
-    def __init__(self, stack):
-        self.stack, self.steps = stack, []
-
-    def forward(self, *args):
-        self.steps.append(args)
-        return self.stack.forward(*args)
-
-
 def test_a_team_of_more_threads_than_cores_computes_each_step_as_one_thread_does():
     """More threads than cores: threads lose their core mid-step, and the team's spin barrier
     waits them out (a waiter yields its core). Every replayed step is one thread's result, bit
     for bit."""
-    llm = LLM(quantization="gguf", max_num_seqs=4)  # the embedded model: several chunks per thread
-    recording = llm.engine.loaded.model.decode_stack = _RecordingStack(llm.engine.loaded.model.decode_stack)
+    llm = LLM(quantization="gguf", max_num_seqs=4)  # the embedded model's Q4_1 layers
+    counting = llm.engine.loaded.model.decode_stack = _CountingStack(llm.engine.loaded.model.decode_stack)
     lengths = [2, 5, 9, 12]  # steps of four requests down to one
     llm.generate(_prompts(4, seed=5), [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths],
                  use_tqdm=False)
-    steps = {args[0].shape[0]: args for args in recording.steps}
+    steps = {args[0].shape[0]: args for args in counting.steps}
     assert sorted(steps) == [1, 2, 3, 4]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        want = {size: recording.stack.forward(*args) for size, args in steps.items()}
+        want = {size: counting.stack.forward(*args) for size, args in steps.items()}
         torch.set_num_threads(2 * os.cpu_count() + 1)
         for _ in range(10):
             for size, args in steps.items():
-                assert torch.equal(recording.stack.forward(*args), want[size]), size
+                assert torch.equal(counting.stack.forward(*args), want[size]), size
     finally:
         torch.set_num_threads(threads)
 
