@@ -17,6 +17,10 @@ they only apply when this command starts Ray: joining a running cluster keeps th
 keeps the proxy too: its Service targets the head's proxy, and replicas run on worker pods.
 
 The header deadline (`serve_app.proxy`) is installed in whichever process serves HTTP.
+
+Serve's own periodic work is slowed where a graph this command starts gains nothing from its pace
+(`IDLE_PACE_ENV`): on a small host every wake-up of an idle Serve process takes a core from the
+engine's forward, and the forward's other thread waits for it at the next barrier.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +41,16 @@ from serve_app.config import AppConfig
 
 FrontDoor = Literal["direct", "proxy"]
 HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
+# The controller reconciles twice a second, not ten times: each pass asks the GCS for every node's
+# state, resources and draining (three RPCs), and at 10 Hz that was the idle graph's largest cost
+# (BENCHMARKS.md). Replicas and the proxy hand their cached request metrics to Ray once a second, not
+# ten times; Ray exports metrics every 10 s.
+IDLE_PACE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+
+
+def idle_pace_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """IDLE_PACE_ENV, less what the environment already sets."""
+    return {k: v for k, v in IDLE_PACE_ENV.items() if k not in environ}
 
 
 def direct_ingress_env(first_port: int, num_ports: int = 1) -> dict[str, str]:
@@ -74,7 +89,7 @@ def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, prox
     apps = serve_config.get("applications") or []
     door = front_door or (choose_front_door(AppConfig.model_validate(apps[0].get("args") or {}))
                           if len(apps) == 1 and starts_ray else "proxy")
-    env = dict(HEADER_DEADLINE_ENV)
+    env = HEADER_DEADLINE_ENV | idle_pace_env()
     if door == "proxy":
         return door, serve_config, env
     http = dict(serve_config.get("http_options") or {})

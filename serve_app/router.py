@@ -33,7 +33,8 @@ from serve_app.messages import AdmitRequest, AdmitResult, ErrorInfo, ReplicaStat
 from serve_app.metrics import RouterMetrics
 from serve_app.replica_pool import ReplicaPool
 
-_TICK_S = 0.1
+_TICK_S = 0.1  # while requests wait: aging re-ranks them, and a fleet with no replica fails them
+_IDLE_TICK_S = 1.0  # with none waiting only silent replicas expire (after seconds), so the actor wakes less
 
 
 class Router:
@@ -161,5 +162,5 @@ class Router:
 
     async def _tick_loop(self) -> None:
         while True:
-            await asyncio.sleep(_TICK_S)
+            await asyncio.sleep(_TICK_S if self.queue else _IDLE_TICK_S)
             self.tick()

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import wait_healthy
 
-from serve_app.launch import busy_ports, joins_running_cluster, main, plan
+from serve_app.launch import IDLE_PACE_ENV, busy_ports, joins_running_cluster, main, plan
 from tests.conftest import free_port_block
 
 ROOT = Path(__file__).parents[2]
@@ -60,10 +60,20 @@ def test_direct_ingress_takes_the_configs_port_and_moves_the_proxy():
     assert plan(SERVE_YAML, proxy_port=9100)[1]["http_options"]["port"] == 9100
 
 
-def test_the_proxy_keeps_the_config_as_written():
+def test_the_proxy_keeps_the_config_as_written(monkeypatch):
+    for name in IDLE_PACE_ENV:
+        monkeypatch.delenv(name, raising=False)
     door, config, env = plan(SERVE_YAML, "proxy")
     assert door == "proxy" and config == SERVE_YAML
-    assert env == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
+    assert env == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"} | IDLE_PACE_ENV
+
+
+def test_serves_pace_set_in_the_environment_is_kept(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    monkeypatch.delenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", raising=False)
+    env = plan(SERVE_YAML)[2]
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in env  # Ray reads the user's 0.1
+    assert env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == IDLE_PACE_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
 
 
 def test_a_taken_port_stops_the_launcher_with_a_clear_error(tmp_path, monkeypatch):
@@ -121,6 +131,9 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
         assert replica is not None and "ServeReplica:cbserve:EngineIngress" in " ".join(replica.cmdline())
         text = complete(direct)
         assert text and complete(proxy) == text  # Serve's proxy, moved to the next port, answers too
+        graph = psutil.Process(proc.pid).children(recursive=True)
+        controller = [p for p in graph if "ServeController" in " ".join(p.cmdline())]
+        assert controller and IDLE_PACE_ENV.items() <= controller[0].environ().items()  # Serve's pace reached it
 
         replica.kill()
         replica.wait(30)

@@ -205,6 +205,30 @@ def test_router_no_replica_503():
     run(go())
 
 
+def test_the_router_ticks_ten_times_a_second_while_requests_wait_and_once_a_second_when_none_do(monkeypatch):
+    """On a small host every wake-up of an idle actor takes a core from the engine's forward."""
+    async def go():
+        router = Router(RouterConfig(max_waiting_per_replica=1))
+        ticks = 0
+
+        def tick():
+            nonlocal ticks
+            ticks += 1
+
+        monkeypatch.setattr(router, "tick", tick)
+        await asyncio.sleep(2.05)
+        idle = ticks
+        await router.report(stats("r0", waiting=1, running=4))  # no headroom: the request waits
+        waiting = asyncio.ensure_future(router.admit(req("a")))
+        await asyncio.sleep(2.05)  # the idle pause under way, then a tick every 0.1 s
+        busy = ticks - idle
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        router._tick_task.cancel()
+        assert idle <= 3 and busy >= 7, (idle, busy)
+
+    run(go())
+
 # ------------------------------------------------------------ overload through HTTP
 
 SLOW = FakeAsyncEngine.with_options(step_delay_s=0.01, max_num_seqs=1)
