@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -648,6 +649,16 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
 
 def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
                 threads: int | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
+    """run_offline_here in a process of its own, as the served engine's step loop runs
+    (`engine_process`). In this process, which has run Ray's driver and holds its threads, the
+    engine decoded at half speed in 7 of 26 runs, its two compute threads contending for one lock
+    (BENCHMARKS.md, "Serve's idle pace")."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(run_offline_here, (wl, model, engine_args, threads, max_concurrency))
+
+
+def run_offline_here(wl: Workload, model: str | None, engine_args: dict[str, Any],
+                     threads: int | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
     """The workload through engine.LLM: all at once, or in waves of `max_concurrency` (one
     request at a time with 1, the single-stream case). Reports the engine's own TTFT and TPOT."""
     import torch
