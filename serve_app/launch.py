@@ -30,7 +30,6 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,9 +47,9 @@ HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.p
 IDLE_PACE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
 
-def idle_pace_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def idle_pace_env() -> dict[str, str]:
     """IDLE_PACE_ENV, less what the environment already sets."""
-    return {k: v for k, v in IDLE_PACE_ENV.items() if k not in environ}
+    return {k: v for k, v in IDLE_PACE_ENV.items() if k not in os.environ}
 
 
 def direct_ingress_env(first_port: int, num_ports: int = 1) -> dict[str, str]:

@@ -68,7 +68,7 @@ def test_the_proxy_keeps_the_config_as_written(monkeypatch):
     assert env == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"} | IDLE_PACE_ENV
 
 
-def test_serves_pace_set_in_the_environment_is_kept(monkeypatch):
+def test_a_pace_set_in_the_environment_is_kept(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
     monkeypatch.delenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", raising=False)
     env = plan(SERVE_YAML)[2]

@@ -229,6 +229,7 @@ def test_the_router_ticks_ten_times_a_second_while_requests_wait_and_once_a_seco
 
     run(go())
 
+
 # ------------------------------------------------------------ overload through HTTP
 
 SLOW = FakeAsyncEngine.with_options(step_delay_s=0.01, max_num_seqs=1)
