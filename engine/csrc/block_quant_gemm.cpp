@@ -68,8 +68,8 @@ bool request_tiles() {
 // zeroing (split writes every element): clearing MBs per call costs more than the copy. x rounded
 // to bf16 is one half, hi, and carries no scales.
 struct SplitX {
-  std::unique_ptr<uint16_t[]> hi, lo;
-  std::unique_ptr<float[]> d, s;  // (padded M, nb)
+  Scratch<uint16_t> hi, lo;
+  Scratch<float> d, s;  // (padded M, nb)
 };
 
 inline int64_t tile_offset(int64_t m, int64_t k, int64_t nb) {
@@ -81,8 +81,8 @@ inline __m256i as_bf16(__m512i ints) { return _mm512_cvtepi32_epi16(_mm512_srli_
 
 SplitX split(const QuantizedX& qx, int64_t M, int64_t Mp, int64_t K) {
   const int64_t nb = K / kBlock;
-  SplitX out{std::unique_ptr<uint16_t[]>(new uint16_t[Mp * K]), std::unique_ptr<uint16_t[]>(new uint16_t[Mp * K]),
-             std::unique_ptr<float[]>(new float[Mp * nb]), std::unique_ptr<float[]>(new float[Mp * nb])};
+  SplitX out{scratch<uint16_t>(Mp * K), scratch<uint16_t>(Mp * K),
+             scratch<float>(Mp * nb), scratch<float>(Mp * nb)};
   at::parallel_for(0, Mp, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (m >= M) {  // padding: zero rows
@@ -231,9 +231,9 @@ struct TilePass {
 };
 
 // x's rows rounded to bf16, padded with zero rows to whole tiles, in tile order.
-std::unique_ptr<uint16_t[]> bf16_rows(const float* x, int64_t M, int64_t Mp, int64_t K) {
+Scratch<uint16_t> bf16_rows(const float* x, int64_t M, int64_t Mp, int64_t K) {
   const int64_t nb = K / kBlock;
-  std::unique_ptr<uint16_t[]> out(new uint16_t[Mp * K]);
+  Scratch<uint16_t> out = scratch<uint16_t>(Mp * K);
   at::parallel_for(0, Mp, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t k = 0; k < K; k += 16) {
@@ -353,7 +353,7 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
-  std::unique_ptr<float[]> transformed;
+  Scratch<float> transformed;
   const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   SplitX split_x;
   if (bf16_activations) {
@@ -393,8 +393,8 @@ torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles,
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
-  std::unique_ptr<float[]> transformed;
-  const std::unique_ptr<uint16_t[]> xb = bf16_rows(with_prologue(x, M, K, norm_weight, eps, swiglu, transformed), M, Mp, K);
+  Scratch<float> transformed;
+  const Scratch<uint16_t> xb = bf16_rows(with_prologue(x, M, K, norm_weight, eps, swiglu, transformed), M, Mp, K);
   const uint16_t* tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;

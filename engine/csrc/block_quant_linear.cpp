@@ -81,8 +81,8 @@ inline float half_at(const uint8_t* p) {
 
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock, nbp = (nb + kQuantizedXGroup - 1) / kQuantizedXGroup * kQuantizedXGroup;
-  QuantizedX out{nbp, std::unique_ptr<int16_t[]>(new int16_t[M * K]), std::unique_ptr<float[]>(new float[M * nbp]),
-                 std::unique_ptr<float[]>(new float[M * nbp])};
+  QuantizedX out{nbp, scratch<int16_t>(M * K), scratch<float>(M * nbp),
+                 scratch<float>(M * nbp)};
   at::parallel_for(0, M, 32, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       std::fill(out.d.get() + m * nbp + nb, out.d.get() + (m + 1) * nbp, 0.f);  // the padding blocks
@@ -228,9 +228,9 @@ constexpr int64_t kRowPrefetchBytes = 12288;
 // x's rows (quantize_x's q) in byte order: for each group of four blocks b..b + 3 (nbp / 4 of
 // them, the padding zero), four registers' bytes: h of x[0:16] of each block (16 bytes a block,
 // in block order), h of x[16:32] likewise, then l the same.
-std::unique_ptr<int8_t[]> byte_order(const QuantizedX& qx, int64_t M, int64_t K) {
+Scratch<int8_t> byte_order(const QuantizedX& qx, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock, row_bytes = qx.nbp / kGroup * kQuadBytes;
-  std::unique_ptr<int8_t[]> out(new int8_t[M * row_bytes]);
+  Scratch<int8_t> out = scratch<int8_t>(M * row_bytes);
   const __m256i low7 = _mm256_set1_epi16(127);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < qx.nbp; b += kGroup) {
@@ -505,8 +505,8 @@ inline void dot_pass_bf16(const uint8_t* w, int64_t nb, const float* xr, int64_t
 #pragma GCC pop_options
 
 // x (M, K) rounded to bf16, kept as fp32 (exact).
-std::unique_ptr<float[]> round_bf16(const float* x, int64_t M, int64_t K) {
-  std::unique_ptr<float[]> out(new float[M * K]);
+Scratch<float> round_bf16(const float* x, int64_t M, int64_t K) {
+  Scratch<float> out = scratch<float>(M * K);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t at = m0 * K; at < m1 * K; ++at) {
       const uint32_t bits = static_cast<uint32_t>(bf16_bits(x[at])) << 16;
@@ -517,9 +517,9 @@ std::unique_ptr<float[]> round_bf16(const float* x, int64_t M, int64_t K) {
 }
 
 // RMSNorm(x) * norm_weight, or SwiGLU silu(x[:, :K]) * x[:, K:] (x twice as wide as the weight): with_prologue's rows.
-std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps,
+Scratch<float> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps,
                                   bool swiglu) {
-  std::unique_ptr<float[]> rows(new float[M * K]);
+  Scratch<float> rows = scratch<float>(M * K);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* y = rows.get() + m * K;
@@ -541,7 +541,7 @@ std::unique_ptr<float[]> prologue(const float* x, int64_t M, int64_t K, const fl
 // x's rows as they are without a prologue (no norm_weight, no swiglu), else the prologue's, kept in
 // `transformed`.
 const float* rows_after_prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps,
-                                 bool swiglu, std::unique_ptr<float[]>& transformed) {
+                                 bool swiglu, Scratch<float>& transformed) {
   if (!swiglu && norm_weight == nullptr) return x;
   transformed = prologue(x, M, K, norm_weight, static_cast<float>(eps), swiglu);
   return transformed.get();
@@ -550,7 +550,7 @@ const float* rows_after_prologue(const float* x, int64_t M, int64_t K, const flo
 }  // namespace
 
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
-                           double eps, bool swiglu, std::unique_ptr<float[]>& transformed) {
+                           double eps, bool swiglu, Scratch<float>& transformed) {
   return rows_after_prologue(x.data_ptr<float>(), M, K,
                              norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, swiglu,
                              transformed);
@@ -585,12 +585,12 @@ torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<tor
   const int64_t M = x.size(0), K = swiglu ? x.size(1) / 2 : x.size(1);
   check_prologue(x, K, norm_weight, swiglu);
   TORCH_CHECK(bf16 || K % kBlock == 0, "K: a multiple of 32 (activations quantized per block)");
-  std::unique_ptr<float[]> transformed;
+  Scratch<float> transformed;
   const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   auto out = torch::empty({M, K}, x.options());
   float* op = out.data_ptr<float>();
   if (bf16) {
-    const std::unique_ptr<float[]> xr = round_bf16(rows, M, K);
+    const Scratch<float> xr = round_bf16(rows, M, K);
     std::memcpy(op, xr.get(), sizeof(float) * M * K);
     return out;
   }

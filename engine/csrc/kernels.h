@@ -7,6 +7,19 @@
 #include <utility>
 #include <vector>
 
+// scratch.cpp: arrays for a kernel's intermediate values, from those the calling thread freed where
+// one is large enough: malloc's arenas are shared once a process has more threads than it makes them.
+struct ScratchFree {
+  void operator()(void* data) const noexcept;
+};
+template <typename T>
+using Scratch = std::unique_ptr<T[], ScratchFree>;
+void* scratch_bytes(size_t bytes);
+template <typename T>
+Scratch<T> scratch(int64_t count) {
+  return Scratch<T>(static_cast<T*>(scratch_bytes(sizeof(T) * static_cast<size_t>(count))));
+}
+
 // paged_decode.cpp: one query token per request attends over its KV blocks (fp32 or fp16) in place.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
@@ -40,7 +53,7 @@ struct DecodeAttention {
   const int64_t* lens;
   std::vector<int64_t> first_chunk;  // request b's first chunk among all requests' chunks
   std::vector<int64_t> work_before;  // per item, the work of the items before it (tokens + kItemWork)
-  std::unique_ptr<float[]> partial;
+  Scratch<float> partial;
 };
 
 // block_quant_linear.cpp: residual + prologue(x) times GGUF Q8_0 (format 0) or Q4_1 (format 1) weight
@@ -67,7 +80,7 @@ void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch
 void check_bias_residual(const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual,
                          int64_t M, int64_t N);
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
-                           double eps, bool swiglu, std::unique_ptr<float[]>& transformed);
+                           double eps, bool swiglu, Scratch<float>& transformed);
 
 // block_quant_gemm.cpp: whether this process may run block_quant_gemm (built with AMX, and the
 // kernel grants the tile state).
@@ -126,8 +139,8 @@ inline uint16_t bf16_bits(float v) {
 constexpr int64_t kQuantizedXGroup = 4;
 struct QuantizedX {
   int64_t nbp;
-  std::unique_ptr<int16_t[]> q;
-  std::unique_ptr<float[]> d, s;
+  Scratch<int16_t> q;
+  Scratch<float> d, s;
 };
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
 
@@ -137,10 +150,10 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
 // block bytes) + bias, residual and bias optional (nullptr), residual possibly out itself.
 struct LinearInput {
   int64_t M, K;
-  std::unique_ptr<float[]> transformed;  // the prologue's rows, if any
+  Scratch<float> transformed;  // the prologue's rows, if any
   QuantizedX qx;
-  std::unique_ptr<int8_t[]> xb;  // qx in byte order (Q4_1 on AVX512-VNNI builds)
-  std::unique_ptr<float[]> xr;   // rounded to bf16 (format 2)
+  Scratch<int8_t> xb;  // qx in byte order (Q4_1 on AVX512-VNNI builds)
+  Scratch<float> xr;   // rounded to bf16 (format 2)
 };
 // The columns K of blocks (N, K / 32 * block bytes) in format.
 int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format);

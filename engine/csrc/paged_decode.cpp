@@ -261,7 +261,7 @@ DecodeAttention::DecodeAttention(int64_t num_heads, const torch::Tensor& layer_c
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong &&
                   block_tables.size(0) >= B, "block_tables (B, max blocks), seq_lens (B): int64");
   for (int64_t b = 0; b < B; ++b) first_chunk[b + 1] = first_chunk[b] + (lens[b] + kChunk - 1) / kChunk;
-  partial.reset(new float[num_items() * (H / KVH) * stride()]);
+  partial = scratch<float>(num_items() * (H / KVH) * stride());
   work_before.assign(num_items() + 1, 0);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t chunk = first_chunk[b]; chunk < first_chunk[b + 1]; ++chunk) {

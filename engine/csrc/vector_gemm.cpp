@@ -323,12 +323,12 @@ torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, c
   check_block_scales(scales, offsets, nb, N, bf16);
   check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
-  std::unique_ptr<float[]> transformed;
+  Scratch<float> transformed;
   const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
   QuantizedX qx{};
-  std::unique_ptr<uint16_t[]> xb;
+  Scratch<uint16_t> xb;
   if (bf16) {
-    xb.reset(new uint16_t[M * K]);
+    xb = scratch<uint16_t>(M * K);
     at::parallel_for(0, M * K, 4096, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) xb[i] = bf16_bits(rows[i]);
     });

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -530,6 +533,39 @@ def test_a_team_of_more_threads_than_cores_computes_each_step_as_one_thread_does
                 assert torch.equal(counting.stack.forward(*args), want[size]), size
     finally:
         torch.set_num_threads(threads)
+
+
+_SLEEPS_PER_TOKEN = """
+import glob, json
+from engine import LLM, SamplingParams
+
+def sleeps():  # voluntary context switches of this process's threads: each a wait for a lock or a wake-up
+    total = 0
+    for status in glob.glob("/proc/self/task/*/status"):
+        with open(status) as f:
+            total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+llm = LLM(quantization="gguf", num_threads=2)
+params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+llm.generate([list(range(100, 132))], params, use_tqdm=False)
+before = sleeps()
+llm.generate([list(range(100, 132))], params, use_tqdm=False)
+print(json.dumps((sleeps() - before) / 64))
+"""
+
+
+def test_the_stacks_threads_do_not_queue_on_malloc_when_the_process_has_one_arena():
+    """A process with more threads than glibc makes malloc arenas (8 per core: a Ray driver's)
+    shares them. The stack's threads quantized each matmul's input into fresh arrays and, sharing an
+    arena, slept on its lock ~500 times a token at half the speed. They now reuse the arrays they
+    freed (engine/csrc/scratch.cpp). With one arena for every thread (MALLOC_ARENA_MAX=1), a token
+    costs the whole process a few sleeps at most."""
+    result = subprocess.run([sys.executable, "-c", _SLEEPS_PER_TOKEN], capture_output=True, text=True, timeout=300,
+                            env=os.environ | {"MALLOC_ARENA_MAX": "1"}, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr[-3000:]
+    sleeps_per_token = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sleeps_per_token < 20, sleeps_per_token
 
 
 def test_a_self_draft_of_a_quantized_target_drafts_through_the_stacks_first_layers(tiny_llama):
