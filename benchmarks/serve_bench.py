@@ -650,9 +650,8 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
 def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
                 threads: int | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
     """run_offline_here in a process of its own, as the served engine's step loop runs
-    (`engine_process`). In this process, which has run Ray's driver and holds its threads, the
-    engine decoded at half speed in 7 of 26 runs, its two compute threads contending for one lock
-    (BENCHMARKS.md, "Serve's idle pace")."""
+    (`engine_process`), apart from this process's Ray driver and its threads: beside them an engine
+    here once decoded at half speed (BENCHMARKS.md, "Serve's idle pace")."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(run_offline_here, (wl, model, engine_args, threads, max_concurrency))
 
