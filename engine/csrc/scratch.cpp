@@ -1,8 +1,8 @@
 // Scratch arrays for the kernels (kernels.h, `scratch`), kept by the thread that freed them and
-// handed out again. The decode stack's threads each quantize every matmul's input into fresh
-// arrays, hundreds of times a token: through malloc, threads that share an arena (a process with
-// more threads than glibc makes arenas, 8 per core, as a Ray driver's) queue on its lock at each
-// one, and a decode step took twice as long.
+// handed out again. The decode stack's threads quantize every matmul's input into scratch arrays,
+// hundreds of times a token. Through malloc, threads sharing an arena (in a process with more
+// threads than glibc makes arenas, 8 per core, as a Ray driver's) queued on its lock at each one,
+// and a decode step took twice as long (BENCHMARKS.md, "Serve's idle pace").
 #include "kernels.h"
 #include <cstdlib>
 
