@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from engine.cpu_load import machine_busy_cpu_s, own_cpu_s
+from engine.cpu_load import cpu_reading, others_cores
 
 # SmolLM2's special tokens live at the bottom of the vocabulary (0..16); stay well clear of them.
 MIN_TOKEN_ID = 100
@@ -121,12 +121,11 @@ def warmup_prompts(n: int = 2) -> list[list[int]]:
 
 def others_cpu_load(window_s: float = 2.0) -> float | None:
     """Cores' worth of CPU used by *other* processes over a short window (this one sleeps)."""
-    b0, o0, t0 = machine_busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    if b0 is None:
+    start = cpu_reading()
+    if start[0] is None:
         return None
     time.sleep(window_s)
-    b1, o1, t1 = machine_busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    return max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
+    return others_cores(start, cpu_reading())
 
 
 def wait_for_quiet(max_wait_s: float, threshold: float = 0.3, log=None) -> float | None:
@@ -159,20 +158,13 @@ class Stopwatch:
 
     def __enter__(self) -> Stopwatch:
         self.others_before = wait_for_quiet(QUIET_WAIT["max_wait_s"], QUIET_WAIT["threshold"], QUIET_WAIT["log"])
-        self._cpu0 = own_cpu_s()
-        self._sys0 = machine_busy_cpu_s()
-        self._t0 = time.perf_counter()
+        self._start = cpu_reading()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.wall_s = time.perf_counter() - self._t0
-        self.cpu_s = own_cpu_s() - self._cpu0
-        sys1 = machine_busy_cpu_s()
-        self.others = (
-            max(0.0, (sys1 - self._sys0 - self.cpu_s) / self.wall_s)
-            if sys1 is not None and self._sys0 is not None and self.wall_s > 0
-            else None
-        )
+        end = cpu_reading()
+        self.cpu_s, self.wall_s = end[1] - self._start[1], end[2] - self._start[2]
+        self.others = others_cores(self._start, end)
 
     @property
     def cpu_util(self) -> float:

@@ -20,9 +20,21 @@ def machine_busy_cpu_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def own_cpu_s() -> float:
-    """CPU seconds this process's threads have spent."""
-    return time.process_time()
+CpuReading = tuple[float | None, float, float]  # every process's busy CPU-s, this process's CPU-s, wall s
+
+
+def cpu_reading() -> CpuReading:
+    """The machine's busy CPU seconds, this process's threads' CPU seconds and the wall clock, now."""
+    return machine_busy_cpu_s(), time.process_time(), time.perf_counter()
+
+
+def others_cores(start: CpuReading, end: CpuReading) -> float | None:
+    """Cores' worth of CPU other processes took between two readings, on average (None where
+    /proc/stat is missing)."""
+    (busy0, own0, wall0), (busy1, own1, wall1) = start, end
+    if busy0 is None or busy1 is None or wall1 <= wall0:
+        return None
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
 
 
 class OtherLoad:
@@ -35,13 +47,12 @@ class OtherLoad:
     cores: float | None = None
 
     def __enter__(self) -> OtherLoad:
-        self._start = machine_busy_cpu_s(), own_cpu_s(), time.perf_counter()
+        self._start = cpu_reading()
         return self
 
     def __exit__(self, *exc) -> None:
-        (busy0, own0, wall0), busy1 = self._start, machine_busy_cpu_s()
-        if busy0 is not None and busy1 is not None:
-            span = max(0.0, (busy1 - busy0) - (own_cpu_s() - own0)) / max(time.perf_counter() - wall0, 1e-9)
+        span = others_cores(self._start, cpu_reading())
+        if span is not None:
             self.cores = max(self.cores or 0.0, span)
 
     def contends_with(self, threads: int) -> bool:
