@@ -60,7 +60,7 @@ class Checked:
 def check_quantization(checkpoint: Checkpoint, config: ModelConfig, kv_cache_dtype: str = "auto") -> Checked:
     """The checkpoint's model quantized as `config.quantization` says, with its figures.
     `kv_cache_dtype`: CacheConfig.kv_cache_dtype, the cache the modes are scored through. The
-    fp32 model is quantized in place unless `auto` needs it to compare against."""
+    fp32 model is quantized in place (`auto` times and scores copies of it first, when it decides)."""
     fp32_model, stored_blocks, max_model_len = checkpoint.model, checkpoint.stored_blocks, checkpoint.max_model_len
     mode = config.quantization
     device, model_dtype = torch.device(config.device), getattr(torch, config.resolved_dtype)
@@ -127,8 +127,9 @@ class _Chooser:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.path = cache_dir("decisions") / f"{Path(scorer.model_path).name}-{digest}.json"
 
-    def build(self, mode: str) -> nn.Module:
-        model = copy.deepcopy(self.fp32_model) if mode != "none" else self.fp32_model
+    def build(self, mode: str, last: bool = False) -> nn.Module:
+        """The fp32 model in `mode`; a copy unless it is the `last` built (or fp32 itself)."""
+        model = self.fp32_model if last or mode == "none" else copy.deepcopy(self.fp32_model)
         return quantize(model, mode, self.stored_blocks() if mode == STORED_MODE else None)
 
     def choose(self) -> Checked:
@@ -149,7 +150,8 @@ class _Chooser:
                 partial.write_text(json.dumps(asdict(decision), indent=1))
                 partial.replace(self.path)
         quality = Quality(**decision.quality) if decision.quality else None
-        return Checked(self.build(decision.mode), decision.mode, quality, getattr(torch, decision.kv_cache_dtype))
+        return Checked(self.build(decision.mode, last=True), decision.mode, quality,
+                       getattr(torch, decision.kv_cache_dtype))
 
     def decide(self, load: OtherLoad) -> Decision:
         """Times the candidates, `load` measuring the rest of the machine meanwhile, and scores them."""

@@ -123,16 +123,30 @@ def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> torch.
     return (scale * values + offset).reshape(rows, -1)
 
 
+_ROW_FIELDS = {GGMLQuantizationType.Q8_0: (2, 32), GGMLQuantizationType.Q4_1: (2, 2, 16)}  # a block's bytes in order
+
+
 def regroup_rows(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """GGUF blocks (N, K / 32 * block bytes) as the kernel reads them, the same bytes per row: the
     row's quantized values, then its fp16 scales, then (Q4_1) its fp16 offsets, so the kernel
     loads a run of scales at once instead of one per block."""
-    fields = {GGMLQuantizationType.Q8_0: (2, 32), GGMLQuantizationType.Q4_1: (2, 2, 16)}[qtype]
+    fields = _ROW_FIELDS[qtype]
     per_block = blocks.reshape(blocks.shape[0], -1, sum(fields))
     starts = np.cumsum((0,) + fields)
     parts = [per_block[:, :, start:start + size] for start, size in zip(starts, fields)]
     regrouped = parts[-1:] + parts[:-1]  # the quantized values first
     return np.ascontiguousarray(np.concatenate([p.reshape(blocks.shape[0], -1) for p in regrouped], axis=1))
+
+
+def ungroup_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """regroup_rows undone: the GGUF blocks (N, K / 32 * block bytes)."""
+    fields = _ROW_FIELDS[qtype]
+    count = rows.shape[0]
+    per_row = rows.shape[1] // sum(fields)  # blocks in a row
+    sizes = fields[-1:] + fields[:-1]  # as regroup_rows laid them out
+    parts = np.split(rows, np.cumsum([size * per_row for size in sizes])[:-1], axis=1)
+    parts = [part.reshape(count, per_row, size) for part, size in zip(parts, sizes)]
+    return np.concatenate(parts[1:] + parts[:1], axis=2).reshape(count, -1)
 
 
 def tile_order(values: torch.Tensor) -> torch.Tensor:
@@ -216,7 +230,6 @@ class BlockQuantLinear(nn.Module):
         self.qtype, self.bf16_activations = qtype, bf16_activations
         self.format = BF16_Q8_0_FORMAT if bf16_activations else KERNEL_FORMATS[qtype]
         self.register_buffer("rows", torch.from_numpy(regroup_rows(blocks, qtype)))  # (N, K / 32 * bytes) uint8
-        self.register_buffer("weight", dequantize_blocks(blocks, qtype))  # (N, K) fp32
         self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
         self.weight_bytes = self.rows.numel()  # what a decode step reads
@@ -231,10 +244,22 @@ class BlockQuantLinear(nn.Module):
         if self.tiled or self.vectored:  # the vector GEMM's integers in int8, half the bytes
             tile_dtype = torch.int8 if self.vectored and not bf16_activations else torch.bfloat16
             tiles, scales, offsets = tile_blocks(blocks, qtype, tile_dtype)
-        self.register_buffer("pair_tiles", bf16_pair_tiles(self.weight) if self.tiled and bf16_activations else None)
+        # fp32 weights (N, K) only where the fp32 GEMM is a path the engine takes: elsewhere they would
+        # cost 4 bytes a weight of memory, and their dequantizing a share of every start (BENCHMARKS.md)
+        self.register_buffer("dense_weight", None if self.tiled or self.vectored else dequantize_blocks(blocks, qtype))
+        pair_tiles = bf16_pair_tiles(dequantize_blocks(blocks, qtype)) if self.tiled and bf16_activations else None
+        self.register_buffer("pair_tiles", pair_tiles)
         self.register_buffer("tiles", tiles)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weights (N, K) fp32, which only the fp32 GEMM reads: made at load where that
+        is the large-batch path, else on first use, and kept."""
+        if self.dense_weight is None:
+            self.dense_weight = dequantize_blocks(ungroup_rows(self.rows.cpu().numpy(), self.qtype), self.qtype)
+        return self.dense_weight
 
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -34,6 +34,8 @@ from engine.models.linear import (
     int8_blocks,
     prologue,
     quantize_activations,
+    regroup_rows,
+    ungroup_rows,
 )
 from engine.quality import KV_CHUNK, Quality, compare, eval_tokens, token_scores
 from engine.serving_mix import SERVING_MIX, MixTiming
@@ -225,6 +227,23 @@ def test_dequantized_blocks_are_ggufs_own_values_bit_for_bit(qtype):
     assert torch.equal(dequantize_blocks(blocks, qtype), torch.from_numpy(gguf_dequantize(blocks, qtype)))
     with pytest.raises(ValueError, match="Q8_0 and Q4_1"):
         dequantize_blocks(blocks, GGMLQuantizationType.Q5_0)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_a_layer_on_the_batch_kernels_makes_its_fp32_weights_only_when_they_are_read(qtype):
+    """Where the tile or vector GEMM takes large batches, nothing reads fp32 weights: they are
+    made on first use (a benchmark's or test's fp32 GEMM) from the kernel's rows, the blocks'
+    own values, and kept."""
+    torch.manual_seed(5)
+    blocks = quantize_blocks((torch.randn(64, 96) * 2).numpy(), qtype)
+    assert np.array_equal(ungroup_rows(regroup_rows(blocks, qtype), qtype), blocks)
+    layer = BlockQuantLinear(qtype, blocks, None, load_cpu_kernels())
+    batch_kernel = layer.tiled or layer.vectored
+    assert (layer.dense_weight is None) == batch_kernel
+    if batch_kernel:
+        assert sum(b.nbytes for b in layer.buffers()) < 4 * 64 * 96  # less than the fp32 weights alone
+    assert torch.equal(layer.weight, dequantize_blocks(blocks, qtype))
+    assert layer.dense_weight is layer.weight
 
 
 def test_activation_rounding_error_is_half_a_step():
