@@ -5,12 +5,29 @@ A backend owns the KV cache layout and the per-step attention metadata; the mode
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.batch import ModelInputs
+
+CACHE_LINE = 64  # bytes; the kernels' vector loads of a block stay within its lines
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape), but on CPU from calloc: the OS maps a large pool's pages zeroed when they
+    are first touched, so a KV pool costs neither start-up time nor resident memory until blocks
+    are used (torch.zeros writes every byte: ~0.2 s a GiB). Aligned to a cache line, as torch's
+    own allocations are."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(size + CACHE_LINE, np.uint8)
+    start = -raw.ctypes.data % CACHE_LINE
+    return torch.from_numpy(raw[start:start + size]).view(dtype).view(shape)
 
 
 class AttentionBackend(ABC):
@@ -62,8 +79,7 @@ class BlockMajorCache:
     each slot's heads contiguous, so a slot is one index of the flattened (2, slots, heads, dim)."""
 
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                           device=device)
+        return zeroed_pool((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
 
     def block_dim(self) -> int:
         return 2

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, zeroed_pool
 from engine.batch import ModelInputs
 
 _BUCKET_GROWTH = 1.5  # a decode bucket's longest context is at most this times its shortest
@@ -114,8 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._workspace = torch.empty(0)
 
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        return torch.zeros(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
-                           device=device)
+        return zeroed_pool((num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim), dtype, device)
 
     def _gather(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Blocks of one layer -> (2, kv_heads, len(block_ids) * block_size, head_dim), in the

@@ -125,6 +125,22 @@ def test_a_decode_attends_alike_alone_and_in_any_batch(kv_cache_dtype):
         assert torch.equal(alone[0], together[b])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_cpu_kv_pool_is_zeros_that_take_memory_only_as_blocks_are_written(kv_cache_dtype):
+    """A 256 MiB pool adds no resident memory until written (torch.zeros writes all of it at
+    start-up), reads as zeros, and starts on a cache line."""
+    import psutil
+
+    backend = select_backend("cpu", torch.device("cpu"), torch.float32, HEAD_DIM ** -0.5)
+    num_blocks = 2 ** 28 // (2 * BLOCK * KV_HEADS * HEAD_DIM * kv_cache_dtype.itemsize)
+    process = psutil.Process()
+    before = process.memory_info().rss
+    cache = backend.allocate_kv_cache(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, kv_cache_dtype, torch.device("cpu"))
+    assert process.memory_info().rss - before < 2 ** 24
+    assert cache.dtype == kv_cache_dtype and cache.is_contiguous() and cache.data_ptr() % 64 == 0
+    assert cache.nbytes == 2 ** 28 and not cache.any()
+
+
 def test_start_up_loads_the_kernel_from_its_cache_and_never_compiles(monkeypatch):
     """`make install` built the kernel (or the first load does); later loads, as every engine
     start-up does, import the cached library: compiling there fails this test."""
