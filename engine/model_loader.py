@@ -39,6 +39,23 @@ def default_model_path() -> str:
     return str(dist.locate_file(gguf))
 
 
+CONVERSION = "tied-under-first-name"  # what converted_gguf writes: a change converts again
+
+
+def untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each tensor once, under its first name in module order: a tied LM head
+    as the input embedding, which transformers loads and ties the head to. Kept under the head's
+    name, transformers finds the embedding missing and fills it with random values first (0.15 s
+    of every start on the embedded model)."""
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+        if key not in seen:
+            seen.add(key)
+            state[name] = tensor.contiguous()
+    return state
+
+
 def converted_gguf(path: str) -> Path:
     """The GGUF's model (fp32, its quantized tensors dequantized) and tokenizer as a Hugging Face
     directory in the cache, converted on first use. Reading a GGUF through transformers parses
@@ -46,7 +63,7 @@ def converted_gguf(path: str) -> Path:
     the directory loads in ~1 s, and every engine start and step-loop restart waits for it."""
     path = os.path.abspath(path)
     stat = os.stat(path)
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode())
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{CONVERSION}".encode())
     target = cache_dir("models") / f"{Path(path).stem}-{key.hexdigest()[:12]}"
     if target.is_dir():
         return target
@@ -61,7 +78,7 @@ def converted_gguf(path: str) -> Path:
     config.__dict__.pop("quantization_config", None)
     config.save_pretrained(partial)
     model.generation_config.save_pretrained(partial)
-    safetensors.torch.save_model(model, str(partial / "model.safetensors"))  # stores tied weights once
+    safetensors.torch.save_file(untied_state(model), str(partial / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(partial)
     try:
         os.replace(partial, target)  # atomic: an engine never sees half a directory

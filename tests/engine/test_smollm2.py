@@ -57,6 +57,23 @@ def test_the_converted_gguf_in_the_cache_is_the_gguf():
 
 
 @pytest.mark.slow
+def test_loading_the_converted_gguf_fills_no_weight_at_random(monkeypatch):
+    """Every weight of the converted copy comes from its file: with a tied LM head stored under
+    the head's name, transformers filled the embedding at random first, on every start."""
+    filled = []
+    normal = torch.Tensor.normal_
+
+    def recording(tensor, *args, **kwargs):
+        if tensor.device.type != "meta":  # the model is built on meta, then loaded
+            filled.append(tuple(tensor.shape))
+        return normal(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "normal_", recording)
+    load_hf(None)
+    assert filled == []
+
+
+@pytest.mark.slow
 def test_the_embedded_model_answers_in_json_that_validates_against_the_schema():
     """Its real 49k-token vocabulary under llguidance, sampled, n > 1, in the default mode."""
     import json
