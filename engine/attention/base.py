@@ -6,28 +6,25 @@ A backend owns the KV cache layout and the per-step attention metadata; the mode
 from __future__ import annotations
 
 import math
+import mmap
 from abc import ABC, abstractmethod
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.batch import ModelInputs
 
-CACHE_LINE = 64  # bytes; the kernels' vector loads of a block stay within its lines
-
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros(shape), but on CPU from calloc: the OS maps a large pool's pages zeroed when they
+    """torch.zeros(shape), but on CPU an anonymous mapping: the OS maps its pages zeroed when they
     are first touched, so a KV pool costs neither start-up time nor resident memory until blocks
-    are used (torch.zeros writes every byte: ~0.2 s a GiB). Aligned to a cache line, as torch's
-    own allocations are."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+    are written (torch.zeros writes every byte: ~0.2 s a GiB). Plain pages: where a huge page is
+    asked for (numpy's calloc asks), each first touch may wait for the kernel to compact memory,
+    ~6 ms a fault, a second on a first request."""
     size = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(size + CACHE_LINE, np.uint8)
-    start = -raw.ctypes.data % CACHE_LINE
-    return torch.from_numpy(raw[start:start + size]).view(dtype).view(shape)
+    if device.type != "cpu" or size == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8).view(dtype).view(shape)
 
 
 class AttentionBackend(ABC):

@@ -128,7 +128,8 @@ def test_a_decode_attends_alike_alone_and_in_any_batch(kv_cache_dtype):
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_cpu_kv_pool_is_zeros_that_take_memory_only_as_blocks_are_written(kv_cache_dtype):
     """A 256 MiB pool adds no resident memory until written (torch.zeros writes all of it at
-    start-up), reads as zeros, and starts on a cache line."""
+    start-up), reads as zeros, starts on a page, and a first write faults in plain pages, not huge
+    ones (whose first touch may wait on the kernel's compaction)."""
     import psutil
 
     backend = select_backend("cpu", torch.device("cpu"), torch.float32, HEAD_DIM ** -0.5)
@@ -137,8 +138,12 @@ def test_the_cpu_kv_pool_is_zeros_that_take_memory_only_as_blocks_are_written(kv
     before = process.memory_info().rss
     cache = backend.allocate_kv_cache(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, kv_cache_dtype, torch.device("cpu"))
     assert process.memory_info().rss - before < 2 ** 24
-    assert cache.dtype == kv_cache_dtype and cache.is_contiguous() and cache.data_ptr() % 64 == 0
-    assert cache.nbytes == 2 ** 28 and not cache.any()
+    assert cache.dtype == kv_cache_dtype and cache.is_contiguous() and cache.data_ptr() % 4096 == 0
+    cache[0, 0, 0, 0] = 1  # a block's rows
+    before = process.memory_info().rss
+    cache[0, 0, 0, -1] = 1  # another's: one plain page (a huge page would add 2 MiB)
+    assert process.memory_info().rss - before < 2 ** 20
+    assert cache.nbytes == 2 ** 28 and cache.count_nonzero() == 2 * cache[0, 0, 0, 0].numel()
 
 
 def test_start_up_loads_the_kernel_from_its_cache_and_never_compiles(monkeypatch):
