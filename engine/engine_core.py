@@ -12,6 +12,7 @@ crosses either boundary is one of the dataclasses below.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import logging
 import os
 import queue
@@ -67,6 +68,9 @@ class CoreOutputs:
     events: list[Event]
     stats: EngineStats
     num_added: int  # AddRequests this loop has applied so far, refused ones included
+
+
+TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"  # the fast tokenizers' base, under every model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +244,10 @@ class ProcessCore:
         self._proc = subprocess.Popen([sys.executable, "-c", entry, str(child_sock.fileno())],
                                       pass_fds=[child_sock.fileno()], env=env)
         child_sock.close()
+        # the child's reply carries its tokenizer, whose unpickling here imports transformers: done
+        # meanwhile, it is off the start-up's path (0.5 s of every `make serve`, BENCHMARKS.md)
+        threading.Thread(target=importlib.import_module, args=(TOKENIZER_MODULE,), name="tokenizer-import",
+                         daemon=True).start()
         self._conn = Connection(parent_sock.detach())
         self._send_lock = threading.Lock()
         self._stopped = False
