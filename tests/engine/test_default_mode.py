@@ -87,6 +87,14 @@ def test_the_decision_is_cached_and_a_restart_neither_times_nor_scores(tiny_llam
     figures = {"top1_agreement": 0.99, "perplexity": 10.1, "reference_perplexity": 10.0}
     decision_file.write_text(json.dumps({**decision, "mode": "w8a16", "kv_cache_dtype": "float16",
                                          "quality": figures}))
+    deepcopy = qc.copy.deepcopy
+
+    def no_model_copies(obj, *args, **kwargs):
+        if isinstance(obj, torch.nn.Module):
+            raise AssertionError("a restart quantizes the loaded model itself: a copy doubles the start's memory")
+        return deepcopy(obj, *args, **kwargs)
+
+    monkeypatch.setattr(qc.copy, "deepcopy", no_model_copies)
     llm = LLM(tiny_llama, quality_check_tokens=1024, kv_cache_memory_bytes=1 << 20)
     report = llm.engine.model_report
     assert (report.quantization, report.kv_cache_dtype, report.top1_agreement) == ("w8a16", "float16", 0.99)
