@@ -70,7 +70,7 @@ class CoreOutputs:
     num_added: int  # AddRequests this loop has applied so far, refused ones included
 
 
-TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"  # the fast tokenizers' base, under every model's
+TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"  # the base class of every fast tokenizer
 
 
 @dataclass(frozen=True, slots=True)
