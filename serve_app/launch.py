@@ -18,9 +18,10 @@ keeps the proxy too: its Service targets the head's proxy, and replicas run on w
 
 The header deadline (`serve_app.proxy`) is installed in whichever process serves HTTP.
 
-Serve's own periodic work is slowed where a graph this command starts gains nothing from its pace
-(`IDLE_PACE_ENV`): on a small host every wake-up of an idle Serve process takes a core from the
-engine's forward, and the forward's other thread waits for it at the next barrier.
+Serve's own periodic work, and Ray's log monitor's, is slowed where a graph this command starts
+gains nothing from its pace (`IDLE_PACE_ENV`): on a small host every wake-up of an idle Serve or
+Ray process takes a core from the engine's forward, and the forward's other thread waits for it
+at the next barrier.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.p
 # The controller reconciles twice a second, not ten times: each pass asks the GCS for every node's
 # state, resources and draining (three RPCs), and at 10 Hz that was the idle graph's largest cost
 # (BENCHMARKS.md). Replicas and the proxy hand their cached request metrics to Ray once a second, not
-# ten times; Ray exports metrics every 10 s.
-IDLE_PACE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+# ten times; Ray exports metrics every 10 s. Ray's log monitor looks for new log files twice a second,
+# as it does past 1,000 files, not at each of its ten polls a second (a glob of the logs directory
+# each: half its CPU); a new worker's lines reach the console up to 0.5 s later, none lost.
+IDLE_PACE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+                 "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 
 
 def idle_pace_env() -> dict[str, str]:
