@@ -595,7 +595,6 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
                                       cfg.engine.autoscaling.max_replicas if cfg.engine.autoscaling else 0)
             + cfg.router.num_cpus + cfg.ingress.num_cpus * cfg.ingress.num_replicas)
     num_cpus = max(os.cpu_count() or 1, math.ceil(need + 0.5))
-    import httpx
     import ray
     from ray import serve
 
@@ -621,16 +620,7 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
         serve.start(http_options={"host": host, "port": proxy_port})
         serve.run(build_app(cfg), name="cbserve", route_prefix="/", blocking=False)
         base = f"http://{host}:{port}"
-        deadline = time.time() + startup_timeout
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except Exception:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"serve app not healthy after {startup_timeout}s")
-            time.sleep(0.5)
+        wait_healthy(base, startup_timeout, poll_s=0.5)
         log(f"serve app healthy at {base} after {time.perf_counter() - t0:.1f}s")
         yield base + "/v1", cfg
     finally:
@@ -645,6 +635,25 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
 # --------------------------------------------------------------------------------------------- #
 # --compare-offline                                                                              #
 # --------------------------------------------------------------------------------------------- #
+
+
+def wait_healthy(url: str, timeout_s: float, still_starting: Callable[[], None] | None = None,
+                 poll_s: float = 0.05) -> float:
+    """Seconds until the app's /health answers 200 (an engine replica is ready), tried every
+    `poll_s`. `still_starting`: called before each try; raises when the server cannot come up any more."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if still_starting is not None:
+            still_starting()
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{url} not healthy within {timeout_s} s")
 
 
 def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.quantization import cpu_features  # noqa: E402
+from benchmarks.serve_bench import wait_healthy  # noqa: E402
 
 URL = "http://127.0.0.1:8000"
 # (phase, Serve log file glob, line pattern): the first matching line's time
@@ -71,16 +72,14 @@ def one_start(tree: Path, pythonpath: str | None, timeout_s: float) -> dict[str,
     started_at, start = time.time(), time.monotonic()
     launcher = subprocess.Popen([sys.executable, "-m", "serve_app.launch", "configs/serve.yaml"], cwd=tree, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    def launcher_alive() -> None:
+        if launcher.poll() is not None:
+            raise RuntimeError(f"the launcher exited with {launcher.returncode}")
+
     result: dict[str, float] = {}
     try:
-        while "health" not in result:
-            if time.monotonic() - start > timeout_s or launcher.poll() is not None:
-                raise RuntimeError(f"no healthy server within {timeout_s:.0f} s (launcher exit {launcher.poll()})")
-            try:
-                if httpx.get(f"{URL}/health", timeout=5).status_code == 200:
-                    result["health"] = time.monotonic() - start
-            except httpx.HTTPError:
-                time.sleep(0.02)
+        wait_healthy(URL, timeout_s, launcher_alive, poll_s=0.02)
+        result["health"] = time.monotonic() - start
         for name in ("first completion", "second completion"):
             sent = time.monotonic()
             httpx.post(f"{URL}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).raise_for_status()

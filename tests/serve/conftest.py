@@ -12,8 +12,7 @@ import asyncio
 import contextlib
 import json
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 from fake_engine import FakeAsyncEngine  # noqa: E402
 
+from benchmarks.serve_bench import wait_healthy  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local import build_local_app  # noqa: E402
@@ -92,22 +92,6 @@ def served_real_engine(model: str | None, max_model_len: int, name: str = "tiny"
                        "engine_args": {"max_model_len": max_model_len, "max_num_seqs": 8, "seed": 0}}}
     with served_local_stack(merge(base, config), 1, engine_cls=None) as (url, _, _):
         yield url
-
-
-def wait_healthy(url: str, timeout_s: float, still_starting: Callable[[], None] | None = None) -> float:
-    """Seconds until the app's /health answers 200 (an engine replica is ready).
-    `still_starting`: called before each try; raises when the server cannot come up any more."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if still_starting is not None:
-            still_starting()
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} not healthy within {timeout_s} s")
 
 
 def run(coro: Any) -> Any:
