@@ -81,7 +81,8 @@ class LLMEngine:
                                         str(kv_dtype).removeprefix("torch."), config.model.device,
                                         loaded.weight_bytes_per_token, **figures)
         block_bytes = kv_block_bytes(model, cache.block_size, kv_dtype)
-        backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5)
+        backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5,
+                                 self.max_model_len)
         graphs = self._graph_settings(device)
         num_blocks = cache.num_blocks or self._pool_blocks(backend, device, kv_dtype, block_bytes, graphs)
         # the host pool holds swapped-out blocks: none under recompute-only preemption

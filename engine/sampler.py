@@ -26,6 +26,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 DRAFT_SUPPORT = 64  # tokens a sampled draft's distribution keeps (and a DraftReply carries)
+ARGMAX_PIECES = 128  # a few rows' greedy argmax on CUDA: pieces of the vocabulary reduced first
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ class Sampler:
                 self._adjust(logits[row], requests[row])
         if masks is not None:
             logits = _constrain(logits, raw, requests, masks)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_tokens(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -155,6 +156,18 @@ class Sampler:
         for generator, state in states:
             generator.set_state(state)
         self.forget(new_ids)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the first maximum of each row. On CUDA a few rows go in two passes, over
+    ARGMAX_PIECES equal pieces of the vocabulary and then their maxima: torch reduces one row of
+    128k values on a single block (27 us a step on an H100, a 1B model's decode step being ~1.5 ms)."""
+    rows, vocab = logits.shape
+    if not logits.is_cuda or rows > ARGMAX_PIECES or vocab % ARGMAX_PIECES:
+        return logits.argmax(dim=-1)
+    values, within = logits.view(rows, ARGMAX_PIECES, -1).max(dim=-1)  # first maximum of each piece
+    piece = values.argmax(dim=-1)  # the first piece holding the row's maximum
+    return piece * (vocab // ARGMAX_PIECES) + within.gather(1, piece[:, None])[:, 0]
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

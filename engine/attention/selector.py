@@ -39,17 +39,21 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: float) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: float,
+                   max_model_len: int | None = None) -> AttentionBackend:
     """`auto` on CUDA in bf16/fp16: the Triton kernel over the paged cache, else torch's flash
     attention over gathered contexts (no Triton), else pure torch; in float32 on CUDA pure torch
     (transformers' parity); on CPU in float32: torch with the C++ decode kernel when it builds,
     else pure torch. `torch` forces the pure-torch path, `cpu` requires the kernel, `flash`
-    requires CUDA and a 16-bit dtype, `triton` CUDA (float32 too: CUDA graphs in float32)."""
+    requires CUDA and a 16-bit dtype, `triton` CUDA (float32 too: CUDA graphs in float32) and the
+    longest context, `max_model_len` (it sizes the kernel's decode partitions)."""
     if name == "triton" or (name == "auto" and dtype in FLASH_DTYPES and triton_available(device)):
         if not triton_available(device):
             raise ValueError(f"attention_backend 'triton' needs a CUDA device and Triton, got {device.type}")
+        if max_model_len is None:
+            raise ValueError("attention_backend 'triton' needs max_model_len")
         from engine.attention.triton_paged import TritonPagedBackend
-        return TritonPagedBackend(scale)
+        return TritonPagedBackend(scale, max_model_len)
     if name == "flash" or (name == "auto" and flash_available(device, dtype)):
         if not flash_available(device, dtype):
             raise ValueError(f"attention_backend 'flash' needs a CUDA device with flash attention and dtype "

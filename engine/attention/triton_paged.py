@@ -7,13 +7,19 @@ head's query heads packed into the tile's rows (GQA: the keys and values are rea
 group), and runs an online softmax over the key tiles up to its last query's position: causal
 within a chunk, every cached token before it. Scores and softmax in float32, as FlashAttention
 (a float32 model's products in full float32, not TF32).
-Decodes (one query each) and prefill chunks are two launches of the same kernel with their own
-tile height, so a decode tile is not 15/16 padding. Decode metadata lives in fixed-size tensors,
-so decode-only steps can be captured in CUDA graphs (engine/runner/cuda_graphs.py).
+Prefill chunks run that kernel. Decodes (one query each) are split along their context instead
+(flash-decoding): a single stream's decode would otherwise be one program per KV head walking the
+whole context, a few of the GPU's 132 multiprocessors busy and the layer's attention ~15 us. A
+decode's keys are cut into partitions of a fixed size, each partition's softmax is computed by one
+program, and a second kernel merges the partitions in order. A sequence's result depends only on
+its own partitions, not on how many programs share them, so a CUDA graph padded to its bucket and
+an eager step give the same values. Decode metadata lives in fixed-size tensors, so decode-only
+steps can be captured in CUDA graphs (engine/runner/cuda_graphs.py).
 Cache layout: BlockMajorCache, as the flash backend's.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +31,7 @@ from engine.batch import ModelInputs
 
 KEY_TILE = 32  # keys per inner step; a power of two of at least 16 (tl.dot), any block size
 PREFILL_QUERIES = 16  # query tokens per prefill tile (times the group: the tile's rows)
+MAX_PARTITIONS = 64  # a decode's context is cut into at most this many partitions
 
 
 @triton.jit
@@ -79,6 +86,78 @@ def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_pt
 
 
 @triton.jit
+def _decode_partitions(acc_ptr, ml_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, scale,
+                       stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_heads, parts, programs,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Decode `seq` (its one query is token `seq`), KV head `kv_head`: every `programs`-th
+    partition of its context from `first`, each one's unnormalized output, running max and sum
+    (float32) stored at [seq, head, partition]."""
+    seq, kv_head, first = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    keys = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+    for part in range(first, tl.cdiv(seq_len, PARTITION), programs):
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        end = tl.minimum(part * PARTITION + PARTITION, seq_len)
+        for start in range(part * PARTITION, end, BLOCK_N):  # every tile holds a key: maxima stay finite
+            key = start + keys
+            key_ok = key < end
+            block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            slot = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            k = tl.load(k_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+            s = tl.dot(q, k, input_precision=PRECISION) * scale
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        index = (seq * num_heads + head) * parts + part
+        tl.store(acc_ptr + index[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(ml_ptr + index * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + index * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_partitions(out_ptr, acc_ptr, ml_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, parts,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr):
+    """One decode's query head: its partitions' softmaxes merged in partition order."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    ok = dims < HEAD_DIM
+    base = (seq * num_heads + head) * parts
+    same = dims * 0  # the partition's max and sum, read into every lane
+    m_all = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    l_all = tl.zeros([BLOCK_D], tl.float32)
+    acc_all = tl.zeros([BLOCK_D], tl.float32)
+    for part in range(0, tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)):
+        m = tl.load(ml_ptr + (base + part) * 2 + same)
+        total = tl.load(ml_ptr + (base + part) * 2 + 1 + same)
+        acc = tl.load(acc_ptr + (base + part) * HEAD_DIM + dims, mask=ok, other=0.0)
+        m_new = tl.maximum(m_all, m)
+        alpha = tl.exp(m_all - m_new)
+        beta = tl.exp(m - m_new)
+        acc_all = acc_all * alpha + acc * beta
+        l_all = l_all * alpha + total * beta
+        m_all = m_new
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc_all / l_all).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
 def _rope_and_write(qkv_ptr, cos_ptr, sin_ptr, qk_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                     stride_qkv, stride_cos, stride_qk, stride_slot,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -109,10 +188,20 @@ def _rope_and_write(qkv_ptr, cos_ptr, sin_ptr, qk_ptr, k_cache_ptr, v_cache_ptr,
 
 @dataclass(slots=True)
 class Launch:
-    """One launch's tiles: tile_seq[i] is the sequence of tile i, tile_start[i] its first query."""
+    """One prefill launch's tiles: tile_seq[i] is the sequence of tile i, tile_start[i] its first query."""
     tile_seq: torch.Tensor  # (tiles,) int32
     tile_start: torch.Tensor  # (tiles,) int32
     block_q: int  # query tokens per tile
+
+
+@dataclass(slots=True)
+class DecodeSplit:
+    """The step's decodes: its first `rows` sequences, one query each. `programs` programs per
+    (decode, KV head) share its partitions (a launch's choice: no value depends on it); `parts`
+    (at least the longest context's partitions) sizes the partial results."""
+    rows: int
+    programs: int
+    parts: int
 
 
 @dataclass(slots=True)
@@ -121,13 +210,19 @@ class PagedMetadata:
     block_tables: torch.Tensor  # (B, width) int32, each sequence's blocks (rows past its length unread)
     seq_lens: torch.Tensor  # (B,) int32 context length after this step
     query_start: torch.Tensor  # (B + 1,) int32 token offsets
-    launches: list[Launch]
+    decodes: DecodeSplit | None
+    launches: list[Launch]  # the prefill chunks'
 
 
-def _decode_launch(num_decodes: int, device: torch.device) -> Launch:
-    """The first num_decodes sequences, one query each: a tile each (made on the device, no copy up)."""
-    return Launch(torch.arange(num_decodes, dtype=torch.int32, device=device),
-                  torch.zeros(num_decodes, dtype=torch.int32, device=device), 1)
+def partition_size(max_model_len: int) -> int:
+    """Keys per decode partition: 64, or more where the longest context would need more than
+    MAX_PARTITIONS (the partial results a CUDA graph holds grow with them)."""
+    return max(2 * KEY_TILE, _pow2(-(-max_model_len // MAX_PARTITIONS)))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _pow2(n: int) -> int:
@@ -138,8 +233,10 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
     name = "triton"
     captures_decodes = True
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, max_model_len: int):
         self.scale = scale
+        self.partition = partition_size(max_model_len)
+        self.max_parts = -(-max_model_len // self.partition)
 
     def build_metadata(self, inputs: ModelInputs) -> PagedMetadata:
         device = inputs.input_ids.device
@@ -149,23 +246,31 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
 
         width = max(map(len, inputs.block_tables))
         tables = int32([t + [0] * (width - len(t)) for t in inputs.block_tables])
-        num_decodes, launches = inputs.num_decodes, []
+        num_decodes, launches, decodes = inputs.num_decodes, [], None
         if num_decodes:
-            launches.append(_decode_launch(num_decodes, device))
+            longest = max(inputs.seq_lens[:num_decodes])
+            decodes = self._split(num_decodes, -(-longest // self.partition), device)
         if num_decodes < len(inputs.seq_lens):
             tiles = [(b, first) for b in range(num_decodes, len(inputs.seq_lens))
                      for first in range(0, inputs.query_start_loc[b + 1] - inputs.query_start_loc[b], PREFILL_QUERIES)]
             launches.append(Launch(int32([b for b, _ in tiles]), int32([f for _, f in tiles]), PREFILL_QUERIES))
         return PagedMetadata(inputs.slot_mapping, tables, int32(inputs.seq_lens), int32(inputs.query_start_loc),
-                             launches)
+                             decodes, launches)
 
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         ) -> PagedMetadata:
         """Metadata of a decode-only step over fixed buffers (a CUDA graph's inputs): every
-        sequence one query, so the tiles are the sequences themselves."""
+        sequence one query, room for the longest context's partitions."""
         n, device = seq_lens.numel(), seq_lens.device
-        return PagedMetadata(slot_mapping, block_tables, seq_lens,
-                             torch.arange(n + 1, dtype=torch.int32, device=device), [_decode_launch(n, device)])
+        query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
+        return PagedMetadata(slot_mapping, block_tables, seq_lens, query_start, self._split(n, self.max_parts, device),
+                             [])
+
+    @staticmethod
+    def _split(rows: int, parts: int, device: torch.device) -> DecodeSplit:
+        """Programs per decode: enough that the decodes fill the multiprocessors (a lone stream's
+        partitions each get one), one where the batch already does."""
+        return DecodeSplit(rows, max(1, min(parts, -(-_multiprocessors(device) // rows))), parts)
 
     def rope_and_write(self, qkv, cos, sin, layer_cache, metadata: PagedMetadata, num_heads):
         """RoPE of q and k and the write of k and v to their slots in one kernel, instead of five
@@ -184,9 +289,29 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
             self.write_kv(layer_cache, metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
         group = q.shape[1] // layer_cache.shape[-2]
+        if metadata.decodes is not None:
+            self._decode(out, q, layer_cache, metadata, metadata.decodes, group)
         for launch in metadata.launches:
             self._launch(out, q, layer_cache, metadata, launch, group)
         return out.reshape(q.shape[0], -1)
+
+    def _decode(self, out, q, layer_cache, metadata: PagedMetadata, split: DecodeSplit, group: int) -> None:
+        _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+        key_cache, value_cache = layer_cache[0], layer_cache[1]
+        num_heads = q.shape[1]
+        acc = torch.empty(split.rows, num_heads, split.parts, head_dim, dtype=torch.float32, device=q.device)
+        max_and_sum = torch.empty(split.rows, num_heads, split.parts, 2, dtype=torch.float32, device=q.device)
+        block_d = max(16, _pow2(head_dim))
+        _decode_partitions[(split.rows, num_kv_heads, split.programs)](
+            acc, max_and_sum, q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, self.scale,
+            q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            metadata.block_tables.stride(0), num_heads, split.parts, split.programs,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, _pow2(group)),
+            BLOCK_N=max(KEY_TILE, _pow2(block_size)), BLOCK_SIZE=block_size, PARTITION=self.partition,
+            PRECISION=_precision(q.dtype))
+        _merge_partitions[(split.rows, num_heads)](
+            out, acc, max_and_sum, metadata.seq_lens, out.stride(0), out.stride(1), num_heads, split.parts,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, PARTITION=self.partition)
 
     def _launch(self, out, q, layer_cache, metadata: PagedMetadata, launch: Launch, group: int) -> None:
         _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
@@ -198,4 +323,9 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), metadata.block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), BLOCK_Q=launch.block_q,
             BLOCK_M=max(16, _pow2(launch.block_q * group)), BLOCK_N=max(KEY_TILE, _pow2(block_size)),
-            BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+            BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """A float32 model's products in full float32, not TF32."""
+    return "ieee" if dtype == torch.float32 else "tf32"

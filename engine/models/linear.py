@@ -48,8 +48,8 @@ def _triton_ops():
     return cuda_ops
 
 
-def _fused_ops(x: torch.Tensor):
-    """The Triton kernels for a 16-bit CUDA tensor, where they load; None elsewhere."""
+def fused_ops(x: torch.Tensor):
+    """The Triton kernels (engine.models.cuda_ops) for a 16-bit CUDA tensor, where they load; None elsewhere."""
     return _triton_ops() if x.is_cuda and x.dtype != torch.float32 else None
 
 
@@ -57,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' order in 16-bit dtypes: normalize in float32, round, then scale (fused in float32)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], weight, eps)
-    if (ops := _fused_ops(x)) is not None:
+    if (ops := fused_ops(x)) is not None:
         return ops.rms_norm(x, weight, eps)
     return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
 
@@ -67,7 +67,7 @@ def prologue(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, swiglu: b
     if norm is not None:
         return rms_norm(x, *norm)
     if swiglu:
-        if (ops := _fused_ops(x)) is not None:
+        if (ops := fused_ops(x)) is not None:
             return ops.swiglu(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)

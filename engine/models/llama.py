@@ -3,7 +3,9 @@
 One flat ragged batch of T tokens goes through every layer; attention is the backend's. Weights
 are copied from a loaded transformers model, with q/k/v and gate/up fused into one matmul each;
 matmuls are engine.models.linear modules (fp32, or quantized at load time), which also apply the
-norms, the SwiGLU and the residual adds around them. RoPE tables come from
+norms, the SwiGLU and the residual adds around them. A 16-bit model on CUDA instead carries each
+residual to the next RMSNorm, whose Triton kernel adds it (one kernel where two ran; the same
+values). RoPE tables come from
 the transformers model's own rotary embedding, so its rope scaling (llama3, linear, yarn, ...) is
 reproduced exactly. Logits are computed only at sampled positions.
 """
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.models.linear import BlockQuantLinear, Linear
+from engine.models.linear import BlockQuantLinear, Linear, fused_ops
 
 
 class LlamaLayer(nn.Module):
@@ -37,18 +39,32 @@ class LlamaLayer(nn.Module):
 
     def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
         """cos/sin (T, head_dim) at the tokens' positions."""
-        num_tokens, num_qk = hidden.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv(hidden, norm=(self.input_norm, self.eps))  # (T, (heads + 2 kv_heads) * d)
+        hidden = self.o(self._attention(qkv, cos, sin, layer_cache, backend, metadata), residual=hidden)
+        gate_up = self.gate_up(hidden, norm=(self.post_norm, self.eps))
+        return self.down(gate_up, swiglu=True, residual=hidden)
+
+    def forward_carrying_residual(self, hidden, residual, cos, sin, layer_cache, backend: AttentionBackend,
+                                  metadata, ops):
+        """forward, each residual add done by the RMSNorm kernel after it (`ops`: engine.models.cuda_ops):
+        the layer's input is hidden + residual (None: hidden alone), and so is its output."""
+        if residual is None:
+            residual, normed = hidden, ops.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            residual, normed = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        attn = self._attention(self.qkv(normed), cos, sin, layer_cache, backend, metadata)
+        residual, normed = ops.add_rms_norm(self.o(attn), residual, self.post_norm, self.eps)
+        return self.down(self.gate_up(normed), swiglu=True), residual
+
+    def _attention(self, qkv, cos, sin, layer_cache, backend: AttentionBackend, metadata):
+        num_tokens, num_qk = qkv.shape[0], self.num_heads + self.num_kv_heads
         qk = backend.rope_and_write(qkv, cos, sin, layer_cache, metadata, self.num_heads)
         written = qk is not None
         if not written:
             qk = _rope(qkv[:, :num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos[:, None],
                        sin[:, None])
         v = qkv[:, num_qk * self.head_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata, written)
-        hidden = self.o(attn, residual=hidden)
-        gate_up = self.gate_up(hidden, norm=(self.post_norm, self.eps))
-        return self.down(gate_up, swiglu=True, residual=hidden)
+        return backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata, written)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,10 +121,18 @@ class LlamaForPagedAttention(nn.Module):
         stack_args = None
         if self.decode_stack is not None and input_ids.shape[0] <= self.decode_rows:
             stack_args = backend.decode_stack_args(metadata)
+        layers = zip(islice(self.layers, num_layers), kv_cache)
         if stack_args is not None:
             hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, *stack_args, num_layers or self.num_layers)
+        elif (ops := fused_ops(hidden)) is not None:
+            residual = None
+            for layer, layer_cache in layers:
+                hidden, residual = layer.forward_carrying_residual(hidden, residual, cos, sin, layer_cache, backend,
+                                                                   metadata, ops)
+            _, normed = ops.add_rms_norm(hidden[sample_indices], residual[sample_indices], self.norm, self.eps)
+            return self.lm_head(normed)
         else:
-            for layer, layer_cache in zip(islice(self.layers, num_layers), kv_cache):
+            for layer, layer_cache in layers:
                 hidden = layer.forward(hidden, cos, sin, layer_cache, backend, metadata)
         return self.lm_head(hidden[sample_indices], norm=(self.norm, self.eps))  # the final norm: its prologue
 

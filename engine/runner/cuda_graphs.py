@@ -53,6 +53,10 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), sink_block * block_size, dtype=torch.long, device=device)
         self.block_tables = torch.full((largest, width), sink_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        # block tables and context lengths are staged in pinned memory and go up without waiting: a
+        # step's copies are done before the next step writes here (each step ends reading its tokens)
+        self.staged_tables = torch.full((largest, width), sink_block, dtype=torch.int32).pin_memory()
+        self.staged_lens = torch.ones(largest, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         start = torch.cuda.memory_reserved(device)
@@ -101,15 +105,17 @@ class DecodeGraphs:
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(inputs.slot_mapping)
         width = max(map(len, inputs.block_tables))
-        self.block_tables[:n, :width].copy_(torch.tensor(
-            [t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32))
-        self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32))
+        self.staged_tables[:n, :width] = torch.tensor(
+            [t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32)
+        self.staged_lens[:n] = torch.tensor(inputs.seq_lens, dtype=torch.int32)
         if n < size:  # padding: token 0 at position 0, one key in the sink block
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
-            self.block_tables[n:size, 0].fill_(self.sink_block)
-            self.seq_lens[n:size].fill_(1)
+            self.staged_tables[n:size, 0] = self.sink_block
+            self.staged_lens[n:size] = 1
+        self.block_tables[:size].copy_(self.staged_tables[:size], non_blocking=True)  # whole rows: one copy
+        self.seq_lens[:size].copy_(self.staged_lens[:size], non_blocking=True)
         captured = self.graphs[size]
         captured.graph.replay()
         self.replays += 1

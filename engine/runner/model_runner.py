@@ -66,7 +66,9 @@ class ModelRunner:
         inputs = build_inputs(out.scheduled, self.block_size, self.device)
         size = self.graphs.bucket(inputs) if self.graphs is not None else None
         if size is not None:
-            logits = self.graphs.run(inputs, size)[inputs.sample_indices]
+            logits = self.graphs.run(inputs, size)
+            if len(inputs.sample_indices) < logits.shape[0]:  # increasing indices: as many as rows is every row
+                logits = logits[inputs.sample_indices]
         else:
             metadata = self.backend.build_metadata(inputs)
             indices = inputs.sample_indices

@@ -5,8 +5,9 @@ float32 with the torch backend equals transformers on the same GPU token for tok
 (torch's FlashAttention-2 over gathered contexts) and the torch backend is as faithful to float32
 as transformers' own bfloat16. Every scheduler feature is on in some run: chunked prefill with
 cached context, prefix sharing, swap and recompute preemption. CUDA graphs on and off give the
-same tokens; swapping through the side stream gives the tokens of a run that never swaps; the
-KV pool is sized from the GPU's memory.
+same tokens; a decode's attention does not depend on how its context's partitions are shared
+out; carrying the residual to the RMSNorm kernel changes no bit; swapping through the side stream
+gives the tokens of a run that never swaps; the KV pool is sized from the GPU's memory.
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def test_the_paged_kernel_agrees_with_the_gather_fallback(block_size, heads, kv_
     q = torch.randn(inputs.input_ids.shape[0], heads, head_dim, generator=gen)
     outputs = {}
     for name in ("triton", "flash"):
-        backend = select_backend(name, device, torch.bfloat16, scale)
+        backend = select_backend(name, device, torch.bfloat16, scale, max_model_len=2048)
         cache = backend.allocate_kv_cache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, device)[0]
         flat = cache.view(2, -1, kv_heads, head_dim)
         for s in ordered:  # the cached context, straight into the blocks
@@ -221,7 +222,8 @@ def test_sampling_on_cuda_is_seeded_and_batch_independent(model_dir, prompts):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_fused_kernels_round_as_the_torch_ops_do(dtype):
     """RMSNorm, SwiGLU and RoPE with the KV write, each one Triton kernel, against the torch ops they
-    replace in the same dtype: equal but for the last bit of a rounding tie."""
+    replace in the same dtype: equal but for the last bit of a rounding tie. RMSNorm with the
+    residual add before it: the sum torch's add gives, and the RMSNorm kernel's bits of it."""
     import torch.nn.functional as F
 
     from engine.attention.triton_paged import PagedMetadata, TritonPagedBackend
@@ -233,6 +235,10 @@ def test_the_fused_kernels_round_as_the_torch_ops_do(dtype):
     weight = torch.randn(576, device="cuda", generator=gen).to(dtype)
     expected = F.rms_norm(x.float(), (576,), None, 1e-5).to(dtype) * weight
     torch.testing.assert_close(cuda_ops.rms_norm(x, weight, 1e-5), expected)
+    residual = torch.randn(37, 576, device="cuda", generator=gen).to(dtype)
+    total, normed = cuda_ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, cuda_ops.rms_norm(residual + x, weight, 1e-5))
     gate_up = torch.randn(37, 2 * 1536, device="cuda", generator=gen).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cuda_ops.swiglu(gate_up), F.silu(gate) * up)
@@ -240,13 +246,76 @@ def test_the_fused_kernels_round_as_the_torch_ops_do(dtype):
     tokens, heads, kv_heads, head_dim, block_size = 37, 9, 3, 64, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(dtype)
     cos, sin = (torch.randn(tokens, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
-    backend = TritonPagedBackend(head_dim ** -0.5)
+    backend = TritonPagedBackend(head_dim ** -0.5, 2048)
     cache = backend.allocate_kv_cache(1, 8, block_size, kv_heads, head_dim, dtype, torch.device("cuda"))[0]
     slots = torch.randperm(8 * block_size, device="cuda", generator=gen)[:tokens]
-    qk = backend.rope_and_write(qkv, cos, sin, cache, PagedMetadata(slots, None, None, None, []), heads)
+    qk = backend.rope_and_write(qkv, cos, sin, cache, PagedMetadata(slots, None, None, None, None, []), heads)
     rotated = _rope(qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos[:, None],
                     sin[:, None])
     torch.testing.assert_close(qk, rotated)
     flat = cache.view(2, -1, kv_heads, head_dim)
     torch.testing.assert_close(flat[0, slots], rotated[:, heads:])
     assert torch.equal(flat[1, slots], qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim))
+
+
+def test_a_decodes_attention_does_not_depend_on_how_many_programs_share_its_partitions():
+    """The decode kernel splits each context into partitions (flash-decoding); a CUDA graph's
+    padded bucket and an eager step give a decode different program counts and partial-result
+    sizes, so both must give the same bits. Long contexts: many partitions each."""
+    import dataclasses
+
+    from engine.attention.selector import select_backend
+    from engine.runner.inputs import build_inputs
+    from tests.engine.helpers import ragged_batch
+
+    block_size, heads, kv_heads, head_dim, device = 16, 32, 8, 64, torch.device("cuda")
+    shapes = [(1500, 1), (700, 1), (63, 1), (64, 1), (5, 1)]
+    num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 4
+    inputs = build_inputs(ragged_batch(0, shapes, num_blocks, block_size), block_size, device)
+    backend = select_backend("triton", device, torch.bfloat16, head_dim ** -0.5, max_model_len=4096)
+    cache = backend.allocate_kv_cache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, device)[0]
+    cache.normal_()
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(len(shapes), heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(len(shapes), kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    metadata = backend.build_metadata(inputs)
+    assert metadata.decodes.parts == -(-1501 // backend.partition) > 1
+    outputs = []
+    for programs in (1, 3, metadata.decodes.parts):
+        for parts in (metadata.decodes.parts, backend.max_parts):
+            split = dataclasses.replace(metadata.decodes, programs=programs, parts=parts)
+            outputs.append(backend.forward(q, k, v, cache, dataclasses.replace(metadata, decodes=split)))
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 128256), (3, 49152), (1, 1000), (200, 49152)])
+def test_greedy_tokens_are_the_first_maximum_as_argmax_gives(rows, vocab):
+    """The two-pass argmax of a few rows on CUDA (pieces, then their maxima) against torch's, with
+    many ties, whose first index must win."""
+    from engine.sampler import greedy_tokens
+
+    gen = torch.Generator("cuda").manual_seed(rows)
+    for _ in range(20):
+        logits = torch.randint(-3, 4, (rows, vocab), device="cuda", generator=gen).float()
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+
+
+def test_carrying_the_residual_to_the_norm_kernel_changes_no_bit(model_dir, prompts):
+    """A 16-bit model on CUDA adds each residual in the next RMSNorm's kernel: its logits are the
+    bits of the layers' own order (the add, then the norm), prefill and decode."""
+    from engine.models import llama
+
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, seed=0)
+    model, logits = llm.engine.runner.model, {True: [], False: []}
+    original = llama.fused_ops
+    for carried, captured in logits.items():
+        hook = model.register_forward_hook(lambda module, args, out, c=captured: c.append(out.clone()))
+        llama.fused_ops = original if carried else (lambda x: None)
+        try:
+            llm.generate(prompts[:3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+        finally:
+            llama.fused_ops = original
+            hook.remove()
+    assert len(logits[True]) == len(logits[False]) > 1
+    assert all(torch.equal(a, b) for a, b in zip(logits[True], logits[False]))

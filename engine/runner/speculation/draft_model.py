@@ -240,5 +240,6 @@ def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_le
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes {kv_cache_memory_bytes} holds no KV block of the draft model")
     device = torch.device(target.device)
-    backend = select_backend(target.attention_backend, device, loaded.dtype, loaded.model.head_dim ** -0.5)
+    backend = select_backend(target.attention_backend, device, loaded.dtype, loaded.model.head_dim ** -0.5,
+                             target.max_model_len or loaded.max_model_len)
     return DraftWorker(loaded.model, backend, num_blocks, block_size, device, loaded.dtype, num_layers, target.seed)
