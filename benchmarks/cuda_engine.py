@@ -10,7 +10,11 @@ locally in bfloat16 (no download): SmolLM2-135M (30 layers, hidden 576, 9 query 
 tokens) in tokens/s; medians of --repeats runs after a warm-up. The single stream's bound is the
 weights read once per token at the copy bandwidth measured here (a device-to-device copy).
 
-    python benchmarks/cuda_engine.py [--models smollm2-135m,llama-1b] [--repeats 3] [--json OUT]
+    python benchmarks/cuda_engine.py [--models smollm2-135m,llama-1b] [--configs triton-graphs,...]
+        [--no-transformers] [--repeats 3] [--json OUT]
+
+`--configs ''` runs transformers alone; `--no-transformers` the engine alone (two revisions compared
+by running this from a checkout of each).
 """
 from __future__ import annotations
 
@@ -130,20 +134,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    ap.add_argument("--no-transformers", action="store_true", help="skip transformers' baselines")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
                "copy_bandwidth_bytes_s": bandwidth, "models": {}}
-    configs = args.configs.split(",")
+    configs = [c for c in args.configs.split(",") if c]
     for name in args.models.split(","):
         workload = make_workload(64, vocab_size=SHAPES[name]["vocab_size"])
         with tempfile.TemporaryDirectory() as tmp:
             model = shaped_model(tmp, SHAPES[name])
-            entry = {"weight_bytes": weight_bytes(model),
-                     "transformers": bench_transformers(model, workload, args.repeats)}
-            _free()  # each engine and model's memory back before the next
+            entry = {"weight_bytes": weight_bytes(model)}
+            if not args.no_transformers:
+                entry["transformers"] = bench_transformers(model, workload, args.repeats)
+                _free()  # each engine and model's memory back before the next
             for config in configs:
                 entry[config] = bench_engine(model, CONFIGS[config], workload, args.repeats)
                 _free()
@@ -155,16 +161,17 @@ def main() -> None:
 
 
 def print_model(name: str, entry: dict, configs: list[str], bandwidth: float) -> None:
-    hf = entry["transformers"]
+    hf = entry.get("transformers")
     bound = bandwidth / entry["weight_bytes"]
     print(f"\n{name}: weights {entry['weight_bytes'] / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s: "
-          f"single-stream bound {bound:.0f} tok/s; transformers bf16 single stream {hf['single_stream_tok_s']:.1f} "
-          f"tok/s, static batching {hf['static_batch_output_tok_s']:.0f} tok/s")
+          f"single-stream bound {bound:.0f} tok/s" + (f"; transformers bf16 single stream "
+          f"{hf['single_stream_tok_s']:.1f} tok/s, static batching {hf['static_batch_output_tok_s']:.0f} tok/s"
+                                                       if hf else ""))
     print(f"{'engine (bfloat16)':<28}{'64-req tok/s':>14}{'vs static':>11}{'single tok/s':>14}{'of bound':>10}")
     for config in configs:
         r = entry[config]
-        print(f"{config:<28}{r['mixed_output_tok_s']:>14.0f}"
-              f"{r['mixed_output_tok_s'] / hf['static_batch_output_tok_s']:>10.2f}x"
+        vs_static = f"{r['mixed_output_tok_s'] / hf['static_batch_output_tok_s']:>10.2f}x" if hf else f"{'':>11}"
+        print(f"{config:<28}{r['mixed_output_tok_s']:>14.0f}{vs_static}"
               f"{r['single_stream_tok_s']:>14.1f}{r['single_stream_tok_s'] / bound:>10.2f}")
 
 

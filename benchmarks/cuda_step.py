@@ -1,0 +1,146 @@
+"""Where a single-stream decode step's time goes on one NVIDIA GPU (the models of
+benchmarks/cuda_engine.py, bfloat16, the default engine: the paged kernel, decode steps in CUDA
+graphs): the step's wall time; its parts on the host (scheduling, inputs, the graph's launch and
+copies, sampling up to the token's arrival, the update and output processing; each timed around
+the call); the bucket-1 graph replayed back to back (the GPU's time a step); the graph launch's
+CPU time; kernels and GPU busy time a step (torch.profiler, 20 steps), and the profiler's tables.
+
+    python benchmarks/cuda_step.py [--models llama-1b,smollm2-135m] [--json OUT]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from benchmarks.cuda_engine import SHAPES, shaped_model  # noqa: E402
+from benchmarks.workload import random_prompt  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+class Timed:
+    """Wraps a callable (and delegates attributes): accumulates its wall time under `key`."""
+
+    def __init__(self, fn, key, sink):
+        self._fn, self._key, self._sink = fn, key, sink
+
+    def __call__(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self._fn(*a, **k)
+        finally:
+            self._sink[self._key] = self._sink.get(self._key, 0.0) + time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
+def timeline(eng, steps: int) -> dict:
+    """Mean ms per step spent in each part of the step (wall, no sync added)."""
+    import engine.runner.model_runner as mr
+    sink = {}
+    saved = (eng.scheduler.schedule, mr.build_inputs, eng.runner.sampler, eng.scheduler.update_from_output,
+             eng.output_processor.process, eng.runner.graphs.run if eng.runner.graphs else None)
+    eng.scheduler.schedule = Timed(saved[0], "schedule", sink)
+    mr.build_inputs = Timed(saved[1], "build_inputs", sink)
+    eng.runner.sampler = Timed(saved[2], "sampler_incl_sync", sink)
+    eng.scheduler.update_from_output = Timed(saved[3], "update", sink)
+    eng.output_processor.process = Timed(saved[4], "output_processing", sink)
+    if saved[5] is not None:
+        eng.runner.graphs.run = Timed(saved[5], "graph_run_cpu", sink)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sink["step_total"] = time.perf_counter() - t0
+    eng.scheduler.schedule, mr.build_inputs, eng.runner.sampler, eng.scheduler.update_from_output = saved[:4]
+    eng.output_processor.process = saved[4]
+    if saved[5] is not None:
+        eng.runner.graphs.run = saved[5]
+    return {k: v / steps * 1e3 for k, v in sink.items()}
+
+
+def run(name: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = shaped_model(tmp, SHAPES[name])
+        t0 = time.perf_counter()
+        llm = LLM(model, device="cuda", max_num_seqs=256, max_num_batched_tokens=4096,
+                  kv_cache_memory_bytes=16 << 30, enable_prefix_caching=False)
+        build_s = time.perf_counter() - t0
+        eng = llm.engine
+        llm.generate([random_prompt(128, seed=1)], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        eng.add_request("p", random_prompt(128, seed=2), SamplingParams(max_tokens=400, temperature=0,
+                                                                         ignore_eos=True))
+        for _ in range(21):
+            eng.step()
+        walls, hosts = [], []
+        for _ in range(150):
+            t0 = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t0)
+            hosts.append(eng._last_step.scheduler_overhead_s)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                eng.step()
+            torch.cuda.synchronize()
+        parts = timeline(eng, 100)
+        graphs = eng.runner.graphs
+        replay = launch = None
+        if graphs is not None and 1 in graphs.graphs:
+            g = graphs.graphs[1].graph
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(300):
+                g.replay()
+            torch.cuda.synchronize()
+            replay = (time.perf_counter() - t0) / 300
+            launches = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                g.replay()
+                launches.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+            launch = statistics.median(launches)
+        averages = prof.key_averages()
+        kernels = [e for e in averages if e.device_type.name == "CUDA"]
+        kernel_count = sum(e.count for e in kernels) / 20
+        gpu_us = sum(e.self_device_time_total for e in kernels) / 20
+        print(f"== {name}: build {build_s:.1f}s, step wall median {statistics.median(walls)*1e3:.3f} ms, "
+              f"host outside runner {statistics.median(hosts)*1e3:.3f} ms, graph replay alone "
+              f"{replay * 1e3 if replay else float('nan'):.3f} ms, kernels/step {kernel_count:.0f}, "
+              f"GPU busy/step {gpu_us/1e3:.3f} ms, "
+              f"graph launch (CPU) {launch * 1e3 if launch else float('nan'):.3f} ms", flush=True)
+        print("   step parts (ms):", json.dumps({k: round(v, 4) for k, v in parts.items()}), flush=True)
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+        print(averages.table(sort_by="self_device_time_total", row_limit=25))
+        result = {"build_s": build_s, "step_wall_ms": statistics.median(walls) * 1e3,
+                  "host_outside_runner_ms": statistics.median(hosts) * 1e3,
+                  "replay_ms": replay * 1e3 if replay else None, "kernels_per_step": kernel_count,
+                  "gpu_busy_ms": gpu_us / 1e3, "graph_launch_cpu_ms": launch * 1e3 if launch else None,
+                  "step_parts_ms": parts}
+        del llm, eng
+        torch.cuda.empty_cache()
+        return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-1b,smollm2-135m")
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args()
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in args.models.split(","):
+        results[name] = run(name)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
