@@ -165,7 +165,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     if not logits.is_cuda or rows > ARGMAX_PIECES or vocab % ARGMAX_PIECES:
         return logits.argmax(dim=-1)
-    values, within = logits.view(rows, ARGMAX_PIECES, -1).max(dim=-1)  # first maximum of each piece
+    values, within = logits.reshape(rows, ARGMAX_PIECES, -1).max(dim=-1)  # first maximum of each piece
     piece = values.argmax(dim=-1)  # the first piece holding the row's maximum
     return piece * (vocab // ARGMAX_PIECES) + within.gather(1, piece[:, None])[:, 0]
 

@@ -1,20 +1,21 @@
-"""CUDA attention that reads the paged cache where it lies: one Triton kernel over the step's ragged
-batch (prefill chunks and decodes), walking each sequence's block table, so no step copies a
+"""CUDA attention that reads the paged cache where it lies: Triton kernels over the step's ragged
+batch (prefill chunks and decodes) that walk each sequence's block table, so no step copies a
 context out of the cache (the flash backend gathers every context, every layer, every step).
 
 A program takes one tile of a sequence's queries (BLOCK_Q tokens) for one KV head, with that
 head's query heads packed into the tile's rows (GQA: the keys and values are read once for the
 group), and runs an online softmax over the key tiles up to its last query's position: causal
 within a chunk, every cached token before it. Scores and softmax in float32, as FlashAttention
-(a float32 model's products in full float32, not TF32).
-Prefill chunks run that kernel. Decodes (one query each) are split along their context instead
-(flash-decoding): a single stream's decode would otherwise be one program per KV head walking the
-whole context, a few of the GPU's 132 multiprocessors busy and the layer's attention ~15 us. A
-decode's keys are cut into partitions of a fixed size, each partition's softmax is computed by one
-program, and a second kernel merges the partitions in order. A sequence's result depends only on
-its own partitions, not on how many programs share them, so a CUDA graph padded to its bucket and
-an eager step give the same values. Decode metadata lives in fixed-size tensors, so decode-only
-steps can be captured in CUDA graphs (engine/runner/cuda_graphs.py).
+(a float32 model's products in full float32, not TF32). Prefill chunks run that kernel.
+
+Decodes (one query each) are split along their context instead (flash-decoding): a lone stream's
+decode would otherwise be one program per KV head walking the whole context, a few of the GPU's
+multiprocessors busy and the layer's attention ~15 us. A decode's keys are cut into partitions of
+a fixed size, each partition's softmax is computed by one program, and a second kernel merges the
+partitions in order. A sequence's result depends only on its own partitions, not on how many
+programs share them, so a CUDA graph padded to its bucket and an eager step give the same values.
+Decode metadata lives in fixed-size tensors, so decode-only steps can be captured in CUDA graphs
+(engine/runner/cuda_graphs.py).
 Cache layout: BlockMajorCache, as the flash backend's.
 """
 from __future__ import annotations
