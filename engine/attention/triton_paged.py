@@ -210,7 +210,7 @@ class PagedMetadata:
     slot_mapping: torch.Tensor  # (T,) where the step's new keys go
     block_tables: torch.Tensor  # (B, width) int32, each sequence's blocks (rows past its length unread)
     seq_lens: torch.Tensor  # (B,) int32 context length after this step
-    query_start: torch.Tensor  # (B + 1,) int32 token offsets
+    query_start: torch.Tensor | None  # (B + 1,) int32 token offsets, for the prefill launches (None without)
     decodes: DecodeSplit | None
     launches: list[Launch]  # the prefill chunks'
 
@@ -247,7 +247,7 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
 
         width = max(map(len, inputs.block_tables))
         tables = int32([t + [0] * (width - len(t)) for t in inputs.block_tables])
-        num_decodes, launches, decodes = inputs.num_decodes, [], None
+        num_decodes, launches, decodes, query_start = inputs.num_decodes, [], None, None
         if num_decodes:
             longest = max(inputs.seq_lens[:num_decodes])
             decodes = self._split(num_decodes, -(-longest // self.partition), device)
@@ -255,17 +255,15 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
             tiles = [(b, first) for b in range(num_decodes, len(inputs.seq_lens))
                      for first in range(0, inputs.query_start_loc[b + 1] - inputs.query_start_loc[b], PREFILL_QUERIES)]
             launches.append(Launch(int32([b for b, _ in tiles]), int32([f for _, f in tiles]), PREFILL_QUERIES))
-        return PagedMetadata(inputs.slot_mapping, tables, int32(inputs.seq_lens), int32(inputs.query_start_loc),
-                             decodes, launches)
+            query_start = int32(inputs.query_start_loc)
+        return PagedMetadata(inputs.slot_mapping, tables, int32(inputs.seq_lens), query_start, decodes, launches)
 
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         ) -> PagedMetadata:
         """Metadata of a decode-only step over fixed buffers (a CUDA graph's inputs): every
         sequence one query, room for the longest context's partitions."""
-        n, device = seq_lens.numel(), seq_lens.device
-        query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        return PagedMetadata(slot_mapping, block_tables, seq_lens, query_start, self._split(n, self.max_parts, device),
-                             [])
+        split = self._split(seq_lens.numel(), self.max_parts, seq_lens.device)
+        return PagedMetadata(slot_mapping, block_tables, seq_lens, None, split, [])
 
     @staticmethod
     def _split(rows: int, parts: int, device: torch.device) -> DecodeSplit:
