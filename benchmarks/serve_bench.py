@@ -137,8 +137,8 @@ def _usage_tokens(usage: dict[str, Any] | None) -> tuple[int | None, int | None]
     return usage.get("prompt_tokens"), usage.get("completion_tokens")
 
 
-async def _one_request(client, url: str, model: str | None, prompt: Any, max_tokens: int,
-                       res: RequestResult, t_start: float, extra: dict[str, Any]) -> None:
+async def stream_request(client, url: str, model: str | None, prompt: Any, max_tokens: int,
+                         res: RequestResult, t_start: float, extra: dict[str, Any]) -> None:
     body: dict[str, Any] = {
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
@@ -234,7 +234,7 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
         # warm-up (not timed): distinct prompts, so prefix caching cannot help the measured run
         for i, ids in enumerate(warmup_prompts(args.warmup)):
             w = RequestResult(-1 - i, len(ids), 4, 0.0)
-            await _one_request(client, url, model, prompt_of(ids), 4, w, time.perf_counter(), extra)
+            await stream_request(client, url, model, prompt_of(ids), 4, w, time.perf_counter(), extra)
             if not w.ok:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
 
@@ -253,7 +253,7 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
                 await asyncio.sleep(delay)
             body = extra if res.priority is None else extra | {"priority": res.priority}
             async with sem:
-                await _one_request(client, url, model, prompt_of(req.prompt_token_ids),
+                await stream_request(client, url, model, prompt_of(req.prompt_token_ids),
                                    req.output_len, res, t_start, body)
 
         await asyncio.gather(*(launch(r, res) for r, res in zip(wl.requests, results)))
