@@ -42,14 +42,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.serve_bench import (  # noqa: E402
-    DEFAULT_CONFIG,
-    RequestResult,
-    launched_app,
-    load_app_config,
-    log,
-    stream_request,
-)
+from benchmarks import serve_bench  # noqa: E402
 from benchmarks.workload import random_prompt, warmup_prompts  # noqa: E402
 
 RUNNING, STOPPED, HTTP = "running", "stopped", "http"
@@ -100,10 +93,10 @@ def http_decode(base_url: str, model: str, prompt: list[int], output_len: int) -
 
     import httpx
 
-    async def one() -> RequestResult:
-        res = RequestResult(0, len(prompt), output_len, 0.0)
+    async def one() -> serve_bench.RequestResult:
+        res = serve_bench.RequestResult(0, len(prompt), output_len, 0.0)
         async with httpx.AsyncClient(timeout=300) as client:
-            await stream_request(client, base_url + "/completions", model, prompt, output_len, res,
+            await serve_bench.stream_request(client, base_url + "/completions", model, prompt, output_len, res,
                                time.perf_counter(), {})
         return res
 
@@ -161,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--config", default=serve_bench.DEFAULT_CONFIG)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--runs-per-state", type=int, default=3, help="decodes per state in a round")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -177,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     states = [RUNNING, STOPPED, HTTP] + [f"{g} stopped" for g in groups]
     print(f"CPU: {cpu_features()}; {os.cpu_count()} cores", flush=True)
 
-    cfg = load_app_config(args.config, {})
+    cfg = serve_bench.load_app_config(args.config, {})
     samples: dict[str, list[list[tuple[float, int]]]] = {s: [] for s in states}
-    with launched_app(args.config, None, None, args.startup_timeout) as (base_url, _):
+    with serve_bench.launched_app(args.config, None, None, args.startup_timeout) as (base_url, _):
         graph = psutil.Process().children(recursive=True)
         served = [proc for proc in graph if "engine.engine_core" in " ".join(proc.cmdline())]
         http_seed = 10**6  # apart from the engine process's prompts
@@ -216,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                 here.send(True)
                                 runs.append(here.recv())
                     samples[state].append(runs)
-                    log(f"round {rnd} {state}: {' '.join(f'{ms:.3f}' for ms, _ in runs)} ms/token")
+                    serve_bench.log(f"round {rnd} {state}: {' '.join(f'{ms:.3f}' for ms, _ in runs)} ms/token")
             here.send(None)
         finally:
             engine.join(30)
@@ -229,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"cpu": cpu_features(), "config": args.config, "prompt_len": args.prompt_len,
                        "output_len": args.output_len, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                        "states": rows, "samples": samples}, f, indent=1)
-        log(f"wrote {args.json}")
+        serve_bench.log(f"wrote {args.json}")
     return 0
 
 
