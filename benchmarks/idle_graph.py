@@ -4,9 +4,10 @@ processes running or stopped, and the same stream served through HTTP, in one la
 One engine process, built from the serve config's engine args, decodes one stream at a time
 (`--prompt-len` prompt tokens, `--output-len` new tokens) while the config's graph is up and idle
 (serve_bench.launched_app). Before each decode the graph's processes are left running, or
-SIGSTOPped: all of them, or one group (`--groups`). In the `http` state that engine waits and the
-app serves the stream instead (a streaming completion, TPOT taken by the client as serve_bench
-takes it). The states take turns within each round, in reverse order every other round, so the
+SIGSTOPped: all of them, or one group (`--groups`: Serve's controller, its proxy, the replicas
+with their engine processes, the GCS with the raylet, Ray's other daemons). In the `http` state
+that engine waits and the app serves the stream instead (a streaming completion, TPOT taken by
+the client as serve_bench takes it). The states take turns within each round, in reverse order every other round, so the
 host's drift falls on each alike; one launch and one engine process per side, so neither
 start-up nor a process's luck differs between states.
 
@@ -17,7 +18,7 @@ idle processes leave a single stream; `http` is what a client gets (serve_bench'
 "HTTP / alone", measured without a launch or a process between the two).
 
     RAY_TMPDIR=$(mktemp -d) RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/idle_graph.py \
-        --rounds 8 --groups serve,ray,daemons --json idle_graph.json
+        --rounds 8 --groups controller,proxy,replicas,ray,daemons --json idle_graph.json
 
 Only processes this benchmark started are stopped, and each is resumed after its decode and on
 any exit.
@@ -46,14 +47,19 @@ from benchmarks import serve_bench  # noqa: E402
 from benchmarks.workload import random_prompt, warmup_prompts  # noqa: E402
 
 RUNNING, STOPPED, HTTP = "running", "stopped", "http"
+GROUPS = ("controller", "proxy", "replicas", "ray", "daemons")
 
 
 def group_of(cmdline: str) -> str:
-    """serve: Serve's actors (controller, proxy, replicas) and a replica's engine process; ray:
-    the GCS and the raylet; daemons: Ray's other processes (dashboard, its agents, the log and
+    """controller, proxy: Serve's; replicas: Serve's replica actors and their engine processes;
+    ray: the GCS and the raylet; daemons: Ray's other processes (dashboard, its agents, the log and
     autoscaler monitors)."""
-    if cmdline.startswith(("ray::Serve", "ray::ProxyActor")) or "engine.engine_core" in cmdline:
-        return "serve"
+    if cmdline.startswith("ray::ServeController"):
+        return "controller"
+    if cmdline.startswith("ray::ProxyActor"):
+        return "proxy"
+    if cmdline.startswith("ray::ServeReplica") or "engine.engine_core" in cmdline:
+        return "replicas"
     if "gcs_server" in cmdline or "raylet/raylet" in cmdline:
         return "ray"
     return "daemons"
@@ -159,12 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-per-state", type=int, default=3, help="decodes per state in a round")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--groups", default="", help="comma-separated groups to stop one at a time: serve, ray, daemons")
+    p.add_argument("--groups", default="", help="comma-separated groups to stop one at a time: " + ", ".join(GROUPS))
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     groups = [g for g in args.groups.split(",") if g]
-    unknown = set(groups) - {"serve", "ray", "daemons"}
+    unknown = set(groups) - set(GROUPS)
     if unknown:
         p.error(f"unknown groups: {sorted(unknown)}")
     states = [RUNNING, STOPPED, HTTP] + [f"{g} stopped" for g in groups]
