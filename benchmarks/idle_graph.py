@@ -103,7 +103,7 @@ def http_decode(base_url: str, model: str, prompt: list[int], output_len: int) -
         res = serve_bench.RequestResult(0, len(prompt), output_len, 0.0)
         async with httpx.AsyncClient(timeout=300) as client:
             await serve_bench.stream_request(client, base_url + "/completions", model, prompt, output_len, res,
-                               time.perf_counter(), {})
+                                             time.perf_counter(), {})
         return res
 
     res = asyncio.run(one())
@@ -129,7 +129,7 @@ def stopped(processes: list[Any]) -> Iterator[None]:
                 p.send_signal(signal.SIGCONT)
 
 
-def summarize(samples: dict[str, list[tuple[float, int]]], output_len: int) -> dict[str, dict[str, Any]]:
+def summarize(samples: dict[str, list[list[tuple[float, int]]]], output_len: int) -> dict[str, dict[str, Any]]:
     """Per state: each round's median ms/token, their median, switches per token, and the
     all-stopped time over this state's."""
     rows = {}
@@ -154,7 +154,6 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import psutil
 
     from benchmarks.quantization import cpu_features
 
@@ -176,11 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     states = [RUNNING, STOPPED, HTTP] + [f"{g} stopped" for g in groups]
     print(f"CPU: {cpu_features()}; {os.cpu_count()} cores", flush=True)
 
-    cfg = serve_bench.load_app_config(args.config, {})
     samples: dict[str, list[list[tuple[float, int]]]] = {s: [] for s in states}
-    with serve_bench.launched_app(args.config, None, None, args.startup_timeout) as (base_url, _):
-        graph = psutil.Process().children(recursive=True)
-        served = [proc for proc in graph if "engine.engine_core" in " ".join(proc.cmdline())]
+    with serve_bench.launched_app(args.config, None, None, args.startup_timeout) as (base_url, cfg):
+        graph = {proc: " ".join(proc.cmdline()) for proc in serve_bench._ray_descendants()}
+        served = [proc for proc, cmdline in graph.items() if "engine.engine_core" in cmdline]
         http_seed = 10**6  # apart from the engine process's prompts
 
         def serve_one() -> tuple[float, int]:
@@ -200,10 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if here.recv() != "ready":
                 raise RuntimeError("the engine process did not start")
-            members: dict[str, list[Any]] = {RUNNING: [], STOPPED: graph}
-            for proc in graph:
-                with contextlib.suppress(psutil.Error):
-                    members.setdefault(f"{group_of(' '.join(proc.cmdline()))} stopped", []).append(proc)
+            members: dict[str, list[Any]] = {RUNNING: [], STOPPED: list(graph)}
+            for proc, cmdline in graph.items():
+                members.setdefault(f"{group_of(cmdline)} stopped", []).append(proc)
             for rnd in range(args.rounds):
                 for state in states if rnd % 2 == 0 else states[::-1]:
                     runs = []
