@@ -52,14 +52,15 @@ ENGINE_ARGS = dict(max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memor
 SINGLE_PROMPT, SINGLE_NEW = 128, 128
 
 
-def shaped_model(path: str, shape: dict) -> str:
+def shaped_model(path: str, shape: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> str:
+    """A Llama of `shape` with random weights and a tokenizer of one word per id, saved at `path`."""
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         {f"t{i}": i for i in range(shape["vocab_size"])}, unk_token="t0")), eos_token="t0")
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=True,
                                              eos_token_id=0))
-    model.to(torch.bfloat16).save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

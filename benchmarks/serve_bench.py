@@ -565,9 +565,9 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
     Ray's floor(num_cpus) default for the engine replica's torch threads. `front_door`: "direct"
     (Serve's direct ingress: the ingress replica's own HTTP server on `port`, Serve's proxy on a
     free port) or "proxy" (Serve's proxy on `port`); None: as `make serve` chooses for the config
-    (serve_app/launch.py). Serve's pace is `make serve`'s (serve_app.launch.IDLE_PACE_ENV) where the
-    environment does not set it."""
-    from serve_app.launch import choose_front_door, direct_ingress_env, idle_pace_env
+    (serve_app/launch.py). Serve's pace and event loops are `make serve`'s (serve_app.launch.serve_env)
+    where the environment does not set them."""
+    from serve_app.launch import choose_front_door, direct_ingress_env, serve_env
 
     cfg = load_app_config(config_path, engine_overrides or {})
     http = _http_options(config_path)
@@ -582,7 +582,7 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
     os.environ["RAY_TMPDIR"] = tmp
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    os.environ.update(idle_pace_env())
+    os.environ.update(serve_env())
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH")] if p)
     front_door = front_door or choose_front_door(cfg)
     proxy_port = port

@@ -3,6 +3,8 @@ configs/serve.yaml) and the gpu-prod overlay's patch (configs/serve-gpu.yaml and
 
 The serve configs stay the one source of truth: each RayService's `serveConfigV2` is the config
 file's content with the HTTP proxy listening on every interface (a pod's address, not loopback).
+Every Ray container gets the environment `make serve` gives Serve's processes for the header deadline
+and Serve's event loops (serve_app.launch).
 `python -m cluster.k8s` rewrites the files; `--check` fails if they differ from what it would write.
 """
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from serve_app.launch import HEADER_DEADLINE_ENV, SERVE_LOOP_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_VERSION = "2.60.0"
@@ -44,7 +48,7 @@ def _container(name: str, image: str, ports: dict[str, int], cpu: str, memory: s
     return {
         "name": name, "image": image,
         "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
-        "env": [{"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": "serve_app.proxy:install"}],
+        "env": [{"name": k, "value": v} for k, v in (HEADER_DEADLINE_ENV | SERVE_LOOP_ENV).items()],
         "resources": {"requests": resources, "limits": resources},
     }
 

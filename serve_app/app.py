@@ -4,6 +4,8 @@ Graph: Ingress(config, router, replicas) -> Router (one replica, the global queu
 EngineReplica (num_replicas or autoscaling; pinned per call by PinnedReplicaRequestRouter).
 Replicas hold a router handle to push load reports, and, with speculative placement `actor`, the
 DraftModel deployment's (bound so Serve deploys it with the app; engines call it by name).
+With `config.router_in_ingress` (one ingress replica) there is no Router deployment: the ingress
+is a RouterIngress(config, replicas) holding the router, and replicas report to it by name.
 With `config.colocated` (one engine replica) the ingress, the router and the engine replica are
 one deployment, EngineIngress(config), which calls the other two in-process.
 `app_builder(args)` is the YAML entry point (`import_path: serve_app.app:app_builder`); unknown
@@ -21,6 +23,7 @@ from serve_app.engine_ingress import EngineIngress
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineReplica
 from serve_app.router import Router
+from serve_app.router_ingress import RouterIngress
 
 _QUIET = {"enable_access_log": False}
 
@@ -74,10 +77,11 @@ def router_deployment_options(config: AppConfig) -> dict[str, Any]:
 
 
 def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
+    num_cpus = config.ingress.num_cpus + (config.router.num_cpus if config.router_in_ingress else 0)
     return dict(
         name="Ingress",
         num_replicas=config.ingress.num_replicas,
-        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+        ray_actor_options={"num_cpus": num_cpus},
         max_ongoing_requests=4 * config.router.max_queued_requests + 4096,
     )
 
@@ -106,13 +110,16 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     if config.colocated:
         options = engine_ingress_deployment_options(config)
         return serve.deployment(serve.ingress()(EngineIngress), **options).bind(config, engine_cls, draft)
-    router_dep = serve.deployment(Router, **router_deployment_options(config))
-    router = router_dep.bind(config.router, metrics_enabled=True)
     replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
-    ingress_dep = serve.deployment(serve.ingress()(Ingress), **ingress_deployment_options(config))
+    options = ingress_deployment_options(config)
+    if config.router_in_ingress:
+        replicas = replica_dep.bind(config.engine, options["name"], engine_cls, metrics_enabled=True,
+                                    slo=config.slo, draft=draft)
+        return serve.deployment(serve.ingress()(RouterIngress), **options).bind(config, replicas)
+    router = serve.deployment(Router, **router_deployment_options(config)).bind(config.router, metrics_enabled=True)
     replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,
                                 draft=draft)
-    return ingress_dep.bind(config, router, replicas)
+    return serve.deployment(serve.ingress()(Ingress), **options).bind(config, router, replicas)
 
 
 def app_builder(args: dict[str, Any] | None = None):

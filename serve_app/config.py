@@ -156,6 +156,11 @@ class RouterConfig(_Strict):
     affinity_load_slack: float = Field(
         0.05, ge=0, description="Loads within this of the least count as a tie (prefix decides).")
     num_cpus: float = Field(0.1, ge=0)
+    in_ingress: bool | None = Field(
+        None, description="In the split graph, the router inside the ingress replica's actor "
+                          "(serve_app.router_ingress): no router actor, and no hop to it for each request's "
+                          "admission and release. Needs ingress.num_replicas 1: a second ingress would hold a "
+                          "second queue. None: in the ingress exactly then.")
 
     @model_validator(mode="after")
     def _range_ordered(self) -> RouterConfig:
@@ -231,6 +236,21 @@ class AppConfig(_Strict):
         if self.ingress.colocated is not None:
             return self.ingress.colocated
         return self.engine.num_replicas == 1 and self.engine.autoscaling is None and self.ingress.num_replicas == 1
+
+    @property
+    def router_in_ingress(self) -> bool:
+        """Whether the split graph's router runs inside its ingress (router.in_ingress resolved)."""
+        if self.router.in_ingress is not None:
+            return self.router.in_ingress
+        return self.ingress.num_replicas == 1
+
+    @model_validator(mode="after")
+    def _one_queue(self) -> AppConfig:
+        """Admission is fleet-wide: one queue, so a router inside the ingress needs the one ingress."""
+        if self.router.in_ingress and self.ingress.num_replicas != 1:
+            raise ValueError("router.in_ingress needs ingress.num_replicas 1: each ingress replica would hold an "
+                             "admission queue of its own")
+        return self
 
     @model_validator(mode="after")
     def _colocation_fits(self) -> AppConfig:

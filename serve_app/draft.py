@@ -65,6 +65,10 @@ class ServeDraftTransport:
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False,
                      logging_level=logging.WARNING)
         self.handle = serve.get_deployment_handle(DRAFT_DEPLOYMENT, app_name)
+        # Called from the engine's step loop, a thread with no event loop: the handle routes on
+        # Serve's own router thread even where the replica's handles route on its main loop
+        # (serve_app.launch.SERVE_LOOP_ENV, inherited by an engine process).
+        self.handle._init(_run_router_in_separate_loop=True)
         self.deadline_s = deadline_s
         self.num_missed = 0  # steps that got no drafts
         self._late = None  # (response, sent at) of the call that missed its deadline, until it is done

@@ -53,7 +53,9 @@ class EngineReplica:
     """One engine; streams coalesced deltas; reports load to the router.
 
     `router` is anything with `report.remote(ReplicaStats)` (a DeploymentHandle, or
-    serve_app.local.LocalHandle); None disables reporting.
+    serve_app.local.LocalHandle), or the name of the deployment of this app that takes the reports
+    (the ingress holding the router, which the graph cannot bind here: it binds the replicas);
+    None disables reporting.
     """
 
     def __init__(self, config: EngineReplicaConfig, router: Any = None,
@@ -182,6 +184,13 @@ class EngineReplica:
         self._report_now = asyncio.Event()
         self._report_task = loop.create_task(self._report_loop())
 
+    def _report_target(self) -> Any:
+        if isinstance(self._router, str):
+            from ray import serve
+
+            self._router = serve.get_deployment_handle(self._router, serve.get_replica_context().app_name)
+        return self._router
+
     async def _report_loop(self) -> None:
         """Sends the load snapshot when it changed (or requests arrived), and at least every
         heartbeat; looks every stats_report_interval_s or as soon as a request ends."""
@@ -200,7 +209,7 @@ class EngineReplica:
                         self._ended.pop(request_id, None)
                     self.metrics.record_load(stats, self.engine.stats())
                     self.metrics.record_slo_window(self.slo.window())
-                    await self._router.report.remote(stats)
+                    await self._report_target().report.remote(stats)
                     last_key, last_sent = key, time.monotonic()
             except asyncio.CancelledError:
                 raise

@@ -38,8 +38,9 @@ _IDLE_TICK_S = 1.0  # with none waiting only silent replicas expire (after secon
 
 
 class Router:
-    """The Router deployment (plain class; `app.py` applies serve.deployment), or with one engine
-    replica an object inside its actor (serve_app.engine_ingress)."""
+    """The Router deployment (plain class; `app.py` applies serve.deployment), or an object inside
+    the one ingress replica's actor (serve_app.router_ingress), which with one engine replica is
+    the engine's actor too (serve_app.engine_ingress)."""
 
     def __init__(self, config: RouterConfig, metrics_enabled: bool = False,
                  clock: Callable[[], float] = time.monotonic):

@@ -172,12 +172,16 @@ def serve_cluster(tmp_path_factory):
     (`cluster.add_node`) and remove them before they end. The front door is the one `make serve`
     uses, Serve's direct ingress (serve_app/launch.py): each app's ingress replica takes HTTP
     connections on a port of its own (`app_url`); Serve's proxy answers on `http` too. Serve's
-    pace is `make serve`'s too."""
-    from serve_app.launch import HEADER_DEADLINE_ENV, direct_ingress_env, idle_pace_env
+    pace and event loops are `make serve`'s too."""
+    # Serve reads SERVE_LOOP_ENV when imported, the cluster's workers when they start: imported first,
+    # this process's own handles keep Serve's router thread (tests call them from threads with no loop).
+    import ray.serve  # noqa: F401
+
+    from serve_app.launch import HEADER_DEADLINE_ENV, direct_ingress_env, serve_env
 
     tmp = tmp_path_factory.mktemp("ray")
     env = direct_ingress_env(free_port_block(DIRECT_INGRESS_PORTS), DIRECT_INGRESS_PORTS) | HEADER_DEADLINE_ENV
-    env |= idle_pace_env() | {
+    env |= serve_env() | {
         "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
         "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
         "CBSERVE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),

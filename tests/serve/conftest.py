@@ -125,8 +125,9 @@ def fake_serve_app(serve_cluster: dict, name: str, config: dict,
     """build_app on the fake engine (class attributes `engine_options`) as Serve app `name` at
     /name; yields its URL and deletes the app on exit. One completion goes through first, so
     tests start with the ingress holding the model info and one request counted per app. The
-    graph is the split one (Ingress, Router, EngineReplica deployments), whose replicas these
-    tests reach by handle, unless `config` says otherwise; the real-engine apps run colocated."""
+    graph is the split one (an Ingress holding the router, and EngineReplica deployments), whose
+    replicas these tests reach by handle, unless `config` says otherwise; the real-engine apps run
+    colocated."""
     from ray import serve
 
     base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}, "ingress": {"colocated": False}}

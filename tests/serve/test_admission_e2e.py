@@ -1,7 +1,8 @@
-"""The admission scenarios (admission_scenarios.py) through real Ray Serve (slow): the Router
-deployment, the pinning request router and HTTP through the Serve proxy, on fake engines that run
-one request at a time; and the one-replica scenarios again with the router inside the engine
-replica's actor (EngineIngress). Each scenario deploys its own app and deletes it."""
+"""The admission scenarios (admission_scenarios.py) through real Ray Serve (slow), in each graph
+that holds the admission queue somewhere else: the Router deployment, the router inside the
+ingress replica (RouterIngress), and for the one-replica scenarios the router inside the engine
+replica's actor (EngineIngress); with the pinning request router and HTTP through Serve, on fake
+engines that run one request at a time. Each scenario deploys its own app and deletes it."""
 
 from __future__ import annotations
 
@@ -22,22 +23,24 @@ def _router_actor(app: str):
     return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
 
-# the split graph for every scenario; the colocated one (front end, router and engine in one
-# actor) for those with one engine replica, the only case it is deployed for
-GRAPHS = [(name, False) for name in SCENARIOS] + [
-    (name, True) for name, scenario in SCENARIOS.items() if scenario.config["engine"]["num_replicas"] == 1]
+# where the queue lives: the split graph's Router deployment, its ingress, or (one engine replica,
+# the only case it is deployed for) the actor holding front end, router and engine
+GRAPHS = {"router": {"ingress": {"colocated": False}, "router": {"in_ingress": False}},
+          "ingress": {"ingress": {"colocated": False}, "router": {"in_ingress": True}},
+          "colocated": {"ingress": {"colocated": True}}}
+CASES = [(name, graph) for graph in GRAPHS for name, scenario in SCENARIOS.items()
+         if graph != "colocated" or scenario.config["engine"]["num_replicas"] == 1]
 
 
-@pytest.mark.parametrize("name,colocated", GRAPHS)
-def test_admission_scenario_through_serve(serve_cluster, name, colocated):
+@pytest.mark.parametrize("name,graph", CASES)
+def test_admission_scenario_through_serve(serve_cluster, name, graph):
     import ray
     from ray import serve
 
     scenario = SCENARIOS[name]
-    app = f"adm-{name.replace('_', '-')}{'-colocated' if colocated else ''}"
-    config = merge(scenario.config, {"ingress": {"colocated": colocated}})
-    with fake_serve_app(serve_cluster, app, config, **ENGINE) as url:
-        if colocated:
+    app = f"adm-{name.replace('_', '-')}-{graph}"
+    with fake_serve_app(serve_cluster, app, merge(scenario.config, GRAPHS[graph]), **ENGINE) as url:
+        if graph == "colocated":
             engine = serve.get_deployment_handle("EngineIngress", app_name=app)
 
             async def replica_stats():
@@ -50,7 +53,6 @@ def test_admission_scenario_through_serve(serve_cluster, name, colocated):
                 return await engine.num_queued_admissions.remote()
         else:
             replicas = serve.get_deployment_handle("EngineReplica", app_name=app)
-            router = _router_actor(app)
 
             async def replica_stats():
                 return await asyncio.to_thread(lambda: replicas.broadcast("stats").results())
@@ -58,8 +60,16 @@ def test_admission_scenario_through_serve(serve_cluster, name, colocated):
             async def routing_counters():
                 return await asyncio.to_thread(lambda: replicas.broadcast("routing_counters").results())
 
-            async def num_queued():
-                # with every replica occupied, the calls the Router actor holds are queued admit()s
-                return await asyncio.to_thread(ray.get, router.get_num_ongoing_requests.remote())
+            if graph == "ingress":
+                ingress = serve.get_deployment_handle("Ingress", app_name=app)
+
+                async def num_queued():
+                    return await ingress.num_queued_admissions.remote()
+            else:
+                router = _router_actor(app)
+
+                async def num_queued():
+                    # with every replica occupied, the calls the Router actor holds are queued admit()s
+                    return await asyncio.to_thread(ray.get, router.get_num_ongoing_requests.remote())
 
         asyncio.run(scenario.run(Stack(url, replica_stats, routing_counters, num_queued)))

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from serve_app.app import build_app, engine_ingress_deployment_options, replica_deployment_options
+from serve_app.app import (
+    build_app,
+    engine_ingress_deployment_options,
+    ingress_deployment_options,
+    replica_deployment_options,
+)
 from serve_app.config import AppConfig, AutoscalingSettings, load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
@@ -83,25 +88,37 @@ def test_autoscaling_target_must_be_reachable_behind_the_router():
         cfg(10)
 
 
-@pytest.mark.parametrize("config,colocated", [
-    ({}, True),  # one engine replica: its actor takes the front end
-    ({"engine": {"num_replicas": 2}}, False),
-    ({"engine": {"autoscaling": {"max_replicas": 2}}}, False),
-    ({"ingress": {"num_replicas": 2}}, False),
-    ({"ingress": {"colocated": False}}, False),
+@pytest.mark.parametrize("config,colocated,router_in_ingress", [
+    ({}, True, True),  # one engine replica: its actor takes the front end
+    ({"engine": {"num_replicas": 2}}, False, True),  # one ingress replica: the router in it
+    ({"engine": {"autoscaling": {"max_replicas": 2}}}, False, True),
+    ({"ingress": {"colocated": False}}, False, True),
+    ({"ingress": {"num_replicas": 2}}, False, False),  # two ingress replicas share the Router deployment
+    ({"engine": {"num_replicas": 2}, "router": {"in_ingress": False}}, False, False),
 ])
-def test_the_front_end_joins_the_engine_replica_only_when_there_is_one(config, colocated):
+def test_the_front_end_joins_the_engine_replica_and_the_router_the_front_end_only_when_there_is_one(
+        config, colocated, router_in_ingress):
     cfg = AppConfig.model_validate(config)
-    assert cfg.colocated is colocated
+    assert cfg.colocated is colocated and cfg.router_in_ingress is router_in_ingress
     if colocated:
         opts = engine_ingress_deployment_options(cfg)
         assert opts["name"] == "EngineIngress" and "request_router_config" not in opts
         assert opts["ray_actor_options"]["num_cpus"] == pytest.approx(
             cfg.engine.num_cpus + cfg.ingress.num_cpus + cfg.router.num_cpus)
         assert opts["num_replicas"] == 1
-    # the deployments Serve would start: colocated, one actor holds front end, router and engine
-    expected = {"EngineIngress"} if colocated else {"Ingress", "Router", "EngineReplica"}
+    elif router_in_ingress:
+        assert ingress_deployment_options(cfg)["ray_actor_options"]["num_cpus"] == pytest.approx(
+            cfg.ingress.num_cpus + cfg.router.num_cpus)
+    # the deployments Serve would start: colocated, one actor holds front end, router and engine;
+    # with the router in the ingress, the split graph has no Router deployment
+    expected = ({"EngineIngress"} if colocated else {"Ingress", "EngineReplica"} if router_in_ingress
+                else {"Ingress", "Router", "EngineReplica"})
     assert _deployment_names(build_app(cfg)) == expected
+
+
+def test_a_router_in_one_of_several_ingress_replicas_is_an_error():
+    with pytest.raises(ValidationError, match="router.in_ingress needs ingress.num_replicas 1"):
+        AppConfig.model_validate({"ingress": {"num_replicas": 2}, "router": {"in_ingress": True}})
 
 
 def _deployment_names(app) -> set[str]:

@@ -20,7 +20,15 @@ import pytest
 import yaml
 from conftest import wait_healthy
 
-from serve_app.launch import IDLE_PACE_ENV, busy_ports, joins_running_cluster, main, plan
+from serve_app.launch import (
+    HEADER_DEADLINE_ENV,
+    IDLE_PACE_ENV,
+    SERVE_LOOP_ENV,
+    busy_ports,
+    joins_running_cluster,
+    main,
+    plan,
+)
 from tests.conftest import free_port_block
 
 ROOT = Path(__file__).parents[2]
@@ -61,18 +69,21 @@ def test_direct_ingress_takes_the_configs_port_and_moves_the_proxy():
 
 
 def test_the_proxy_keeps_the_config_as_written(monkeypatch):
-    for name in IDLE_PACE_ENV:
+    for name in IDLE_PACE_ENV | SERVE_LOOP_ENV:
         monkeypatch.delenv(name, raising=False)
     door, config, env = plan(SERVE_YAML, "proxy")
     assert door == "proxy" and config == SERVE_YAML
-    assert env == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"} | IDLE_PACE_ENV
+    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV
+    assert HEADER_DEADLINE_ENV == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
 
 
 def test_a_pace_set_in_the_environment_is_kept(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
     monkeypatch.delenv("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", raising=False)
     env = plan(SERVE_YAML)[2]
     assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in env  # Ray reads the user's 0.1
+    assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in env  # and the user's thread
     assert env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == IDLE_PACE_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]
 
 
@@ -129,6 +140,7 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
         wait_healthy(direct, 180, launcher_alive(proc, log))
         replica = listener(port)
         assert replica is not None and "ServeReplica:cbserve:EngineIngress" in " ".join(replica.cmdline())
+        assert SERVE_LOOP_ENV.items() <= replica.environ().items()  # Serve's main loop runs the app's code
         text = complete(direct)
         assert text and complete(proxy) == text  # Serve's proxy, moved to the next port, answers too
         graph = psutil.Process(proc.pid).children(recursive=True)
