@@ -54,8 +54,9 @@ IDLE_PACE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_
 
 # A Serve replica by default runs the app's code on an event loop of its own thread and its handles'
 # routing on a third, so every request, stream message and HTTP send crosses threads twice. On the
-# main loop, as Serve's throughput mode runs them, the split graph's serving processes took 35% less
-# CPU (with the router in the ingress) and the engine on a GPU's pace served 19% more (BENCHMARKS.md).
+# main loop, as Serve's throughput mode runs them, the GPU config's ingress took 24-29% less CPU with
+# an engine that outpaces it (BENCHMARKS.md). A handle used from a thread with no event loop must keep
+# Serve's router thread (`handle._init(_run_router_in_separate_loop=True)`, as serve_app.draft does).
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
