@@ -14,7 +14,6 @@ POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
-MAX_GEMV_ROWS = 4  # the most rows the CUDA matrix-vector kernel takes (engine/models/cuda_ops.py)
 QUANTIZATION_MODES = ("none", "int8", "gguf", "w8a16", "w4a16", "auto")
 SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
 DRAFT_PLACEMENTS = ("local", "actor")
@@ -41,9 +40,6 @@ class ModelConfig:
                                                     "max_num_seqs (at most 512)")
     cuda_graph_memory_bytes: int = _opt(1 << 30, "CUDA: the most memory the graphs may take; larger sizes past "
                                                  "it run eagerly")
-    gemv_max_rows: int = _opt(MAX_GEMV_ROWS, "CUDA, 16-bit: matmuls of at most this many rows (decode steps of a "
-                                             f"few requests) run the Triton matrix-vector kernel, at most "
-                                             f"{MAX_GEMV_ROWS}; 0: cuBLAS for every matmul")
     max_model_len: int | None = _opt(None, "longest prompt + output; None: the model's max_position_embeddings")
     seed: int = _opt(0, "seeds requests that carry no seed of their own")
     num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
@@ -82,8 +78,6 @@ class ModelConfig:
             raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {self.cuda_graph_sizes}")
         if self.cuda_graph_memory_bytes < 0:
             raise ValueError(f"cuda_graph_memory_bytes must be >= 0, got {self.cuda_graph_memory_bytes}")
-        if not 0 <= self.gemv_max_rows <= MAX_GEMV_ROWS:
-            raise ValueError(f"gemv_max_rows must be in 0..{MAX_GEMV_ROWS}, got {self.gemv_max_rows}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:

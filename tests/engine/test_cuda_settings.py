@@ -1,5 +1,4 @@
-"""The CUDA settings (graph sizes and memory, gpu_memory_utilization, the triton backend, the rows
-of the matrix-vector kernel) are
+"""The CUDA settings (graph sizes and memory, gpu_memory_utilization, the triton backend) are
 validated and reach the engine from every front door on any host; the CPU keeps its fixed pool
 and runs no graphs. What they do on a GPU: tests/gpu."""
 from __future__ import annotations
@@ -29,9 +28,6 @@ def test_bad_cuda_settings_are_refused_naming_the_field():
         ModelConfig(cuda_graph_sizes=[])
     with pytest.raises(ValueError, match="cuda_graph_memory_bytes must be >= 0"):
         ModelConfig(cuda_graph_memory_bytes=-1)
-    for rows in (-1, 5):
-        with pytest.raises(ValueError, match=r"gemv_max_rows must be in 0\.\.4"):
-            ModelConfig(gemv_max_rows=rows)
     for fraction in (0.0, 1.5):
         with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
             CacheConfig(gpu_memory_utilization=fraction)
@@ -46,15 +42,12 @@ def test_the_settings_reach_the_engine_from_the_cli_and_the_serve_config(monkeyp
     monkeypatch.setattr("engine.cli.LLM", lambda **kwargs: seen.update(kwargs) or (_ for _ in ()).throw(SystemExit))
     with pytest.raises(SystemExit):
         cli_main(["generate", "--prompt", "x", "--cuda-graph-sizes", "1,2,8", "--gpu-memory-utilization", "0.8",
-                  "--enforce-eager", "--gemv-max-rows", "0"])
+                  "--enforce-eager"])
     assert (seen["cuda_graph_sizes"], seen["gpu_memory_utilization"], seen["enforce_eager"]) == ([1, 2, 8], 0.8, True)
-    assert seen["gemv_max_rows"] == 0
     app = AppConfig.model_validate({"engine": {"engine_args": {
-        "device": "cuda", "cuda_graph_sizes": [1, 8], "gpu_memory_utilization": 0.8, "cuda_graph_memory_bytes": 0,
-        "gemv_max_rows": 2}}})
+        "device": "cuda", "cuda_graph_sizes": [1, 8], "gpu_memory_utilization": 0.8, "cuda_graph_memory_bytes": 0}}})
     config = app.engine.engine_config
     assert (config.model.cuda_graph_sizes, config.model.cuda_graph_memory_bytes) == ([1, 8], 0)
-    assert config.model.gemv_max_rows == 2
     assert config.cache.gpu_memory_utilization == 0.8
     assert EngineConfig.from_kwargs().cache.kv_cache_memory_bytes is None
 
