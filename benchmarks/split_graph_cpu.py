@@ -1,5 +1,5 @@
 """The GPU config's serving graph measured without a GPU: `configs/serve-gpu.yaml` (the split graph:
-an ingress, autoscaled engine replicas, 20 ms flushes) moved onto the CPU engine, serving a
+an ingress, autoscaled engine replicas, 100 ms flushes) moved onto the CPU engine, serving a
 Llama-shaped model small enough that the engine outpaces the serving path, as an engine on a GPU
 does. SmolLM2's vocabulary (the workload's token ids) and two layers of 64: with 256 requests the
 CPU engine makes ~3,000 output tokens a second on one thread, so what serving costs each request
