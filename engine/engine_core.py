@@ -102,8 +102,10 @@ class StepLoop:
 
     With `output_interval_s` > 0 the steps' events are held and emitted together at most once
     per interval: every emit wakes the receiving server's threads, which on a small machine
-    take their time slices from the forward's cores. A request's first tokens, its end, an
-    error, or the loop going idle are emitted at once, so TTFT and the last token never wait.
+    take their time slices from the forward's cores, and every request's delta in it costs the
+    server a wake-up of that request's stream. A request's first tokens, its end and an error
+    are emitted at once, with that request's held deltas alone, so TTFT and the last token never
+    wait and the other streams still get one delta per interval; the loop going idle emits all.
     """
 
     def __init__(self, engine: LLMEngine, emit: Emit, output_interval_s: float = 0.0):
@@ -130,26 +132,29 @@ class StepLoop:
                     logger.exception("engine step failed")
                     events += self.engine.fail_all(e)
             held += events
-            starts_or_ends = self._track_streams(events)
+            urgent = self._track_streams(events)
             if not (held or commands):
                 continue
             now = time.monotonic()
-            if (starts_or_ends or now - last_emit >= self.output_interval_s
-                    or not self.engine.has_unfinished_requests()):
+            if now - last_emit >= self.output_interval_s or not self.engine.has_unfinished_requests():
                 self.emit(CoreOutputs(_one_per_request(held), self.engine.get_stats(), self.num_added))
                 held, last_emit = [], now
+            elif urgent:
+                due = [event for event in held if event.request_id in urgent]
+                held = [event for event in held if event.request_id not in urgent]
+                self.emit(CoreOutputs(_one_per_request(due), self.engine.get_stats(), self.num_added))
 
-    def _track_streams(self, events: list[Event]) -> bool:
-        """Updates the set of streaming requests; True if any event starts a request's output,
-        ends a request, or is an error."""
-        urgent = False
+    def _track_streams(self, events: list[Event]) -> set[str]:
+        """Updates the set of streaming requests; the ids of those whose output starts or ends
+        with these events, or that failed."""
+        urgent = set()
         for event in events:
             if isinstance(event, RequestError) or event.finished:
                 self._streaming.discard(event.request_id)
-                urgent = True
+                urgent.add(event.request_id)
             elif event.request_id not in self._streaming:
                 self._streaming.add(event.request_id)
-                urgent = True
+                urgent.add(event.request_id)
         return urgent
 
     def _apply(self, command: Command) -> list[Event]:

@@ -217,6 +217,21 @@ def test_held_outputs_come_as_first_tokens_then_the_rest_with_the_end(held_engin
     assert ref_deltas == PARAMS.max_tokens and deltas == 2 and last.finished
 
 
+def test_a_batch_mates_end_sends_none_of_the_other_streams_held_deltas(held_engine):
+    """Two requests started together; the short one's end goes out at once with its own deltas,
+    while the long one's stay held: it gets its first tokens, then everything else with its end."""
+    async def main():
+        short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        long = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        return await asyncio.gather(_drain(held_engine.generate([5, 6, 7], short, "mate-short")),
+                                    _drain(held_engine.generate([5, 6, 8], long, "mate-long")))
+
+    short, long = asyncio.run(main())
+    assert [len(out.outputs[0].token_ids) for out in short] == [1, 2]
+    assert [len(out.outputs[0].token_ids) for out in long] == [1, 11]
+    assert short[-1].finished and long[-1].finished
+
+
 def test_held_outputs_never_delay_an_abort_or_a_batch_mates_error(held_engine):
     async def main():
         stream = held_engine.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True), "long")
