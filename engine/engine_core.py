@@ -137,12 +137,14 @@ class StepLoop:
                 continue
             now = time.monotonic()
             if now - last_emit >= self.output_interval_s or not self.engine.has_unfinished_requests():
-                self.emit(CoreOutputs(_one_per_request(held), self.engine.get_stats(), self.num_added))
+                self._emit(held)
                 held, last_emit = [], now
             elif urgent:
-                due = [event for event in held if event.request_id in urgent]
+                self._emit([event for event in held if event.request_id in urgent])
                 held = [event for event in held if event.request_id not in urgent]
-                self.emit(CoreOutputs(_one_per_request(due), self.engine.get_stats(), self.num_added))
+
+    def _emit(self, events: list[Event]) -> None:
+        self.emit(CoreOutputs(_one_per_request(events), self.engine.get_stats(), self.num_added))
 
     def _track_streams(self, events: list[Event]) -> set[str]:
         """Updates the set of streaming requests; the ids of those whose output starts or ends
