@@ -16,6 +16,10 @@ partitions in order. A sequence's result depends only on its own partitions, not
 programs share them, so a CUDA graph padded to its bucket and an eager step give the same values.
 Decode metadata lives in fixed-size tensors, so decode-only steps can be captured in CUDA graphs
 (engine/runner/cuda_graphs.py).
+Triton compiles a kernel for each value class of its integer arguments (1, a multiple of 16,
+other); the ones that change from step to step (the block tables' width, a decode's partitions
+and programs) are not specialized, so each kernel compiles once per model, in the step the
+runner makes at start-up, and never while requests wait on it.
 Cache layout: BlockMajorCache, as the flash backend's.
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ PREFILL_QUERIES = 16  # query tokens per prefill tile (times the group: the tile
 MAX_PARTITIONS = 64  # a decode's context is cut into at most this many partitions
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
                      tile_seq_ptr, tile_start_ptr, scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -86,7 +90,7 @@ def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_pt
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "parts", "programs"])
 def _decode_partitions(acc_ptr, ml_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, scale,
                        stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, num_heads, parts, programs,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -132,7 +136,7 @@ def _decode_partitions(acc_ptr, ml_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, s
         tl.store(ml_ptr + index * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _merge_partitions(out_ptr, acc_ptr, ml_ptr, seq_lens_ptr, stride_ot, stride_oh, num_heads, parts,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr):
     """One decode's query head: its partitions' softmaxes merged in partition order."""

@@ -2,15 +2,19 @@
 
 Owns the device KV cache and its host swap mirror, and on CUDA the decode steps' graphs; makes no
 scheduling decisions. After the forward the step waits for the GPU once: the sampler's tokens
-and logprobs come back together.
+and logprobs come back together. On CUDA it runs one step of its own at start-up, so kernels
+compiled on first use (Triton's) are compiled before the first request, not while a batch waits.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.attention.selector import triton_available
+from engine.batch import ModelInputs
 from engine.outputs import ModelRunnerOutput
 from engine.runner.block_mover import BlockMover
 from engine.runner.cuda_graphs import DecodeGraphs, GraphSettings
@@ -20,6 +24,8 @@ from engine.runner.speculation.self_draft import SelfDraft
 from engine.runner.speculation.verify import accepted_tokens
 from engine.sampler import Sampler
 from engine.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -48,6 +54,28 @@ class ModelRunner:
         self.graphs = None
         if graphs is not None and device.type == "cuda" and backend.captures_decodes:
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, num_blocks, block_size, graphs)
+        if device.type == "cuda":
+            self._warm_up(sink_block=num_blocks)
+
+    @torch.inference_mode()
+    def _warm_up(self, sink_block: int) -> None:
+        """An eager step of a decode beside a two-token prefill chunk, writing only the block no
+        request owns: each Triton kernel an eager step launches is compiled now."""
+        device, size = self.device, self.block_size
+        positions = [0, 0, 1]
+        slots = [sink_block * size + p % size for p in positions]
+        packed = torch.tensor([0, 0, 0] + positions + slots + [0, 2], dtype=torch.long, device=device)
+        inputs = ModelInputs(packed[:3], packed[3:6], packed[6:9], query_start_loc=[0, 1, 3], seq_lens=[1, 2],
+                             start_positions=[0, 0], block_tables=[[sink_block], [sink_block] * 2], num_decodes=1,
+                             block_size=size, sample_indices=packed[9:], sampled_requests=[], sampled_drafts=[],
+                             verified=[])
+        t0 = time.perf_counter()
+        self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
+                   self.backend.build_metadata(inputs), inputs.sample_indices)
+        torch.cuda.synchronize(device)
+        variants = (f": {triton_variants()} Triton kernel variants compiled or loaded" if triton_available(device)
+                    else "")
+        logger.info("kernels warmed up in %.1f s%s", time.perf_counter() - t0, variants)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -107,3 +135,14 @@ def _prompt_logprobs(logits: torch.Tensor, scored: list) -> dict[str, tuple[int,
                                               zip(targets.tolist(), chosen, top_ids.tolist(), top_values.tolist())])
         row += count
     return result
+
+
+def triton_variants() -> int:
+    """Variants of the engine's Triton kernels compiled so far in this process (or loaded from
+    Triton's disk cache): one per kernel and value class of its specialized arguments."""
+    from triton.runtime.jit import JITFunction
+
+    from engine.attention import triton_paged
+    from engine.models import cuda_ops
+    kernels = [k for module in (triton_paged, cuda_ops) for k in vars(module).values() if isinstance(k, JITFunction)]
+    return sum(len(compiled) for kernel in kernels for compiled, *_ in kernel.device_caches.values())

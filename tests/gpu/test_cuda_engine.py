@@ -7,7 +7,8 @@ as transformers' own bfloat16. Every scheduler feature is on in some run: chunke
 cached context, prefix sharing, swap and recompute preemption. CUDA graphs on and off give the
 same tokens; a decode's attention does not depend on how its context's partitions are shared
 out; carrying the residual to the RMSNorm kernel changes no bit; swapping through the side stream
-gives the tokens of a run that never swaps; the KV pool is sized from the GPU's memory.
+gives the tokens of a run that never swaps; the KV pool is sized from the GPU's memory; no kernel
+compiles after start-up, whatever the steps' shapes.
 """
 from __future__ import annotations
 
@@ -112,6 +113,30 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(model_dir, prompts, dtype, 
         assert (_graph_replays(llm) > 0) != eager
         _check_pool(llm, engine_args)
     assert runs[False] == runs[True]
+
+
+@pytest.mark.parametrize("engine_args", [dict(), dict(enforce_eager=True, max_num_batched_tokens=48)],
+                         ids=["graphs", "eager-chunked"])
+def test_no_kernel_compiles_after_start(tmp_path, engine_args):
+    """Steps of every shape after start-up (batches of 1 to 9, contexts of 2 to 330 tokens, block
+    tables 1 to 83 blocks wide, prefill chunks beside decodes) run kernels compiled at start-up:
+    none compiles while requests wait. A model of its own shapes (head_dim 32, a GQA group of 3)
+    so no other test's kernels count."""
+    from engine.runner.model_runner import triton_variants
+
+    model = save_tiny_model(tmp_path, "llama", hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                            num_attention_heads=6, num_key_value_heads=2)
+    llm = LLM(model, device="cuda", dtype="bfloat16", attention_backend="triton", num_blocks=512, block_size=4,
+              **engine_args)
+    compiled = triton_variants()
+    rng = random.Random(1)
+    lengths = [(1, 40), (3, 3), (17, 90), (64, 7), (65, 64), (150, 12), (300, 30), (33, 100), (5, 1)]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n, _ in lengths]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in lengths]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [m for _, m in lengths]
+    llm.generate(prompts[6:7], params[6:7], use_tqdm=False)  # a lone stream
+    assert triton_variants() == compiled
 
 
 def test_swap_through_the_side_stream_gives_the_tokens_of_a_run_without_swaps(model_dir, prompts):
