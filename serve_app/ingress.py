@@ -3,9 +3,9 @@
 Owns: the FastAPI app (`Ingress.build_asgi_app`), the HTTP edge (content type 415, body size 413
 and body timeout 408, JSON that Python cannot take or that holds invalid Unicode 400, every
 error in OpenAI's shape, 404 and 405 included), auth and priorities (serve_app.auth), readiness
-(`/health`: 503 until an engine replica is ready), and validation with the engine's own rules:
-each prompt is templated and tokenized here, once, with the engine's tokenizer (ModelInfo),
-and the engine gets the token ids. Does not own: the jobs' flow (jobs.py), queueing, sampling.
+(`/health`: 503 until an engine replica is ready and the model's info is here), and validation
+with the engine's own rules: each prompt is templated and tokenized here, once, with the
+engine's tokenizer (ModelInfo), and the engine gets the token ids. Does not own: the jobs' flow (jobs.py), queueing, sampling.
 
 `router` and `replicas` are DeploymentHandles in Serve, or `serve_app.local` shims in tests;
 the code path is the same.
@@ -78,10 +78,24 @@ class Ingress:
     # ------------------------------------------------------------ helpers
 
     async def model_info(self) -> ModelInfo:
+        """The engine's model info, fetched once. Its tokenizer comes over pickled, and unpickling
+        it imports transformers (~0.4 s of this process's loop): `/health` and Serve's health
+        check load it once an engine replica is ready, so no request waits for it."""
         async with self._info_lock:
             if self._model_info is None:
                 self._model_info = await self.replicas.model_info.remote()
         return self._model_info
+
+    async def check_health(self) -> None:
+        """Serve's periodic check of this replica: loads the model's info once an engine replica
+        is ready. A failure to load it is logged, not raised: it is no fault of this replica."""
+        if self._model_info is not None:
+            return
+        try:
+            if await self.router.num_ready_replicas.remote():
+                await self.model_info()
+        except Exception:
+            logger.warning("loading the model's info failed; the next request tries again", exc_info=True)
 
     def call_router_later(self, method: str, arg: str | None) -> None:
         """Fire-and-forget router call (release / remove_replica); survives our cancellation."""
@@ -238,11 +252,14 @@ class Ingress:
         return {"prompt": info.tokenizer.decode(req.tokens)}
 
     async def health(self) -> JSONResponse:
-        """Ready when the router knows an engine replica that takes requests."""
+        """Ready when the router knows an engine replica that takes requests and this ingress
+        holds the model's info."""
         try:
             ready = await asyncio.wait_for(self.router.num_ready_replicas.remote(), 5)
+            if ready:
+                await asyncio.wait_for(self.model_info(), 5)
         except Exception as e:
-            logger.warning("health: router unreachable: %r", e)
+            logger.warning("health: router or engine replica unreachable: %r", e)
             ready = 0
         if ready:
             return JSONResponse({"status": "ok", "ready_replicas": ready})

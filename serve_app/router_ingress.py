@@ -29,6 +29,7 @@ class RouterIngress(Ingress):
 
     async def check_health(self) -> None:
         await self.admission.check_health()
+        await super().check_health()
 
     # What the Router deployment answers by handle.
 

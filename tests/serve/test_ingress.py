@@ -8,6 +8,11 @@ import pytest
 from conftest import greedy_text, local_stack, run, sse_events
 from fake_engine import FakeTokenizer
 
+from serve_app.config import AppConfig
+from serve_app.ingress import Ingress
+from serve_app.local import LocalHandle
+from serve_app.messages import ModelInfo
+
 TOK = FakeTokenizer()
 
 
@@ -141,6 +146,63 @@ def test_models_health_and_api_keys():
             r = await client.post("/v1/completions", json={"prompt": "x"},
                                   headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401
+
+    run(go())
+
+
+class _Fleet:
+    """The router as the ingress sees it: how many engine replicas take requests."""
+    ready = 0
+
+    def num_ready_replicas(self) -> int:
+        return self.ready
+
+
+class _Engines:
+    """Engine replicas that count the model-info calls they answer (or fail them)."""
+    calls = 0
+    fails = False
+
+    def model_info(self) -> ModelInfo:
+        self.calls += 1
+        if self.fails:
+            raise RuntimeError("engine replica died")
+        return ModelInfo("fake", 256, 16, 100, FakeTokenizer())
+
+
+def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready():
+    """The engine's tokenizer comes over to the ingress once (unpickled with transformers: slow),
+    so Serve's periodic check and /health load it before any request needs it, and only once an
+    engine replica is ready; a failed load is retried, and does not fail the ingress's check."""
+    async def go():
+        fleet, engines = _Fleet(), _Engines()
+        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), LocalHandle(fleet),
+                          LocalHandle(engines))
+        transport = httpx.ASGITransport(app=ingress.build_asgi_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await ingress.check_health()
+            assert (await client.get("/health")).status_code == 503
+            assert engines.calls == 0  # no engine replica to ask
+            fleet.ready, engines.fails = 1, True
+            await ingress.check_health()  # logged, not raised
+            assert (await client.get("/health")).status_code == 503
+            assert engines.calls == 2
+            engines.fails = False
+            await ingress.check_health()
+            assert engines.calls == 3
+            await ingress.check_health()
+            assert (await client.get("/health")).status_code == 200
+            assert engines.calls == 3  # loaded once
+            assert (await ingress.model_info()).served_model_name == "fake"  # what a request reads
+            assert engines.calls == 3
+
+        fresh = _Engines()
+        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), LocalHandle(fleet),
+                          LocalHandle(fresh))
+        transport = httpx.ASGITransport(app=ingress.build_asgi_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 200
+            assert fresh.calls == 1  # /health alone loads it too
 
     run(go())
 
