@@ -5,7 +5,8 @@ and body timeout 408, JSON that Python cannot take or that holds invalid Unicode
 error in OpenAI's shape, 404 and 405 included), auth and priorities (serve_app.auth), readiness
 (`/health`: 503 until an engine replica is ready and the model's info is here), and validation
 with the engine's own rules: each prompt is templated and tokenized here, once, with the
-engine's tokenizer (ModelInfo), and the engine gets the token ids. Does not own: the jobs' flow (jobs.py), queueing, sampling.
+engine's tokenizer (ModelInfo), and the engine gets the token ids. Does not own: the jobs' flow
+(jobs.py), queueing, sampling.
 
 `router` and `replicas` are DeploymentHandles in Serve, or `serve_app.local` shims in tests;
 the code path is the same.
