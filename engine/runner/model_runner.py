@@ -62,13 +62,16 @@ class ModelRunner:
         """An eager step of a decode beside a two-token prefill chunk, writing only the block no
         request owns: each Triton kernel an eager step launches is compiled now."""
         device, size = self.device, self.block_size
-        positions = [0, 0, 1]
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        positions = [0, 0, 1]  # the decode's token, then the chunk's two
         slots = [sink_block * size + p % size for p in positions]
-        packed = torch.tensor([0, 0, 0] + positions + slots + [0, 2], dtype=torch.long, device=device)
-        inputs = ModelInputs(packed[:3], packed[3:6], packed[6:9], query_start_loc=[0, 1, 3], seq_lens=[1, 2],
-                             start_positions=[0, 0], block_tables=[[sink_block], [sink_block] * 2], num_decodes=1,
-                             block_size=size, sample_indices=packed[9:], sampled_requests=[], sampled_drafts=[],
-                             verified=[])
+        inputs = ModelInputs(longs([0, 0, 0]), longs(positions), longs(slots),
+                             query_start_loc=[0, 1, 3], seq_lens=[1, 2], start_positions=[0, 0],
+                             block_tables=[[sink_block], [sink_block] * 2], num_decodes=1, block_size=size,
+                             sample_indices=longs([0, 2]), sampled_requests=[], sampled_drafts=[], verified=[])
         t0 = time.perf_counter()
         self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                    self.backend.build_metadata(inputs), inputs.sample_indices)
