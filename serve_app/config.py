@@ -198,6 +198,11 @@ class IngressConfig(_Strict):
     grpc_transport: bool = Field(
         True, description="Admission calls and replica streams over Serve's gRPC transport "
                           "(_by_reference=False) instead of the object store.")
+    stream_channels: bool = Field(
+        True, description="Each engine replica sends the chunks of all of an ingress's requests over one stream "
+                          "(a channel), batched as the engine makes them ready, instead of one Serve message per "
+                          "request per chunk; the requests' own calls only acknowledge and end. Not used where the "
+                          "ingress runs the engine in-process (colocated).")
     ignore_unknown_fields: bool = Field(
         False, description="Accept request fields this server does not know, logging their names, for clients "
                            "that send vendor fields; off: such a request gets a 400 naming the field.")

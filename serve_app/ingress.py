@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 from engine.errors import InvalidRequestError
 from engine.tokenization import check_token_ids, encode_chat, encode_text
 from serve_app.auth import Authorizer, resolve_priority
+from serve_app.channels import ReplicaChannels
 from serve_app.config import AppConfig
 from serve_app.formatting import ChatFormatter, CompletionFormatter
 from serve_app.jobs import check_fits_queue, make_job, respond
@@ -66,6 +67,8 @@ class Ingress:
         self.router = router.options(**rpc)
         self.replicas = replicas
         self.replica_streams = replicas.options(stream=True, **rpc)
+        self.channels = (ReplicaChannels(self.replica_streams, config.ingress.replica_accept_timeout_s)
+                         if config.ingress.stream_channels else None)
         self.model_name = config.engine.model_name
         self.auth = Authorizer(config.ingress, config.router)
         self._model_info: ModelInfo | None = None

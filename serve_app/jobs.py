@@ -3,7 +3,8 @@ built from a validated request, admitted, streamed and answered.
 
 Owns: turning token ids into EngineRequest + AdmitRequest with the engine's own rules (token
 range, context length, SamplingParams, prefix block hashes), the per-job flow `admit at the
-router -> stream from the named replica -> release`, and assembling the jobs' chunks into one
+router -> stream from the named replica (its chunks over the replica's channel when one is
+open, serve_app.channels) -> release`, and assembling the jobs' chunks into one
 JSON response or one SSE stream. Does not own: HTTP parsing or auth (ingress.py), wire shapes
 (protocol.py, formatting.py).
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +24,8 @@ from engine.beam_search import BeamSearchParams
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
+from serve_app.call_ids import own_serve_request_id
+from serve_app.channels import Channel, ReplicaChannels
 from serve_app.config import AppConfig
 from serve_app.formatting import Formatter
 from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
@@ -50,16 +52,17 @@ class RouterCalls(Protocol):
 
 
 class ReplicaStreams(Protocol):
-    generate: _Method  # (EngineRequest, replica_hint=) -> a stream of StreamChunk
+    generate: _Method  # (EngineRequest, replica_hint=, channel=) -> a stream of StreamChunk
 
 
 class JobHost(Protocol):
     """What a job's flow needs of the ingress that runs it: the router and replicas as Serve
-    handles (or serve_app.local's shims), the replica accept timeout, and fire-and-forget router
-    calls that outlive the job."""
+    handles (or serve_app.local's shims), the replicas' stream channels (None: none), the replica
+    accept timeout, and fire-and-forget router calls that outlive the job."""
     config: AppConfig
     router: RouterCalls
     replica_streams: ReplicaStreams
+    channels: ReplicaChannels | None
 
     def call_router_later(self, method: str, arg: str | None) -> None: ...
 
@@ -101,15 +104,6 @@ def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:
                        param="max_tokens", code="request_too_large")
 
 
-def _own_serve_request_id() -> None:
-    """Serve (2.60) indexes a custom request router's pending calls by the HTTP request's id, so
-    concurrent calls made for one HTTP request collide: all but one are never routed and their
-    routing task spins. Each job's task takes an id of its own (a context variable)."""
-    from ray.serve.context import _set_request_context
-
-    _set_request_context(_internal_request_id=uuid.uuid4().hex)
-
-
 class JobStream:
     """One job's flow, as its own task: admit -> stream every chunk into the response's queue ->
     release as soon as the job finishes. Releasing per job, not per response, is what lets a
@@ -118,6 +112,9 @@ class JobStream:
     def __init__(self, ingress: JobHost, job: Job, out: asyncio.Queue):
         self.ingress, self.job, self._out = ingress, job, out
         self._gen: Any = None
+        self._channel: Channel | None = None  # the replica's channel this job's chunks come over
+        self._chunks: asyncio.Queue | None = None  # from the channel: StreamChunk, or APIError if it ended
+        self._call_ended: asyncio.Task | None = None  # with a channel: watches the job's own call
         self._admitted = False
         self._replica_id: str | None = None
         self.started: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -136,7 +133,7 @@ class JobStream:
                     self.started.set_result(None)
                 self._out.put_nowait((self.job, chunk))
                 if chunk.finished:
-                    await self._next()  # let the replica's generator end normally
+                    await (self._call_ended if self._call_ended is not None else self._next())  # the call ends
                     self._out.put_nowait((self.job, None))
                     return
                 chunk = await self._next()
@@ -158,14 +155,19 @@ class JobStream:
             self.started.set_exception(error)
 
     async def _admit(self) -> None:
-        _own_serve_request_id()
+        own_serve_request_id()
         result = await self.ingress.router.admit.remote(self.job.admit)
         if result.error is not None:
             raise APIError.from_info(result.error)
         self._admitted = True
         self._replica_id = result.replica_id
         request = dataclasses.replace(self.job.engine_request, waited_s=result.queue_wait_s)
-        self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)
+        channels = self.ingress.channels
+        self._channel = channels.get(result.replica_id) if channels is not None else None
+        if self._channel is not None:
+            self._chunks = self._channel.register(request.request_id)
+        self._gen = self.ingress.replica_streams.generate.remote(
+            request, replica_hint=result.replica_id, channel=self._channel.id if self._channel else None)
         await self._accepted()
 
     async def _accepted(self) -> None:
@@ -184,8 +186,36 @@ class JobStream:
                            "service_unavailable") from None
         if chunk is None or not chunk.accepted:
             raise APIError(503, "replica stream ended before accepting the request", "service_unavailable")
+        if chunk.on_channel:
+            self._call_ended = asyncio.ensure_future(self._watch_call())
+        else:  # the replica has no such channel (it ended, or the call went elsewhere): chunks come here
+            self._leave_channel()
+
+    async def _watch_call(self) -> None:
+        """The job's own call, while its chunks come over the channel: it ends after the last
+        chunk; if it fails first (the replica died), the job fails."""
+        assert self._chunks is not None
+        try:
+            while await self._next_on_call() is not None:
+                pass
+        except APIError as e:
+            self._chunks.put_nowait(e)
+
+    def _leave_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.unregister(self.job.admit.request_id)
+            self._channel = self._chunks = None
 
     async def _next(self) -> StreamChunk | None:
+        if self._call_ended is None:
+            return await self._next_on_call()
+        assert self._chunks is not None
+        item = await self._chunks.get()
+        if isinstance(item, APIError):
+            raise item
+        return item
+
+    async def _next_on_call(self) -> StreamChunk | None:
         try:
             return await self._gen.__anext__()
         except StopAsyncIteration:
@@ -198,6 +228,10 @@ class JobStream:
             raise APIError(503, f"engine replica failed: {type(e).__name__}", "service_unavailable") from None
 
     def close(self) -> None:
+        if self._call_ended is not None:
+            self._call_ended.cancel()
+            self._call_ended = None
+        self._leave_channel()
         if self._gen is not None:
             cancel = getattr(self._gen, "cancel", None)
             if cancel is not None:

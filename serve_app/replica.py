@@ -2,10 +2,12 @@
 
 Owns: building the engine through the EngineClient contract (`engine_cls` injectable, default
 engine.AsyncEngine), running an `EngineRequest` on it and streaming its coalesced chunks
-(serve_app.coalescer), mapping engine errors to error chunks, telling Serve whether the engine
-can serve (`check_health`), and reporting its load to the router when it changes (and at least
-every `stats_heartbeat_s`). Does not own: HTTP, admission, tokenization (the ingress sends token
-ids), sampling validation (the ingress built the SamplingParams).
+(serve_app.coalescer) on its own call or on its caller's channel (many requests' chunks a
+message; serve_app.channels is the caller's end), mapping engine errors to error chunks,
+telling Serve whether the engine can serve (`check_health`), and reporting its load to the
+router when it changes (and at least every `stats_heartbeat_s`). Does not own: HTTP,
+admission, tokenization (the ingress sends token ids), sampling validation (the ingress built
+the SamplingParams).
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ from serve_app.slo import SLOTarget, SLOTracker
 
 logger = logging.getLogger("cbserve.replica")
 _MIN_REPORT_GAP_S = 0.01
+CHANNEL_IDLE_S = 2.0  # a channel no request has used for this long ends: Serve's drain waits for open calls
+
+
+class _Outbox:
+    """A channel's chunks not yet sent, and how many requests send through it."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, StreamChunk]] = []
+        self.ready = asyncio.Event()
+        self.num_live = 0
+
+    def put(self, request_id: str, chunk: StreamChunk) -> None:
+        self.items.append((request_id, chunk))
+        self.ready.set()
 
 
 def _serve_replica_id() -> str | None:
@@ -81,6 +97,7 @@ class EngineReplica:
         self._unreported: dict[str, None] = {}  # received, not yet listed in a load report (ordered set)
         self._ended: dict[str, None] = {}  # ended, not yet listed in a load report (ordered set)
         self._live: set[str] = set()  # requests inside `generate`
+        self._outboxes: dict[str, _Outbox] = {}  # by channel id: the callers' open channels
         self.num_misrouted = 0
         self._report_now: asyncio.Event | None = None
         self._report_task: asyncio.Task | None = None
@@ -106,10 +123,37 @@ class EngineReplica:
             kv_usage=s.kv_usage, num_queued_tokens=s.num_queued_tokens, block_size=self.engine.block_size,
             received_ids=received, ended_ids=ended, reported_at=time.monotonic())
 
-    async def generate(self, request: EngineRequest, replica_hint: str | None = None
+    async def channel(self, channel_id: str, replica_hint: str | None = None
+                      ) -> AsyncIterator[str | list[tuple[str, StreamChunk]]]:
+        """One caller's stream of many requests' chunks: a request generated with this
+        `channel_id` sends its chunks here, (request id, chunk) pairs batched with the others
+        ready at the same moment, so each stream message costs one Serve message per caller,
+        not one per request. The first message is this replica's id (the caller checks the
+        channel reached the replica it names). Ends after CHANNEL_IDLE_S with no request on it."""
+        outbox = self._outboxes[channel_id] = _Outbox()
+        try:
+            yield self.replica_id
+            while True:
+                try:
+                    await asyncio.wait_for(outbox.ready.wait(), CHANNEL_IDLE_S)
+                except TimeoutError:
+                    if outbox.num_live == 0:
+                        return
+                    continue
+                await asyncio.sleep(0)  # the streams woken by the same engine output put theirs first
+                outbox.ready.clear()
+                batch, outbox.items = outbox.items, []
+                yield batch
+        finally:
+            if self._outboxes.get(channel_id) is outbox:
+                del self._outboxes[channel_id]
+
+    async def generate(self, request: EngineRequest, replica_hint: str | None = None, channel: str | None = None
                        ) -> AsyncIterator[StreamChunk]:
         """Streams the request's coalesced deltas; an error ends the stream as a chunk with
-        `error`. `replica_hint` is read by the pinning request router in the caller."""
+        `error`. `replica_hint` is read by the pinning request router in the caller. With the
+        id of a `channel` open here, the chunks go there and this call only acknowledges and
+        ends with the request (Serve still counts, cancels and pins it)."""
         self._maybe_start_reporting()
         self._num_received += 1
         self._unreported[request.request_id] = None
@@ -118,7 +162,10 @@ class EngineReplica:
             self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
         coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
         failed = False
-        yield StreamChunk(accepted=True)
+        outbox = self._outboxes.get(channel) if channel is not None else None
+        if outbox is not None:
+            outbox.num_live += 1
+        yield StreamChunk(accepted=True, on_channel=outbox is not None)
         if request.beam_search is None:
             stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
                                           request.priority, request.waited_s)
@@ -128,13 +175,22 @@ class EngineReplica:
         try:
             async with contextlib.aclosing(coalescer.coalesce(stream)) as chunks:
                 async for chunk in chunks:
-                    yield chunk
+                    if outbox is None:
+                        yield chunk
+                    else:
+                        outbox.put(request.request_id, chunk)
         except Exception as e:  # the engine refused or failed the request: tell the client, never truncate
             failed = not isinstance(e, InvalidRequestError)  # a refused bad request is the client's
             if failed:
                 logger.warning("request %s failed: %r", request.request_id, e)
-            yield StreamChunk(error=error_info(e), finished=True)
+            chunk = StreamChunk(error=error_info(e), finished=True)
+            if outbox is None:
+                yield chunk
+            else:
+                outbox.put(request.request_id, chunk)
         finally:
+            if outbox is not None:
+                outbox.num_live -= 1
             self._live.discard(request.request_id)
             self._ended[request.request_id] = None
             self.metrics.record_request(request.priority, coalescer.metrics, coalescer.num_messages,

@@ -1,0 +1,246 @@
+"""Stream channels (serve_app.channels, EngineReplica.channel): many requests' chunks in one
+message per caller, the requests' own calls only acknowledging and ending, and every way a
+channel can end failing only the requests on it, never hanging them."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from conftest import greedy_text, local_stack, run, sse_events
+from fake_engine import FakeAsyncEngine
+
+import serve_app.channels as channels_module
+import serve_app.replica as replica_module
+from engine.sampling_params import SamplingParams
+from serve_app.channels import ReplicaChannels
+from serve_app.config import AppConfig, EngineReplicaConfig
+from serve_app.jobs import Job, JobStream
+from serve_app.local import LocalReplicaSet
+from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest, StreamChunk
+from serve_app.replica import EngineReplica
+
+
+def make_replica(**engine_opts) -> EngineReplica:
+    cfg = EngineReplicaConfig(stream_flush_interval_s=0.0)
+    return EngineReplica(cfg, None, FakeAsyncEngine.with_options(**engine_opts), replica_id="r")
+
+
+def request(rid: str, max_tokens: int = 12) -> EngineRequest:
+    return EngineRequest(rid, [11, len(rid)], SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def test_a_channel_carries_its_requests_chunks_batched_and_their_calls_only_acknowledge():
+    async def go():
+        replica = make_replica(step_delay_s=0.005)
+        channel = replica.channel("ingress-1")
+        assert await channel.__anext__() == "r"  # the replica names itself first
+        calls = [replica.generate(request(f"q{i}"), channel="ingress-1") for i in range(4)]
+        for call in calls:
+            accepted = await call.__anext__()
+            assert accepted.accepted and accepted.on_channel
+        ends = asyncio.gather(*(drain(call) for call in calls))
+        texts: dict[str, str] = {}
+        messages = finished = 0
+        while finished < 4:
+            batch = await channel.__anext__()
+            messages += 1
+            for request_id, chunk in batch:
+                texts[request_id] = texts.get(request_id, "") + "".join(o.text for o in chunk.outputs)
+                finished += chunk.finished
+        assert await ends == [[], [], [], []]  # no chunk on the requests' own calls
+        assert texts == {f"q{i}": greedy_text([11, 2], 12) for i in range(4)}
+        assert messages <= 14  # 4 requests x 12 tokens, one step's chunks a message
+        await channel.aclose()
+        assert replica._outboxes == {}
+
+    run(go())
+
+
+def test_a_request_naming_no_open_channel_streams_on_its_own_call():
+    async def go():
+        replica = make_replica()
+        chunks = [c async for c in replica.generate(request("q"), channel="gone")]
+        assert chunks[0].accepted and not chunks[0].on_channel
+        assert "".join(o.text for c in chunks[1:] for o in c.outputs) == greedy_text([11, 1], 12)
+
+    run(go())
+
+
+def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
+    """Serve's drain of a replica waits for its open calls: a channel must not hold it open."""
+    monkeypatch.setattr(replica_module, "CHANNEL_IDLE_S", 0.05)
+
+    async def go():
+        replica = make_replica(step_delay_s=0.04)  # steps slower than the idle window
+        channel = replica.channel("c")
+        await channel.__anext__()
+        call = replica.generate(request("slow", max_tokens=6), channel="c")
+        assert (await call.__anext__()).on_channel
+        rest = asyncio.ensure_future(drain(call))  # as Serve drives the call
+        batches = [batch async for batch in channel]  # ends by itself, after the request and the window
+        assert await rest == []
+        assert sum(chunk.finished for batch in batches for _, chunk in batch) == 1
+        assert replica._outboxes == {}
+
+    run(go())
+
+
+def test_requests_over_http_stream_over_the_channel_once_it_is_open(monkeypatch):
+    put = []
+    original = replica_module._Outbox.put
+    monkeypatch.setattr(replica_module._Outbox, "put",
+                        lambda self, rid, chunk: (put.append(rid), original(self, rid, chunk)))
+
+    async def go():
+        async with local_stack(engine_cls=FakeAsyncEngine.with_options(step_delay_s=0.002)) as (client, router, reps):
+            body = {"model": "fake", "prompt": [11, 12], "max_tokens": 8, "temperature": 0, "stream": True}
+            first = await client.post("/v1/completions", json=body)  # opens the channel, streams on its call
+            assert first.status_code == 200 and not put
+            for _ in range(100):
+                if reps[0]._outboxes:
+                    break
+                await asyncio.sleep(0.01)
+            responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
+            texts = {text_of(sse_events(r.text)) for r in [first, *responses]}
+            assert len(texts) == 1 and texts.pop().count(" t") == 8  # the same as on the request's own call
+            assert len(set(put)) == 6  # every later request's chunks went over the channel
+            assert released(router) and not reps[0].engine._running
+
+    run(go())
+
+
+def test_a_channel_that_breaks_fails_its_requests_with_a_503_and_aborts_them(monkeypatch):
+    original = EngineReplica.channel
+
+    async def breaks_after_two(self, channel_id, replica_hint=None):
+        sent = 0
+        async for message in original(self, channel_id, replica_hint):
+            yield message
+            sent += 1
+            if sent == 3:  # the replica's id and two batches
+                raise ConnectionError("channel lost")
+
+    monkeypatch.setattr(EngineReplica, "channel", breaks_after_two)
+
+    async def go():
+        async with local_stack(engine_cls=FakeAsyncEngine.with_options(step_delay_s=0.01)) as (client, router, reps):
+            body = {"model": "fake", "prompt": [11, 12], "max_tokens": 4, "stream": True}
+            await client.post("/v1/completions", json=body)
+            for _ in range(100):
+                if reps[0]._outboxes:
+                    break
+                await asyncio.sleep(0.01)
+            long = dict(body, max_tokens=200)
+            responses = await asyncio.wait_for(asyncio.gather(*(client.post("/v1/completions", json=long)
+                                                                 for _ in range(3))), 20)
+            for r in responses:
+                events = sse_events(r.text)
+                assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "service_unavailable"
+            for _ in range(200):
+                if not reps[0].engine._running and released(router):
+                    break
+                await asyncio.sleep(0.01)
+            assert len(reps[0].engine.aborted) == 3 and not reps[0].engine._running
+            assert released(router)
+            after = await client.post("/v1/completions", json=body)  # the next one streams (on a new channel)
+            assert text_of(sse_events(after.text)).count(" t") == 4
+
+    run(go())
+
+
+def test_a_request_on_a_channel_fails_when_its_own_call_fails():
+    """The replica died mid-request: its call fails, the channel stays silent; the job gets a 503
+    and the replica is reported lost."""
+    async def admit(admit_request):
+        return AdmitResult("r")
+
+    async def channel(channel_id, replica_hint):
+        yield replica_hint
+        await asyncio.Event().wait()
+
+    async def dies(request, replica_hint, channel):
+        yield StreamChunk(accepted=True, on_channel=True)
+        raise ConnectionError("replica died")
+
+    async def go():
+        streams = SimpleNamespace(generate=_Remote(dies), channel=_Remote(channel))
+        reported = []
+        ingress = SimpleNamespace(config=AppConfig(), router=SimpleNamespace(admit=_Remote(admit)),
+                                  replica_streams=streams, channels=ReplicaChannels(streams, 5.0),
+                                  call_router_later=lambda method, arg: reported.append((method, arg)))
+        ingress.channels.get("r")
+        await asyncio.sleep(0.01)  # the channel opens
+        job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
+        stream = JobStream(ingress, job, asyncio.Queue())
+        await asyncio.wait_for(stream.run(), 5)
+        assert stream.started.exception().status == 503
+        assert ("remove_replica", "r") in reported and ("release", "j") in reported
+
+    run(go())
+
+
+async def drain(stream) -> list:
+    return [item async for item in stream]
+
+
+def text_of(events: list) -> str:
+    return "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+
+
+def released(router) -> bool:
+    return not any(view.active for view in router.pool.views.values())
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        result = self.fn(*args, **kwargs)
+        if hasattr(result, "__anext__"):
+            return result
+        return asyncio.ensure_future(result)
+
+
+def test_a_call_that_lands_on_another_replica_streams_on_its_own_call():
+    """Each channel's id names its replica: a call the handle sent elsewhere (a stale view) must
+    not put its chunks on that replica's channel, which reads them for other requests."""
+    async def go():
+        replicas = [make_replica(), make_replica()]
+        replicas[1].replica_id = "r1"
+        channels = ReplicaChannels(LocalReplicaSet(replicas).options(stream=True), 5.0)
+        for rid in ("r", "r1"):
+            channels.get(rid)
+        for _ in range(100):
+            if channels.get("r") and channels.get("r1"):
+                break
+            await asyncio.sleep(0.01)
+        chunks = await drain(replicas[1].generate(request("q"), channel=channels.get("r").id))
+        assert not chunks[0].on_channel and chunks[-1].finished
+
+    run(go())
+
+
+def test_a_channel_whose_replica_never_answers_is_given_up_and_tried_again_later(monkeypatch):
+    monkeypatch.setattr(channels_module, "RETRY_S", 0.1)
+    opened = []
+
+    async def silent(channel_id, replica_hint):
+        opened.append(channel_id)
+        await asyncio.Event().wait()
+        yield replica_hint
+
+    async def go():
+        channels = ReplicaChannels(SimpleNamespace(channel=_Remote(silent)), 0.05)
+        assert channels.get("r") is None  # opening
+        await asyncio.sleep(0.08)  # given up
+        assert channels.get("r") is None
+        await asyncio.sleep(0.01)
+        assert len(opened) == 1  # not before RETRY_S
+        await asyncio.sleep(0.1)
+        assert channels.get("r") is None
+        await asyncio.sleep(0.01)
+        assert len(opened) == 2
+
+    run(go())
