@@ -160,12 +160,26 @@ class EngineReplica:
         self._live.add(request.request_id)
         if replica_hint is not None and replica_hint != self.replica_id:
             self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
-        coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
-        failed = False
         outbox = self._outboxes.get(channel) if channel is not None else None
         if outbox is not None:
             outbox.num_live += 1
-        yield StreamChunk(accepted=True, on_channel=outbox is not None)
+        try:
+            yield StreamChunk(accepted=True, on_channel=outbox is not None)
+            async with contextlib.aclosing(self._outcome(request)) as chunks:
+                async for chunk in chunks:
+                    if outbox is None:
+                        yield chunk
+                    else:
+                        outbox.put(request.request_id, chunk)
+        finally:
+            if outbox is not None:
+                outbox.num_live -= 1
+
+    async def _outcome(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        """The request's coalesced deltas from the engine; an error ends them as a chunk with
+        `error`. Records the request's metrics and SLO verdict when it ends."""
+        coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
+        failed = False
         if request.beam_search is None:
             stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
                                           request.priority, request.waited_s)
@@ -175,22 +189,13 @@ class EngineReplica:
         try:
             async with contextlib.aclosing(coalescer.coalesce(stream)) as chunks:
                 async for chunk in chunks:
-                    if outbox is None:
-                        yield chunk
-                    else:
-                        outbox.put(request.request_id, chunk)
+                    yield chunk
         except Exception as e:  # the engine refused or failed the request: tell the client, never truncate
             failed = not isinstance(e, InvalidRequestError)  # a refused bad request is the client's
             if failed:
                 logger.warning("request %s failed: %r", request.request_id, e)
-            chunk = StreamChunk(error=error_info(e), finished=True)
-            if outbox is None:
-                yield chunk
-            else:
-                outbox.put(request.request_id, chunk)
+            yield StreamChunk(error=error_info(e), finished=True)
         finally:
-            if outbox is not None:
-                outbox.num_live -= 1
             self._live.discard(request.request_id)
             self._ended[request.request_id] = None
             self.metrics.record_request(request.priority, coalescer.metrics, coalescer.num_messages,

@@ -86,6 +86,22 @@ def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
     run(go())
 
 
+def test_a_request_left_at_its_acknowledgement_does_not_hold_its_channel_open(monkeypatch):
+    monkeypatch.setattr(replica_module, "CHANNEL_IDLE_S", 0.05)
+
+    async def go():
+        replica = make_replica()
+        channel = replica.channel("c")
+        await channel.__anext__()
+        call = replica.generate(request("left"), channel="c")
+        assert (await call.__anext__()).on_channel
+        await call.aclose()  # the caller went away before the request ran
+        assert await asyncio.wait_for(drain(channel), 5) == []
+        assert replica._outboxes == {}
+
+    run(go())
+
+
 def test_requests_over_http_stream_over_the_channel_once_it_is_open(monkeypatch):
     put = []
     original = replica_module._Outbox.put
