@@ -46,6 +46,7 @@ CONFIGS = {  # name: engine arguments (bfloat16, the CUDA default dtype)
     "flash-eager": dict(attention_backend="flash", enforce_eager=True),  # torch's FlashAttention over gathers
     "triton-eager": dict(attention_backend="triton", enforce_eager=True),  # the paged kernel
     "triton-graphs": dict(attention_backend="triton"),  # the paged kernel, decode steps in CUDA graphs (default)
+    "triton-graphs-sync": dict(attention_backend="triton", async_scheduling=False),  # each step waited for
 }
 ENGINE_ARGS = dict(max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_bytes=16 << 30,
                    enable_prefix_caching=False)  # repeats must not reuse the previous run's prefills

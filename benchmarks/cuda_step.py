@@ -1,11 +1,12 @@
 """Where a single-stream decode step's time goes on one NVIDIA GPU (the models of
 benchmarks/cuda_engine.py, bfloat16, the default engine: the paged kernel, decode steps in CUDA
-graphs): the step's wall time; its parts on the host (scheduling, inputs, the graph's launch and
-copies, sampling up to the token's arrival, the update and output processing; each timed around
-the call); the bucket-1 graph replayed back to back (the GPU's time a step); the graph launch's
-CPU time; kernels and GPU busy time a step (torch.profiler, 20 steps), and the profiler's tables.
+graphs, async scheduling unless `--sync`): the step's wall time; its parts on the host
+(scheduling, inputs, the graph's launch and copies, sampling's launch, the wait for the step's
+tokens, the update and output processing; each timed around the call); the bucket-1 graph
+replayed back to back (the GPU's time a step); the graph launch's CPU time; kernels and GPU busy
+time a step (torch.profiler, 20 steps), and the profiler's tables.
 
-    python benchmarks/cuda_step.py [--models llama-1b,smollm2-135m] [--json OUT]
+    python benchmarks/cuda_step.py [--models llama-1b,smollm2-135m] [--sync] [--json OUT]
 """
 import argparse
 import json
@@ -45,32 +46,27 @@ def timeline(eng, steps: int) -> dict:
     """Mean ms per step spent in each part of the step (wall, no sync added)."""
     import engine.runner.model_runner as mr
     sink = {}
-    saved = (eng.scheduler.schedule, mr.build_inputs, eng.runner.sampler, eng.scheduler.update_from_output,
-             eng.output_processor.process, eng.runner.graphs.run if eng.runner.graphs else None)
-    eng.scheduler.schedule = Timed(saved[0], "schedule", sink)
-    mr.build_inputs = Timed(saved[1], "build_inputs", sink)
-    eng.runner.sampler = Timed(saved[2], "sampler_incl_sync", sink)
-    eng.scheduler.update_from_output = Timed(saved[3], "update", sink)
-    eng.output_processor.process = Timed(saved[4], "output_processing", sink)
-    if saved[5] is not None:
-        eng.runner.graphs.run = Timed(saved[5], "graph_run_cpu", sink)
+    timed = [(eng.scheduler, "schedule"), (eng.scheduler, "schedule_ahead"), (mr, "build_inputs"),
+             (eng.runner.sampler, "launch"), (eng.runner, "collect"), (eng.scheduler, "update_from_output"),
+             (eng.output_processor, "process")] + ([(eng.runner.graphs, "run")] if eng.runner.graphs else [])
+    saved = [getattr(owner, name) for owner, name in timed]
+    for (owner, name), fn in zip(timed, saved):
+        setattr(owner, name, Timed(fn, f"{type(owner).__name__}.{name}", sink))
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     sink["step_total"] = time.perf_counter() - t0
-    eng.scheduler.schedule, mr.build_inputs, eng.runner.sampler, eng.scheduler.update_from_output = saved[:4]
-    eng.output_processor.process = saved[4]
-    if saved[5] is not None:
-        eng.runner.graphs.run = saved[5]
+    for (owner, name), fn in zip(timed, saved):
+        setattr(owner, name, fn)
     return {k: v / steps * 1e3 for k, v in sink.items()}
 
 
-def run(name: str) -> dict:
+def run(name: str, async_scheduling: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = shaped_model(tmp, SHAPES[name])
         t0 = time.perf_counter()
         llm = LLM(model, device="cuda", max_num_seqs=256, max_num_batched_tokens=4096,
-                  kv_cache_memory_bytes=16 << 30, enable_prefix_caching=False)
+                  kv_cache_memory_bytes=16 << 30, enable_prefix_caching=False, async_scheduling=async_scheduling)
         build_s = time.perf_counter() - t0
         eng = llm.engine
         llm.generate([random_prompt(128, seed=1)], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
@@ -132,11 +128,13 @@ def run(name: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-1b,smollm2-135m")
+    ap.add_argument("--sync", action="store_true", help="without async scheduling: each step waited for")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "async_scheduling": not args.sync}
     for name in args.models.split(","):
-        results[name] = run(name)
+        results[name] = run(name, not args.sync)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -19,7 +19,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "seed":  # --seed is the request's sampling seed here
             continue
         flag, help = f"--{f.name.replace('_', '-')}", f.metadata["help"]
-        if str(f.type) == "bool":
+        if str(f.type) in ("bool", "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
             kind = {"int": int, "float": float, "int | None": int, "list[int] | None": _int_list}.get(str(f.type), str)

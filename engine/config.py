@@ -142,6 +142,11 @@ class SchedulerConfig:
                                                      "measured online): decodes keep their time per token "
                                                      "under it, prefill chunks take the rest; None: "
                                                      "max_num_batched_tokens every step")
+    async_scheduling: bool | None = _opt(None, "a steady batch of decodes schedules and queues its next step "
+                                               "before this step's tokens reach the host, so the host's work "
+                                               "between steps overlaps the device's (vLLM's async scheduling); "
+                                               "None: on with device 'cuda', where the device runs apart from "
+                                               "the host")
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -1,6 +1,9 @@
 """The synchronous engine: add requests, step, get outputs. Tokenizer at the edges.
 
-`step()` is schedule -> execute -> update -> outputs; everything else belongs to one owner.
+`step()` is schedule -> execute -> update -> outputs; everything else belongs to one owner. Under
+async scheduling a steady batch of decodes has its next step scheduled and queued on the device
+before this step's tokens are read, so the host's scheduling, input building, updates and
+detokenization overlap the device's forward; the step in flight is collected by the next call.
 A request that fails while running (its sampling, stop check or detokenization) fails alone:
 its stream gets a RequestError and its blocks are freed, and the step goes on for the others.
 A structured output's request waits outside the scheduler until its constraint is compiled
@@ -33,7 +36,7 @@ from engine.outputs import RequestError, RequestOutput
 from engine.request import FinishReason, Request
 from engine.runner.cuda_graphs import GraphSettings, default_sizes
 from engine.runner.gpu_memory import kv_pool_bytes, peak_step_bytes
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.speculation.draft_model import DraftModelDrafter, load_draft_worker
 from engine.runner.speculation.self_draft import SelfDraft
 from engine.sampling_params import SamplingParams
@@ -99,6 +102,10 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self._compiling: dict[str, tuple[Request, Future]] = {}
         self._last_step = StepStats()
+        async_scheduling = config.scheduler.async_scheduling
+        self.runs_ahead = device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._ahead: LaunchedStep | None = None  # the step launched before the last one was collected
+        self.num_steps_ahead = 0  # steps launched before the step before them was collected
 
     def _graph_settings(self, device: torch.device) -> GraphSettings | None:
         model = self.config.model
@@ -217,12 +224,13 @@ class LLMEngine:
     def fail_all(self, error: Exception) -> list[RequestError]:
         """Ends every request with `error` (a step the engine could not attribute to one request)."""
         failed = self.output_processor.request_ids() + self.beams.request_ids()
+        self._ahead = None  # its requests end here; nothing reads its work
         for request_id in failed:
             self.abort_request(request_id)
         return [RequestError(rid, RequestFailedError(f"engine step failed: {error}")) for rid in failed]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self._compiling) or self._ahead is not None
 
     def get_stats(self) -> EngineStats:
         return self.scheduler.make_stats(self._last_step)
@@ -230,15 +238,29 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """One iteration: schedule, run the ragged batch, update requests. Returns deltas, and
-        errors for the requests that failed."""
+        errors for the requests that failed. The step launched ahead by the last call, if any,
+        is this call's step."""
         compiled = self._admit_compiled()
-        if not self.scheduler.has_unfinished():
+        if self._ahead is None and not self.scheduler.has_unfinished():
             return compiled
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        num_drafting = sum(bool(item.draft_token_ids) for item in out.scheduled)  # before the runner fills them
-        t1 = time.perf_counter()
-        result = self.runner.execute(out)
+        scheduling, num_drafting = 0.0, 0
+        if self._ahead is not None:
+            launched, self._ahead = self._ahead, None
+        else:
+            out = self.scheduler.schedule()
+            num_drafting = sum(bool(item.draft_token_ids) for item in out.scheduled)  # before the runner fills them
+            scheduling = time.perf_counter() - t0
+            launched = self.runner.launch(out)
+        out = launched.out
+        if self.runs_ahead:
+            t1 = time.perf_counter()
+            ahead = self.scheduler.schedule_ahead(out)
+            scheduling += time.perf_counter() - t1
+            if ahead is not None:
+                self._ahead = self.runner.launch(ahead, previous=launched)
+                self.num_steps_ahead += 1
+        result = self.runner.collect(launched)
         t2 = time.perf_counter()
         update = self.scheduler.update_from_output(out, result)
         events, stopped, failed = self.output_processor.process(update, result.logprobs)
@@ -252,5 +274,5 @@ class LLMEngine:
                                     result.draft_passes, result.draft_seconds, num_drafting,
                                     result.draft_catch_up_tokens)
         self._last_step = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, t3 - t0,
-                                    (t1 - t0) + (t3 - t2), self._last_step.num_steps + 1)
+                                    scheduling + (t3 - t2), self._last_step.num_steps + 1)
         return compiled + events

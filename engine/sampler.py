@@ -13,9 +13,14 @@ the request ended), so its tokens do not depend on what else is in the batch.
 One row's failure is that row's alone: if the batched pass raises, every generator is put back
 as it was and the rows are sampled one by one, so the rows that raise fail and the others get
 exactly the tokens the batched pass would have given them. Owns no stop checks.
+
+`launch` queues a batch's sampling and its copy to the host without waiting for the device: the
+tokens stay readable on the device (the next step's inputs, under async scheduling) and come to
+the host at `SampledBatch.result()`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +41,28 @@ class SamplerOutput:
     errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why its row failed
 
 
+class SampledBatch:
+    """A batch's sampling as queued on the device: `token_ids` there, and at `result()` the
+    output `finish` makes of the `host` copies once they have landed."""
+
+    def __init__(self, token_ids: torch.Tensor, host: list[torch.Tensor],
+                 finish: Callable[[list[torch.Tensor]], SamplerOutput]):
+        self.token_ids = token_ids  # (R,) on the logits' device
+        self._host, self._finish, self._done = host, finish, None
+        self._copied = None
+        if token_ids.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        """The tokens and logprobs on the host: the step's one wait for the device."""
+        if self._done is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._done = self._finish(self._host)
+        return self._done
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device = torch.device("cpu"),
                  eos_token_ids: frozenset[int] = frozenset()):
@@ -51,9 +78,13 @@ class Sampler:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  drafts: list[SampledDraft | None] | None = None) -> SamplerOutput:
+        return self.launch(logits, requests, drafts).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, requests: list[Request],
+               drafts: list[SampledDraft | None] | None = None) -> SampledBatch:
         """`drafts`: per row, the sampled draft it verifies (Leviathan et al.'s rule), or None: the
         row is sampled as it is (a one-hot draft is verified by comparing with that sample)."""
         drafts = drafts or [None] * len(requests)
@@ -67,7 +98,7 @@ class Sampler:
         for row, request in enumerate(requests):
             try:
                 one = self._sample_batch(logits[row:row + 1], [request], drafts[row:row + 1],
-                                         masks.of_row(row) if masks is not None else None)
+                                         masks.of_row(row) if masks is not None else None).result()
             except Exception as e:  # this request's own fault: fail it, keep its batch-mates
                 token_ids.append(None)
                 logprobs.append(None)
@@ -75,10 +106,13 @@ class Sampler:
                 continue
             token_ids += one.token_ids
             logprobs += one.logprobs
-        return SamplerOutput(token_ids, logprobs, errors)
+        # a failed row's token on the device is 0: its request ends with this step, no step reads it
+        device_ids = torch.tensor([t or 0 for t in token_ids], dtype=torch.long, device=logits.device)
+        output = SamplerOutput(token_ids, logprobs, errors)
+        return SampledBatch(device_ids, [], lambda _: output)
 
     def _sample_batch(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None],
-                      masks: _ConstraintMasks | None) -> SamplerOutput:
+                      masks: _ConstraintMasks | None) -> SampledBatch:
         logits = raw = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(r.params.keeps_logprobs for r in requests) else None)
@@ -292,10 +326,10 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[Request]) -> SamplerOutput:
+def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[Request]) -> SampledBatch:
     """The rows' tokens, and where asked their logprobs (the sampled token's and the top
     `logprobs` ones; the sampled one alone where only best_of's ranking needs it), selected on
-    the logits' device and brought to the host in one transfer: one sync per step on CUDA."""
+    the logits' device; their copies to the host are queued together, so a step waits once."""
     rows = [i for i, r in enumerate(requests) if r.params.keeps_logprobs] if raw is not None else []
     values = [token_ids]
     if rows:
@@ -303,21 +337,16 @@ def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[
         kept = raw[index]
         top_values, top_ids = kept.topk(max(requests[i].params.logprobs or 0 for i in rows))
         values += [kept.gather(1, token_ids[index, None])[:, 0], top_values, top_ids]
-    host = _to_host(values)
-    ids = host[0].tolist()
-    logprobs: list[dict[int, float] | None] = [None] * len(requests)
-    if rows:
-        chosen, top_values, top_ids = (t.tolist() for t in host[1:])
-        for j, i in enumerate(rows):
-            num = requests[i].params.logprobs or 0
-            logprobs[i] = {ids[i]: chosen[j]} | dict(zip(top_ids[j][:num], top_values[j][:num]))
-    return SamplerOutput(ids, logprobs)
 
+    def finish(host: list[torch.Tensor]) -> SamplerOutput:
+        ids = host[0].tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        if rows:
+            chosen, top_values, top_ids = (t.tolist() for t in host[1:])
+            for j, i in enumerate(rows):
+                num = requests[i].params.logprobs or 0
+                logprobs[i] = {ids[i]: chosen[j]} | dict(zip(top_ids[j][:num], top_values[j][:num]))
+        return SamplerOutput(ids, logprobs)
 
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of `tensors`: on CUDA queued together, then one wait."""
-    if tensors[0].device.type == "cpu":
-        return tensors
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return host
+    host = values if token_ids.device.type == "cpu" else [t.to("cpu", non_blocking=True) for t in values]
+    return SampledBatch(token_ids, host, finish)

@@ -47,16 +47,12 @@ class DecodeGraphs:
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.sink_block, self.block_size = sink_block, block_size
         device, largest, memory_bytes = kv_cache.device, max(settings.sizes), settings.memory_bytes
-        width = -(-settings.max_model_len // block_size)
+        self.width = width = -(-settings.max_model_len // block_size)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((largest,), sink_block * block_size, dtype=torch.long, device=device)
         self.block_tables = torch.full((largest, width), sink_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        # block tables and context lengths are staged in pinned memory and go up without waiting: a
-        # step's copies are done before the next step writes here (each step ends reading its tokens)
-        self.staged_tables = torch.full((largest, width), sink_block, dtype=torch.int32).pin_memory()
-        self.staged_lens = torch.ones(largest, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         start = torch.cuda.memory_reserved(device)
@@ -105,17 +101,19 @@ class DecodeGraphs:
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(inputs.slot_mapping)
         width = max(map(len, inputs.block_tables))
-        self.staged_tables[:n, :width] = torch.tensor(
-            [t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32)
-        self.staged_lens[:n] = torch.tensor(inputs.seq_lens, dtype=torch.int32)
+        # block tables and context lengths go up from pinned memory of their own, without waiting for
+        # the step before (still running, under async scheduling); padding rows attend the sink block
+        tables = torch.full((size, self.width), self.sink_block, dtype=torch.int32, pin_memory=True)
+        tables[:n, :width] = torch.tensor([t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables],
+                                          dtype=torch.int32)
+        lens = torch.ones(size, dtype=torch.int32, pin_memory=True)
+        lens[:n] = torch.tensor(inputs.seq_lens, dtype=torch.int32)
         if n < size:  # padding: token 0 at position 0, one key in the sink block
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
-            self.staged_tables[n:size, 0] = self.sink_block
-            self.staged_lens[n:size] = 1
-        self.block_tables[:size].copy_(self.staged_tables[:size], non_blocking=True)  # whole rows: one copy
-        self.seq_lens[:size].copy_(self.staged_lens[:size], non_blocking=True)
+        self.block_tables[:size].copy_(tables, non_blocking=True)  # whole rows: one copy
+        self.seq_lens[:size].copy_(lens, non_blocking=True)
         captured = self.graphs[size]
         captured.graph.replay()
         self.replays += 1

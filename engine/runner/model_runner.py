@@ -1,14 +1,18 @@
 """Executes one scheduled step: block swaps and copies, the ragged forward, sampling.
 
 Owns the device KV cache and its host swap mirror, and on CUDA the decode steps' graphs; makes no
-scheduling decisions. After the forward the step waits for the GPU once: the sampler's tokens
-and logprobs come back together. On CUDA it runs one step of its own at start-up, so kernels
-compiled on first use (Triton's) are compiled before the first request, not while a batch waits.
+scheduling decisions. A step is launched (its work queued on the device) and then collected: the
+step waits for the GPU once, when the sampler's tokens and logprobs come back together. Under
+async scheduling the next step is launched before this one is collected, its input tokens read
+on the device from this one's samples. On CUDA it runs one step of its own at start-up, so
+kernels compiled on first use (Triton's) are compiled before the first request, not while a
+batch waits.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,14 +22,34 @@ from engine.batch import ModelInputs
 from engine.outputs import ModelRunnerOutput
 from engine.runner.block_mover import BlockMover
 from engine.runner.cuda_graphs import DecodeGraphs, GraphSettings
-from engine.runner.inputs import build_inputs
+from engine.runner.inputs import build_inputs, to_device
 from engine.runner.speculation.draft_model import DraftModelDrafter
 from engine.runner.speculation.self_draft import SelfDraft
 from engine.runner.speculation.verify import accepted_tokens
-from engine.sampler import Sampler
+from engine.sampler import SampledBatch, Sampler
 from engine.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device, until it is collected."""
+    out: SchedulerOutput
+    inputs: ModelInputs | None = None  # None: nothing was scheduled
+    logits: torch.Tensor | None = None  # (R + scored prompt positions, vocab)
+    sampled: SampledBatch | None = None
+    draft_passes: int = 0
+    draft_seconds: float = 0.0
+    drafts_unfilled: bool = False
+    catch_up_tokens: int = 0
+
+    def next_input_ids(self, inputs: ModelInputs) -> torch.Tensor:
+        """The input tokens of a step scheduled ahead of this one (each row a request this step
+        samples for), gathered on the device from this step's samples."""
+        row_of = {request.request_id: row for request, _, row in self.inputs.verified}
+        rows = [row_of[request.request_id] for request in inputs.sampled_requests]
+        return self.sampled.token_ids[to_device(rows, self.sampled.token_ids.device)]
 
 
 class ModelRunner:
@@ -80,21 +104,29 @@ class ModelRunner:
                     else "")
         logger.info("kernels warmed up in %.1f s%s", time.perf_counter() - t0, variants)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues the step's block moves, forward and sampling. `previous`: the step launched
+        before this one and not yet collected, whose samples are this step's input tokens (the
+        scheduler's placeholders: every row of `out` continues a request `previous` samples for)."""
         self.sampler.forget(out.finished_ids)
         if self.drafter is not None:
             self.drafter.forget(out.finished_ids)
         self.blocks.move(out)
+        step = LaunchedStep(out)
         if out.is_empty:
-            return ModelRunnerOutput({}, {})
-        draft_passes, catch_up_tokens, draft_seconds, unfilled = 0, 0, 0.0, False
+            return step
         if self.drafter is not None and any(item.draft_token_ids for item in out.scheduled):
             t0 = time.perf_counter()
-            draft_passes, catch_up_tokens = self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
-            draft_seconds = time.perf_counter() - t0
-            unfilled = not any(item.draft_token_ids for item in out.scheduled)
-        inputs = build_inputs(out.scheduled, self.block_size, self.device)
+            step.draft_passes, step.catch_up_tokens = self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
+            step.draft_seconds = time.perf_counter() - t0
+            step.drafts_unfilled = not any(item.draft_token_ids for item in out.scheduled)
+        inputs = step.inputs = build_inputs(out.scheduled, self.block_size, self.device)
+        if previous is not None:
+            inputs.input_ids = previous.next_input_ids(inputs)
         size = self.graphs.bucket(inputs) if self.graphs is not None else None
         if size is not None:
             logits = self.graphs.run(inputs, size)
@@ -107,8 +139,18 @@ class ModelRunner:
                 indices = torch.cat([indices, torch.tensor(inputs.scored_indices, dtype=torch.long,
                                                            device=self.device)])
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata, indices)
-        num_sampled = len(inputs.sample_indices)
-        result = self.sampler(logits[:num_sampled], inputs.sampled_requests, inputs.sampled_drafts)
+        step.logits = logits
+        step.sampled = self.sampler.launch(logits[:len(inputs.sample_indices)], inputs.sampled_requests,
+                                           inputs.sampled_drafts)
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Waits for the step's samples: the accepted tokens and logprobs of each request."""
+        inputs = step.inputs
+        if inputs is None:
+            return ModelRunnerOutput({}, {})
+        result = step.sampled.result()
         sampled, logprobs = {}, {}
         for request, drafts, row in inputs.verified:
             if request.request_id in result.errors:
@@ -117,8 +159,10 @@ class ModelRunner:
             sampled[request.request_id] = tokens
             if request.params.keeps_logprobs:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
-        return ModelRunnerOutput(sampled, logprobs, result.errors, draft_passes, draft_seconds, unfilled,
-                                 catch_up_tokens, _prompt_logprobs(logits[num_sampled:], inputs.scored_prompts))
+        num_sampled = len(inputs.sample_indices)
+        return ModelRunnerOutput(sampled, logprobs, result.errors, step.draft_passes, step.draft_seconds,
+                                 step.drafts_unfilled, step.catch_up_tokens,
+                                 _prompt_logprobs(step.logits[num_sampled:], inputs.scored_prompts))
 
 
 def _prompt_logprobs(logits: torch.Tensor, scored: list) -> dict[str, tuple[int, list[dict[int, float]]]]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from engine.drafts import SampledDraft
 from engine.request import Request
 
+PENDING_TOKEN = -1  # an input token the step before samples, read on the device (async scheduling)
+
 
 @dataclass(slots=True)
 class ScheduledRequest:

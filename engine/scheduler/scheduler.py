@@ -17,7 +17,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineStats, StepStats
 from engine.outputs import ModelRunnerOutput, SpecCounts
 from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from engine.scheduler.output import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
 from engine.scheduler.output_lengths import OutputLengths
 from engine.scheduler.queue import WaitingQueue
 from engine.scheduler.speculation.adaptive import AdaptiveSpeculation
@@ -185,6 +185,42 @@ class Scheduler:
                 len(self.running) >= self.config.max_num_seqs or not self.waiting):
             self._static_batch_open = False
         return out
+
+    def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `out`, scheduled before `out`'s tokens are known (async scheduling): a
+        steady batch of decodes runs again, each one position on, its input the token `out`
+        samples for it (PENDING_TOKEN here; the runner reads it on the device). None where the
+        next step could be another one: requests waiting, swapped or parked, a prefill chunk or
+        drafts in `out`, a running request it left out, a request whose next token depends on
+        its output so far beyond the token itself (penalties, min_tokens, a grammar, a beam),
+        or blocks short. A request `out` ends by length is left out; one that a stop token or
+        string ends is found when `out` is processed, and its row of this step is dropped."""
+        if self.waiting or self.swapped or self.parked or self.speculative is not None:
+            return None
+        items = [item for item in out.scheduled if item.request.status is RequestStatus.RUNNING]  # ended: dropped
+        if (len(items) != len(self.running) or not items
+                or not all(len(item.token_ids) == 1 and item.sample and _samples_ahead(item.request)
+                           for item in items)):
+            return None
+        continuing = [item.request for item in items if not self._ends_by_length(item.request)]
+        needed = sum(self.kv.num_free_blocks_needed(request, 2) for request in continuing)
+        if not continuing or needed > self.kv.num_free_blocks:
+            return None
+        ahead = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        for request in continuing:  # slots for `out`'s position and the next
+            ahead.blocks_to_copy.extend(self.kv.allocate_slots(request, 2))
+            ahead.scheduled.append(ScheduledRequest(request=request, token_ids=[PENDING_TOKEN],
+                                                    start_pos=request.num_computed_tokens + 1,
+                                                    block_table=list(self.kv.block_table(request.request_id)),
+                                                    sample=True))
+        return ahead
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the token a running decode is sampling now is its last by max_tokens or the
+        model's length."""
+        return (request.num_output_tokens + 1 >= request.params.max_tokens
+                or request.num_tokens + 1 >= self.max_model_len)
 
     def observe_step(self, num_tokens: int, seconds: float, num_draft_passes: int = 0,
                      draft_seconds: float = 0.0, num_drafting: int = 0, num_catch_up_tokens: int = 0) -> None:
@@ -524,3 +560,11 @@ class Scheduler:
             num_spec_proposed_tokens=c.spec.proposed, num_spec_accepted_tokens=c.spec.accepted,
             spec_acceptance_rate=c.spec.acceptance_rate, spec_mean_accepted_length=c.spec.mean_accepted_length,
             num_spec_unfilled_steps=c.num_spec_unfilled_steps)
+
+
+def _samples_ahead(request: Request) -> bool:
+    """Whether the request's next token can be sampled before the token before it reaches the
+    host: its sampling reads nothing of its output but that token's place."""
+    params = request.params
+    return (not request.beam and request.constraint is None and not params.has_penalties
+            and request.num_output_tokens >= params.min_tokens)

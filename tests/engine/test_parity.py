@@ -39,8 +39,14 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     dict(max_num_seqs=64, max_num_batched_tokens=16, attention_backend="torch"),  # pure torch: gather + buckets
     dict(max_num_seqs=64, max_num_batched_tokens=16, attention_backend="cpu"),  # C++ decode kernel
     dict(max_num_seqs=64, target_step_latency_s=1e-4),  # adaptive budget: minimal chunks around decodes
+    dict(max_num_seqs=64, async_scheduling=True),  # steady decodes run a step ahead of their tokens
+    dict(max_num_seqs=1, async_scheduling=True),
+    dict(max_num_seqs=3, max_num_batched_tokens=7, block_size=4, async_scheduling=True),
+    dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, preemption_mode="auto", policy="priority",
+         async_scheduling=True),
 ], ids=["batch64", "batch1", "chunked16", "chunked7-bs4", "no-prefix-cache", "static", "preempt-swap",
-        "preempt-recompute", "preempt-auto", "torch-attention", "cpu-kernel-attention", "adaptive-step"])
+        "preempt-recompute", "preempt-auto", "torch-attention", "cpu-kernel-attention", "adaptive-step",
+        "async-batch64", "async-batch1", "async-chunked7-bs4", "async-preempt-auto"])
 def test_greedy_matches_transformers(model_and_reference, engine_args):
     model_dir, prompts, expected = model_and_reference
     llm = LLM(model_dir, **engine_args)

@@ -5,10 +5,10 @@ float32 with the torch backend equals transformers on the same GPU token for tok
 (torch's FlashAttention-2 over gathered contexts) and the torch backend is as faithful to float32
 as transformers' own bfloat16. Every scheduler feature is on in some run: chunked prefill with
 cached context, prefix sharing, swap and recompute preemption. CUDA graphs on and off give the
-same tokens; a decode's attention does not depend on how its context's partitions are shared
-out; carrying the residual to the RMSNorm kernel changes no bit; swapping through the side stream
-gives the tokens of a run that never swaps; the KV pool is sized from the GPU's memory; no kernel
-compiles after start-up, whatever the steps' shapes.
+same tokens, and so do async scheduling on and off; a decode's attention does not depend on how
+its context's partitions are shared out; carrying the residual to the RMSNorm kernel changes no
+bit; swapping through the side stream gives the tokens of a run that never swaps; the KV pool is
+sized from the GPU's memory; no kernel compiles after start-up, whatever the steps' shapes.
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ def test_auto_picks_the_paged_kernel_with_graphs_in_bfloat16_on_cuda(model_dir):
     assert (runner.backend.name, runner.kv_cache.dtype) == ("triton", torch.bfloat16)
     assert runner.kv_cache.device.type == "cuda"
     assert runner.graphs.sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]  # max_num_seqs 64
+    assert llm.engine.runs_ahead  # async scheduling
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -113,6 +114,32 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(model_dir, prompts, dtype, 
         assert (_graph_replays(llm) > 0) != eager
         _check_pool(llm, engine_args)
     assert runs[False] == runs[True]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_async_scheduling_on_and_off_give_the_same_tokens(model_dir, prompts, dtype, eager):
+    """Decode steps launched before the step before them is read (the default on CUDA), replayed
+    from graphs or eager, give the tokens of an engine that waits for every step. Each request
+    stops on a token of its own output, at steps spread over the run: the step launched for it
+    is dropped, its batch-mates go on, and every block comes back."""
+    def engine(async_scheduling: bool) -> LLM:
+        return LLM(model_dir, device="cuda", dtype=dtype, attention_backend="triton", enforce_eager=eager,
+                   async_scheduling=async_scheduling)
+
+    reference = _greedy(engine(False), prompts, ignore_eos=True)
+    stops = [tokens[3 + i % 12] for i, tokens in enumerate(reference)]
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+              for stop in stops]
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = engine(async_scheduling)
+        runs[async_scheduling] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (llm.engine.num_steps_ahead > 0) == async_scheduling
+        assert (_graph_replays(llm) > 0) != eager
+        _check_pool(llm, {})
+    assert runs[True] == runs[False]
+    assert [len(t) for t in runs[True]] == [tokens.index(stop) + 1 for tokens, stop in zip(reference, stops)]
 
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(enforce_eager=True, max_num_batched_tokens=48)],

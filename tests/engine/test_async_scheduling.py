@@ -1,0 +1,145 @@
+"""Async scheduling: a steady batch of decodes has its next step launched before its tokens are read.
+
+On the CPU the forward finishes before the host goes on, so these tests check what the step ahead
+must not change: every token, logprob and end, the requests that end while their next step is in
+flight, aborts, arrivals and every KV block. Its speed is a GPU's (BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, LLMEngine, SamplingParams
+from tests.engine.helpers import hf_greedy
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(3, 300) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama, prompts) -> list[list[int]]:
+    return hf_greedy(tiny_llama, prompts, MAX_NEW)  # cut after an end-of-sequence token
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Every request's outputs (RequestOutput deltas), stepping until none is left."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    deltas: dict[str, list] = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas[out.request_id].append(out)
+    return deltas
+
+
+def _tokens(deltas: list) -> list[int]:
+    return [t for out in deltas for t in out.outputs[0].token_ids]
+
+
+def _assert_no_block_held(engine: LLMEngine) -> None:
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_greedy_decodes_run_ahead_and_equal_transformers(tiny_llama, prompts, expected):
+    """Different max_tokens: requests that end by length leave the step ahead, the rest go on;
+    one that samples its end-of-sequence token ends there."""
+    engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=True)
+    lengths = [MAX_NEW - 3 * i for i in range(len(prompts))]
+    deltas = _run(engine, {str(i): (p, SamplingParams(max_tokens=n, temperature=0))
+                           for i, (p, n) in enumerate(zip(prompts, lengths))})
+    assert [_tokens(deltas[str(i)]) for i in range(len(prompts))] == [e[:n] for e, n in zip(expected, lengths)]
+    assert all(sum(out.finished for out in deltas[str(i)]) == 1 and deltas[str(i)][-1].finished
+               for i in range(len(prompts)))
+    assert engine.num_steps_ahead > MAX_NEW // 2
+    _assert_no_block_held(engine)
+
+
+def test_a_request_that_stops_while_its_next_step_is_in_flight_ends_at_its_stop(tiny_llama, prompts, expected):
+    """Each request stops on a token of its own output: the step already launched for it is dropped,
+    its batch-mates go on, still a step ahead, and its blocks (the slot ahead included) are freed."""
+    engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=True)
+    stops = [e[min(2 + i, len(e) - 1)] for i, e in enumerate(expected)]
+    deltas = _run(engine, {str(i): (p, SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=[s]))
+                           for i, (p, s) in enumerate(zip(prompts, stops))})
+    for i, (e, s) in enumerate(zip(expected, stops)):
+        assert _tokens(deltas[str(i)]) == e[:e.index(s) + 1]
+        assert deltas[str(i)][-1].outputs[0].finish_reason == "stop"
+        assert sum(out.finished for out in deltas[str(i)]) == 1
+    # the others' steps go on running ahead across each stop: every decode step after the first
+    assert engine.num_steps_ahead >= max(e.index(s) for e, s in zip(expected, stops)) - 1
+    _assert_no_block_held(engine)
+
+
+def test_seeded_sampling_and_logprobs_are_those_of_the_synchronous_engine(tiny_llama, prompts):
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=7, logprobs=3, ignore_eos=True)
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_llama, async_scheduling=async_scheduling)
+        runs[async_scheduling] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        _assert_no_block_held(llm.engine)
+    assert llm.engine.num_steps_ahead > 0
+    for sync, ahead in zip(runs[False], runs[True]):
+        assert ahead.token_ids == sync.token_ids
+        assert [list(lp) for lp in ahead.logprobs] == [list(lp) for lp in sync.logprobs]
+        assert all(a == pytest.approx(b, abs=1e-5) for x, y in zip(ahead.logprobs, sync.logprobs)
+                   for a, b in zip(x.values(), y.values()))
+
+
+def test_an_abort_while_a_step_is_in_flight_ends_that_request_alone(tiny_llama, prompts, expected):
+    engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=True)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(str(i), prompt, greedy)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    while engine.num_steps_ahead < 3:
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+    final = engine.abort_request("1")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    num_before = len(tokens["1"])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != "1"
+            tokens[out.request_id] += out.outputs[0].token_ids
+    assert tokens["0"] == expected[0] and tokens["2"] == expected[2]
+    assert tokens["1"] == expected[1][:num_before]
+    _assert_no_block_held(engine)
+
+
+def test_an_arrival_waits_for_the_step_in_flight_and_then_joins(tiny_llama, prompts, expected):
+    """A request added while a step is in flight stops the running ahead (the next step must admit
+    it); once it decodes with the others, steps run ahead again."""
+    engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=True)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    engine.add_request("0", prompts[0], greedy)
+    tokens: dict[str, list[int]] = {"0": [], "1": []}
+    while engine.num_steps_ahead < 3:
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+    engine.add_request("1", prompts[1], greedy)
+    ahead_at_arrival = engine.num_steps_ahead
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+    assert tokens == {"0": expected[0], "1": expected[1]}
+    assert engine.num_steps_ahead > ahead_at_arrival
+    _assert_no_block_held(engine)
+
+
+def test_requests_whose_sampling_reads_their_output_never_run_ahead(tiny_llama, prompts):
+    """Penalties and min_tokens read a request's output up to the token before: that token must be
+    on the host first, so their batches step one at a time, with the synchronous engine's tokens."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, repetition_penalty=1.3, min_tokens=MAX_NEW)
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_llama, async_scheduling=async_scheduling)
+        outputs[async_scheduling] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.num_steps_ahead == 0
+    assert outputs[True] == outputs[False]
