@@ -1,5 +1,5 @@
 """AsyncEngine: streamed deltas, concurrency, abort, cancellation, validation before streaming;
-each with the step loop on a thread and in its own process."""
+each with the step loop on a thread, in its own process, and there with async scheduling."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +13,12 @@ from engine.errors import EngineDeadError, InvalidRequestError
 PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["thread", "process"])
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
+                ids=["thread", "process", "process-async-scheduling"])
 def engine(request, tiny_llama):
-    eng = AsyncEngine.from_engine_args(tiny_llama, engine_process=request.param, max_num_batched_tokens=32)
+    engine_process, async_scheduling = request.param
+    eng = AsyncEngine.from_engine_args(tiny_llama, engine_process=engine_process, max_num_batched_tokens=32,
+                                       async_scheduling=async_scheduling)
     yield eng
     eng.shutdown()
 

@@ -42,6 +42,13 @@ def _tokens(deltas: list) -> list[int]:
     return [t for out in deltas for t in out.outputs[0].token_ids]
 
 
+def _collect_samples(events: list, samples: dict[tuple[str, int], list[int]]) -> None:
+    """Each sample's tokens, by (request id, sample index)."""
+    for out in events:
+        for o in out.outputs:
+            samples.setdefault((out.request_id, o.index), []).extend(o.token_ids)
+
+
 def _assert_no_block_held(engine: LLMEngine) -> None:
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
@@ -143,3 +150,65 @@ def test_requests_whose_sampling_reads_their_output_never_run_ahead(tiny_llama, 
         outputs[async_scheduling] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.num_steps_ahead == 0
     assert outputs[True] == outputs[False]
+
+
+def test_a_stop_string_found_after_the_step_ahead_launched_ends_the_request_there(tiny_llama_words):
+    """A stop string is found by detokenization, after the next step was launched: the request's
+    text and tokens end as the synchronous engine's do."""
+    prompts = ["the cat sat on the", "a dog ran to", "one two three"]
+    free = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    texts = [o.outputs[0].text for o in LLM(tiny_llama_words).generate(prompts, free, use_tqdm=False)]
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, stop=[text.split()[2 + i]])
+              for i, text in enumerate(texts)]
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_llama_words, async_scheduling=async_scheduling)
+        runs[async_scheduling] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                                  for o in llm.generate(prompts, params, use_tqdm=False)]
+        _assert_no_block_held(llm.engine)
+    assert llm.engine.num_steps_ahead > 0
+    assert runs[True] == runs[False]
+    assert all(reason == "stop" and len(tokens) < MAX_NEW for _, tokens, reason in runs[True])
+
+
+def test_samples_forked_from_a_one_token_prompt_equal_the_synchronous_engines(tiny_llama, prompts):
+    """n=3 forks its samples after the first token. A one-token prompt arriving while others decode
+    is a step of one-token rows, so a step is launched ahead for it before it forks: the forks
+    share the parent's blocks, the slot ahead included, copy-on-write."""
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    forked = SamplingParams(n=3, max_tokens=MAX_NEW, temperature=0.8, seed=3, ignore_eos=True)
+    runs = {}
+    for async_scheduling in (False, True):
+        engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=async_scheduling)
+        samples = runs[async_scheduling] = {}
+        engine.add_request("a", prompts[0], greedy)
+        engine.add_request("b", prompts[1], greedy)
+        for _ in range(4):
+            _collect_samples(engine.step(), samples)
+        ahead_before = engine.num_steps_ahead
+        engine.add_request("n3", [42], forked)
+        while engine.has_unfinished_requests():
+            _collect_samples(engine.step(), samples)
+        _assert_no_block_held(engine)
+    assert engine.num_steps_ahead > ahead_before > 0
+    assert sorted(runs[True]) == sorted(runs[False]) and len(runs[True]) == 5
+    assert runs[True] == runs[False]
+
+
+def test_a_step_that_fails_with_a_step_in_flight_fails_every_request_and_the_engine_goes_on(
+        tiny_llama, prompts, expected, monkeypatch):
+    engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=True)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(str(i), prompt, greedy)
+    while engine.num_steps_ahead < 2:
+        engine.step()
+    monkeypatch.setattr(engine.runner, "collect", lambda step: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    errors = engine.fail_all(RuntimeError("device lost"))
+    assert sorted(e.request_id for e in errors) == ["0", "1", "2"]
+    assert not engine.has_unfinished_requests()
+    _assert_no_block_held(engine)
+    monkeypatch.undo()
+    assert _tokens(_run(engine, {"after": (prompts[0], greedy)})["after"]) == expected[0]

@@ -24,9 +24,10 @@ PROMPTS = {"a": [5, 17, 42, 99], "b": [8, 8, 30], "c": [250, 4, 66, 90, 91], "ba
 MATES = {"a": GREEDY, "b": SEEDED, "c": GREEDY}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    return LLMEngine.from_engine_args(tiny_llama, max_num_batched_tokens=64, num_blocks=40, block_size=4)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def engine(request, tiny_llama):
+    return LLMEngine.from_engine_args(tiny_llama, max_num_batched_tokens=64, num_blocks=40, block_size=4,
+                                      async_scheduling=request.param)
 
 
 def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]]):
@@ -78,6 +79,7 @@ def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch, where):
     assert "injected fault" in str(errors["bad"])
     assert {rid: tokens[rid] for rid in MATES} == reference
     assert engine.get_stats().num_failed_requests == failed_before + 1
+    assert (engine.num_steps_ahead > 0) == engine.runs_ahead
     monkeypatch.undo()
     assert _run(engine, {"after": (PROMPTS["a"], GREEDY)})[0]["after"] == reference["a"]
 
