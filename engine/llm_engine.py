@@ -1,9 +1,9 @@
 """The synchronous engine: add requests, step, get outputs. Tokenizer at the edges.
 
-`step()` is schedule -> execute -> update -> outputs; everything else belongs to one owner. Under
-async scheduling a steady batch of decodes has its next step scheduled and queued on the device
-before this step's tokens are read, so the host's scheduling, input building, updates and
-detokenization overlap the device's forward; the step in flight is collected by the next call.
+`step()` is schedule -> launch -> collect -> update -> outputs; everything else belongs to one
+owner. Under async scheduling a steady batch of decodes has its next step scheduled and queued on
+the device before this step's tokens are read, so the host's scheduling, input building, updates
+and detokenization overlap the device's forward; the step in flight is collected by the next call.
 A request that fails while running (its sampling, stop check or detokenization) fails alone:
 its stream gets a RequestError and its blocks are freed, and the step goes on for the others.
 A structured output's request waits outside the scheduler until its constraint is compiled

@@ -104,9 +104,6 @@ class ModelRunner:
                     else "")
         logger.info("kernels warmed up in %.1f s%s", time.perf_counter() - t0, variants)
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect(self.launch(out))
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queues the step's block moves, forward and sampling. `previous`: the step launched
