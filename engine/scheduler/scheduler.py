@@ -190,12 +190,14 @@ class Scheduler:
         """The step after `out`, scheduled before `out`'s tokens are known (async scheduling): a
         steady batch of decodes runs again, each one position on, its input the token `out`
         samples for it (PENDING_TOKEN here; the runner reads it on the device). None where the
-        next step could be another one: requests waiting, swapped or parked, a prefill chunk or
+        next step could be another one: requests waiting or swapped that could join it (the
+        batch has room, or `priority` could preempt for them), beams parked, a prefill chunk or
         drafts in `out`, a running request it left out, a request whose next token depends on
         its output so far beyond the token itself (penalties, min_tokens, a grammar, a beam),
-        or blocks short. A request `out` ends by length is left out; one that a stop token or
-        string ends is found when `out` is processed, and its row of this step is dropped."""
-        if self.waiting or self.swapped or self.parked or self.speculative is not None:
+        or blocks short. A request `out` ends by length is left out (its place is free for the
+        step after); one that a stop token or string ends is found when `out` is processed, its
+        row of this step is dropped, and its place goes to a waiting request a step later."""
+        if self.parked or self.speculative is not None:
             return None
         items = [item for item in out.scheduled if item.request.status is RequestStatus.RUNNING]  # ended: dropped
         if (len(items) != len(self.running) or not items
@@ -203,6 +205,9 @@ class Scheduler:
                            for item in items)):
             return None
         continuing = [item.request for item in items if not self._ends_by_length(item.request)]
+        queued = self.waiting or self.swapped
+        if queued and (self.config.policy == "priority" or len(continuing) < self.config.max_num_seqs):
+            return None
         needed = sum(self.kv.num_free_blocks_needed(request, 2) for request in continuing)
         if not continuing or needed > self.kv.num_free_blocks:
             return None

@@ -212,3 +212,27 @@ def test_a_step_that_fails_with_a_step_in_flight_fails_every_request_and_the_eng
     _assert_no_block_held(engine)
     monkeypatch.undo()
     assert _tokens(_run(engine, {"after": (prompts[0], greedy)})["after"]) == expected[0]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sjf", "priority"])
+def test_a_full_batch_runs_ahead_with_requests_queued_behind_it_unless_priority_could_preempt(
+        tiny_llama, prompts, expected, policy):
+    """max_num_seqs 2, six requests: while the batch is full no queued request could join the next
+    step, so it runs ahead; under `priority` a queued request may displace a running one at any
+    step, so a queue stops the running ahead. Every request's tokens are transformers'."""
+    engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=True, max_num_seqs=2, policy=policy)
+    scheduler, ahead_with_queue = engine.scheduler, []
+    schedule_ahead = scheduler.schedule_ahead
+
+    def recorded(out):
+        ahead = schedule_ahead(out)
+        ahead_with_queue.append(ahead is not None and len(scheduler.waiting) > 0)
+        return ahead
+
+    scheduler.schedule_ahead = recorded
+    deltas = _run(engine, {str(i): (p, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+                           for i, p in enumerate(prompts)})
+    assert [_tokens(deltas[str(i)]) for i in range(len(prompts))] == expected
+    assert any(ahead_with_queue) == (policy != "priority")
+    assert engine.num_steps_ahead > 0
+    _assert_no_block_held(engine)
