@@ -1,4 +1,4 @@
-"""The engine on one NVIDIA GPU: attention backend and CUDA graphs side by side, at two model sizes,
+"""The engine on one NVIDIA GPU: attention backend, CUDA graphs and async scheduling side by side, at two model sizes,
 with transformers in the same run as the baseline (single-stream `generate`, and static batching:
 the whole workload as one padded `generate` batch).
 
