@@ -6,6 +6,7 @@ flight, aborts, arrivals and every KV block. Its speed is a GPU's (BENCHMARKS.md
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -235,4 +236,44 @@ def test_a_full_batch_runs_ahead_with_requests_queued_behind_it_unless_priority_
     assert [_tokens(deltas[str(i)]) for i in range(len(prompts))] == expected
     assert any(ahead_with_queue) == (policy != "priority")
     assert engine.num_steps_ahead > 0
+    _assert_no_block_held(engine)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_with_stops_aborts_and_arrivals_equal_the_synchronous_engine(tiny_llama, seed):
+    """Random prompts, lengths, stop tokens, seeded sampling and logprobs; requests arriving and
+    aborted at random steps while steps run ahead. Each request that runs to its end gets the
+    tokens the synchronous engine gives it; an aborted one a prefix of them; every block comes back."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(4, 9))]
+    params = [SamplingParams(max_tokens=rng.randint(1, MAX_NEW), ignore_eos=rng.random() < 0.5,
+                             temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randrange(100),
+                             logprobs=rng.choice([None, 2])) for _ in prompts]
+    sync = LLMEngine.from_engine_args(tiny_llama, async_scheduling=False)
+    reference = {rid: _tokens(d) for rid, d in _run(sync, {str(i): (p, q) for i, (p, q) in
+                                                           enumerate(zip(prompts, params))}).items()}
+    for i, p in enumerate(params):  # stop on a token of the request's own output, somewhere in it
+        tokens = reference[str(i)]
+        if tokens and rng.random() < 0.5:
+            stop = tokens[rng.randrange(len(tokens))]
+            params[i] = dataclasses.replace(p, stop_token_ids=[stop])
+            reference[str(i)] = tokens[:tokens.index(stop) + 1]
+    engine = LLMEngine.from_engine_args(tiny_llama, async_scheduling=True, max_num_seqs=rng.choice([2, 4, 64]))
+    arrivals = sorted((rng.randint(0, 6), str(i)) for i in range(len(prompts)))
+    aborts = {rng.randint(1, 12): str(rng.randrange(len(prompts))) for _ in range(2)}
+    tokens: dict[str, list[int]] = {}
+    aborted, step = set(), 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, rid = arrivals.pop(0)
+            engine.add_request(rid, prompts[int(rid)], params[int(rid)])
+            tokens[rid] = []
+        if step in aborts and aborts[step] in tokens and engine.abort_request(aborts[step]) is not None:
+            aborted.add(aborts[step])
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+        step += 1
+    for rid, got in tokens.items():
+        expected_tokens = reference[rid]
+        assert got == (expected_tokens[:len(got)] if rid in aborted else expected_tokens), rid
     _assert_no_block_held(engine)
