@@ -204,7 +204,7 @@ class Scheduler:
                 or not all(len(item.token_ids) == 1 and item.sample and _samples_ahead(item.request)
                            for item in items)):
             return None
-        continuing = [item.request for item in items if not self._ends_by_length(item.request)]
+        continuing = [item.request for item in items if not self._at_length(item.request, num_pending=1)]
         queued = self.waiting or self.swapped
         if queued and (self.config.policy == "priority" or len(continuing) < self.config.max_num_seqs):
             return None
@@ -221,11 +221,11 @@ class Scheduler:
                                                     sample=True))
         return ahead
 
-    def _ends_by_length(self, request: Request) -> bool:
-        """Whether the token a running decode is sampling now is its last by max_tokens or the
-        model's length."""
-        return (request.num_output_tokens + 1 >= request.params.max_tokens
-                or request.num_tokens + 1 >= self.max_model_len)
+    def _at_length(self, request: Request, num_pending: int = 0) -> bool:
+        """Whether the request has reached max_tokens or the model's length, counting
+        `num_pending` tokens being sampled for it now."""
+        return (request.num_output_tokens + num_pending >= request.params.max_tokens
+                or request.num_tokens + num_pending >= self.max_model_len)
 
     def observe_step(self, num_tokens: int, seconds: float, num_draft_passes: int = 0,
                      draft_seconds: float = 0.0, num_drafting: int = 0, num_catch_up_tokens: int = 0) -> None:
@@ -542,7 +542,7 @@ class Scheduler:
             return FinishReason.STOP
         if request.constraint is not None and request.constraint.is_finished:
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if self._at_length(request):
             return FinishReason.LENGTH
         return None
 
