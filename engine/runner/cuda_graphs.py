@@ -102,17 +102,19 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(inputs.slot_mapping)
         width = max(map(len, inputs.block_tables))
         # block tables and context lengths go up from pinned memory of their own, without waiting for
-        # the step before (still running, under async scheduling); padding rows attend the sink block
-        tables = torch.full((size, self.width), self.sink_block, dtype=torch.int32, pin_memory=True)
-        tables[:n, :width] = torch.tensor([t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables],
-                                          dtype=torch.int32)
+        # the step before (still running, under async scheduling); padding rows attend the sink block.
+        # Only the step's width: a row's entries past its context are never read, so what an earlier
+        # step left there stays (a whole row is max_model_len / block_size entries: 8 MB at 256 rows of 128k)
+        tables = torch.full((size, width), self.sink_block, dtype=torch.int32, pin_memory=True)
+        tables[:n] = torch.tensor([t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables],
+                                  dtype=torch.int32)
         lens = torch.ones(size, dtype=torch.int32, pin_memory=True)
         lens[:n] = torch.tensor(inputs.seq_lens, dtype=torch.int32)
         if n < size:  # padding: token 0 at position 0, one key in the sink block
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
-        self.block_tables[:size].copy_(tables, non_blocking=True)  # whole rows: one copy
+        self.block_tables[:size, :width].copy_(tables, non_blocking=True)
         self.seq_lens[:size].copy_(lens, non_blocking=True)
         captured = self.graphs[size]
         captured.graph.replay()

@@ -5,10 +5,11 @@ float32 with the torch backend equals transformers on the same GPU token for tok
 (torch's FlashAttention-2 over gathered contexts) and the torch backend is as faithful to float32
 as transformers' own bfloat16. Every scheduler feature is on in some run: chunked prefill with
 cached context, prefix sharing, swap and recompute preemption. CUDA graphs on and off give the
-same tokens, and so do async scheduling on and off; a decode's attention does not depend on how
-its context's partitions are shared out; carrying the residual to the RMSNorm kernel changes no
-bit; swapping through the side stream gives the tokens of a run that never swaps; the KV pool is
-sized from the GPU's memory; no kernel compiles after start-up, whatever the steps' shapes.
+same tokens (a graph step sends its block tables only as wide as its longest context), and so do
+async scheduling on and off; a decode's attention does not depend on how its context's partitions
+are shared out; carrying the residual to the RMSNorm kernel changes no bit; swapping through the
+side stream gives the tokens of a run that never swaps; the KV pool is sized from the GPU's
+memory; no kernel compiles after start-up, whatever the steps' shapes.
 """
 from __future__ import annotations
 
@@ -113,6 +114,27 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(model_dir, prompts, dtype, 
         runs[eager] = _greedy(llm, prompts, ignore_eos=True)
         assert (_graph_replays(llm) > 0) != eager
         _check_pool(llm, engine_args)
+    assert runs[False] == runs[True]
+
+
+def test_a_graph_step_sends_its_block_tables_only_as_wide_as_its_longest_row(model_dir):
+    """A graph step copies block tables up to its longest context's blocks, not whole rows of
+    max_model_len: what a longer request left past that stays in the graph's buffer, unread, and
+    the short requests after it get the tokens of eager steps."""
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(3, 300) for _ in range(100)]
+    short = [[rng.randrange(3, 300) for _ in range(5)] for _ in range(3)]
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(model_dir, device="cuda", dtype="bfloat16", attention_backend="triton", enforce_eager=eager,
+                  block_size=4)
+        runs[eager] = (_greedy(llm, [long_prompt], ignore_eos=True), _greedy(llm, short, ignore_eos=True))
+        if not eager:
+            graphs = llm.engine.runner.graphs
+            wide, narrow = -(-(100 + MAX_NEW - 1) // 4), -(-(5 + MAX_NEW - 1) // 4)
+            assert graphs.width > wide  # rows of max_model_len / block_size entries
+            assert (graphs.block_tables[0, narrow:wide] != graphs.sink_block).all()  # the long request's, unread
+        _check_pool(llm, {})
     assert runs[False] == runs[True]
 
 
