@@ -305,6 +305,8 @@ def summarize(results: list[RequestResult], wall: float) -> dict[str, Any]:
         "output_tps": out_tokens / wall if wall > 0 else None,
         "total_tps": (out_tokens + prompt_tokens) / wall if wall > 0 else None,
         "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        # a burst's intake: how long after the run began any request got its first token
+        "first_token_s": min((r.sent_s + r.ttft_s for r in ok if r.ttft_s is not None), default=None),
         "tpot_s": _pcts([r.tpot_s for r in ok if r.tpot_s is not None]),
         "e2e_s": _pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
         "mean_events_per_request": (sum(r.num_events for r in ok) / len(ok)) if ok else None,
@@ -348,6 +350,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: dict[str, A
         "| throughput | value |",
         "|---|---:|",
         f"| wall time (s) | {s['wall_s']:.2f} |",
+        f"| first token of the run (ms) | {_ms(s['first_token_s'])} |",
         f"| requests ok / errors | {s['num_ok']} / {s['num_errors']} |",
         f"| request throughput (req/s) | {s['request_throughput']:.2f} |",
         f"| output tokens | {s['output_tokens']} |",
