@@ -1,13 +1,16 @@
 """Factories for engine tests: scheduler without a model, one step with fake sampled tokens, a
-fake clock, HF reference generation, prompts that repeat themselves, a draft checkpoint."""
+fake clock, HF reference generation, prompts that repeat themselves, a draft checkpoint, a ragged
+batch for an attention backend with the attention it must give."""
 from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.batch import ModelInputs
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput
@@ -56,6 +59,76 @@ def ragged_batch(seed: int, shapes: list[tuple[int, int]], num_blocks: int, bloc
         request = make_request(start + n)
         scheduled.append(ScheduledRequest(request, request.token_ids[start:], start, table, True))
     return scheduled
+
+
+@dataclass
+class AttentionCase:
+    """A ragged batch of decodes and chunks (with cached context or without) for an attention
+    backend: each request's keys and values (context and new tokens) and the step's queries,
+    float32 on the CPU, requests in the order of the batch's rows."""
+    scheduled: list[ScheduledRequest]
+    inputs: ModelInputs
+    q: torch.Tensor  # (tokens, heads, head_dim)
+    keys: list[torch.Tensor]  # per request (context + new tokens, kv_heads, head_dim)
+    values: list[torch.Tensor]
+    num_blocks: int
+    block_size: int
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
+
+
+def attention_case(seed: int, shapes: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int,
+                   head_dim: int, device: torch.device) -> AttentionCase:
+    """`shapes`: (cached context, new tokens) per request; the inputs are built for `device`."""
+    from engine.runner.inputs import build_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 8
+    scheduled = ragged_batch(seed, shapes, num_blocks, block_size)
+    inputs = build_inputs(scheduled, block_size, device)
+    ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
+    keys = [torch.randn(s.start_pos + len(s.token_ids), kv_heads, head_dim, generator=gen) for s in ordered]
+    values = [torch.randn(k.shape, generator=gen) for k in keys]
+    q = torch.randn(inputs.input_ids.shape[0], heads, head_dim, generator=gen)
+    return AttentionCase(ordered, inputs, q, keys, values, num_blocks, block_size)
+
+
+def run_attention(backend, case: AttentionCase, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The backend's output for the case in `dtype`, as float32 on the CPU: each request's cached
+    context written straight into its blocks, the new tokens' keys and values given to forward."""
+    heads, head_dim = case.q.shape[1:]
+    kv_heads = case.keys[0].shape[1]
+    cache = backend.allocate_kv_cache(1, case.num_blocks, case.block_size, kv_heads, head_dim, dtype, device)[0]
+    flat = cache.view(2, -1, kv_heads, head_dim)
+    for s, keys, values in zip(case.scheduled, case.keys, case.values):
+        slots = torch.tensor([s.block_table[p // case.block_size] * case.block_size + p % case.block_size
+                              for p in range(s.start_pos)], dtype=torch.long, device=device)
+        flat[0, slots] = keys[:s.start_pos].to(device, dtype)
+        flat[1, slots] = values[:s.start_pos].to(device, dtype)
+    k = torch.cat([keys[s.start_pos:] for s, keys in zip(case.scheduled, case.keys)]).to(device, dtype)
+    v = torch.cat([values[s.start_pos:] for s, values in zip(case.scheduled, case.values)]).to(device, dtype)
+    out = backend.forward(case.q.to(device, dtype), k, v, cache, backend.build_metadata(case.inputs))
+    return out.view(-1, heads, head_dim).float().cpu()
+
+
+def expected_attention(case: AttentionCase, dtype: torch.dtype) -> list[tuple[slice, torch.Tensor]]:
+    """Per request, its rows of the output and float32 causal attention over its queries, keys
+    and values rounded to `dtype` (what a backend in `dtype` is held to)."""
+    group = case.q.shape[1] // case.keys[0].shape[1]
+    starts = case.inputs.query_start_loc
+    expected = []
+    for b, (s, keys, values) in enumerate(zip(case.scheduled, case.keys, case.values)):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        kk = keys.to(dtype).float().repeat_interleave(group, dim=1)
+        vv = values.to(dtype).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", case.q[rows].to(dtype).float(), kk) * case.scale
+        num_queries = rows.stop - rows.start
+        visible = torch.arange(kk.shape[0])[None, :] <= (s.start_pos + torch.arange(num_queries))[:, None]
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        expected.append((rows, torch.einsum("hqk,khd->qhd", weights, vv)))
+    return expected
 
 
 def sampled(out: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:

@@ -232,46 +232,20 @@ def test_the_paged_kernel_agrees_with_the_gather_fallback(block_size, heads, kv_
     FlashAttention-2 on one ragged bfloat16 batch (decodes, chunks with cached context, a first
     chunk), both against float32 attention."""
     from engine.attention.selector import select_backend
-    from engine.runner.inputs import build_inputs
-    from tests.engine.helpers import ragged_batch
+    from tests.engine.helpers import attention_case, expected_attention, run_attention
 
-    gen = torch.Generator().manual_seed(block_size + heads)
+    device = torch.device("cuda")
     shapes = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]
-    num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 8
-    scheduled = ragged_batch(block_size + heads, shapes, num_blocks, block_size)
-    device, scale = torch.device("cuda"), head_dim ** -0.5
-    inputs = build_inputs(scheduled, block_size, device)
-    ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
-    keys = {id(s): torch.randn(s.start_pos + len(s.token_ids), kv_heads, head_dim, generator=gen) for s in ordered}
-    values = {i: torch.randn(k.shape, generator=gen) for i, k in keys.items()}
-    q = torch.randn(inputs.input_ids.shape[0], heads, head_dim, generator=gen)
-    outputs = {}
-    for name in ("triton", "flash"):
-        backend = select_backend(name, device, torch.bfloat16, scale, max_model_len=2048)
-        cache = backend.allocate_kv_cache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, device)[0]
-        flat = cache.view(2, -1, kv_heads, head_dim)
-        for s in ordered:  # the cached context, straight into the blocks
-            slots = torch.tensor([s.block_table[p // block_size] * block_size + p % block_size
-                                  for p in range(s.start_pos)], dtype=torch.long, device=device)
-            flat[0, slots] = keys[id(s)][:s.start_pos].to(device, torch.bfloat16)
-            flat[1, slots] = values[id(s)][:s.start_pos].to(device, torch.bfloat16)
-        k = torch.cat([keys[id(s)][s.start_pos:] for s in ordered]).to(device, torch.bfloat16)
-        v = torch.cat([values[id(s)][s.start_pos:] for s in ordered]).to(device, torch.bfloat16)
-        outputs[name] = backend.forward(q.to(device, torch.bfloat16), k, v, cache,
-                                        backend.build_metadata(inputs)).view(-1, heads, head_dim).float().cpu()
-    group = heads // kv_heads
-    for b, s in enumerate(ordered):
-        t0, t1 = inputs.query_start_loc[b], inputs.query_start_loc[b + 1]
-        kk = keys[id(s)].bfloat16().float().repeat_interleave(group, dim=1)
-        vv = values[id(s)].bfloat16().float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[t0:t1].bfloat16().float(), kk) * scale
-        visible = torch.arange(kk.shape[0])[None, :] <= (s.start_pos + torch.arange(t1 - t0))[:, None]
-        expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+    case = attention_case(block_size + heads, shapes, block_size, heads, kv_heads, head_dim, device)
+    outputs = {name: run_attention(select_backend(name, device, torch.bfloat16, case.scale, max_model_len=2048),
+                                   case, torch.bfloat16, device)
+               for name in ("triton", "flash")}
+    for (rows, expected), s in zip(expected_attention(case, torch.bfloat16), case.scheduled):
         for name, out in outputs.items():
-            error = (out[t0:t1] - expected).norm() / expected.norm()
-            assert error < 1e-2, (name, s.start_pos, t1 - t0, error.item())
-        paged_vs_gather = (outputs["triton"][t0:t1] - outputs["flash"][t0:t1]).norm() / expected.norm()
-        assert paged_vs_gather < 1e-2, (s.start_pos, t1 - t0, paged_vs_gather.item())
+            error = (out[rows] - expected).norm() / expected.norm()
+            assert error < 1e-2, (name, s.start_pos, len(s.token_ids), error.item())
+        paged_vs_gather = (outputs["triton"][rows] - outputs["flash"][rows]).norm() / expected.norm()
+        assert paged_vs_gather < 1e-2, (s.start_pos, len(s.token_ids), paged_vs_gather.item())
 
 
 def test_sampling_on_cuda_is_seeded_and_batch_independent(model_dir, prompts):

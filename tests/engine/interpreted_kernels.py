@@ -1,0 +1,59 @@
+"""The CUDA attention kernels (engine/attention/triton_paged.py) run by Triton's interpreter on the
+CPU, for tests/engine/test_triton_interpreted.py. Run as `TRITON_INTERPRET=1 python -m
+tests.engine.interpreted_kernels`: the interpreter is chosen when the kernels are defined, so it
+needs a process of its own. Prints one JSON object: per case, each request's error against
+float32 attention; and whether a decode's output depends on how many programs share its
+partitions."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+import engine.attention.triton_paged as triton_paged
+from tests.engine.helpers import attention_case, expected_attention, run_attention
+
+CPU = torch.device("cpu")
+SHAPES = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]  # (cached context, new tokens)
+
+
+def errors(dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head_dim: int) -> list[float]:
+    """Each request's relative error against float32 attention (inputs rounded to `dtype`)."""
+    case = attention_case(block_size + heads, SHAPES, block_size, heads, kv_heads, head_dim, CPU)
+    out = run_attention(triton_paged.TritonPagedBackend(case.scale, max_model_len=2048), case, dtype, CPU)
+    return [((out[rows] - expected).norm() / expected.norm()).item()
+            for rows, expected in expected_attention(case, dtype)]
+
+
+def decodes_agree_however_split() -> bool:
+    """A batch of decodes with one program per partition, a few programs walking several each, and
+    partial results sized for the longest context a model allows: the same bits."""
+    block_size, heads, kv_heads, head_dim = 16, 8, 2, 64
+    case = attention_case(0, [(700, 1), (63, 1), (64, 1), (5, 1)], block_size, heads, kv_heads, head_dim, CPU)
+    backend = triton_paged.TritonPagedBackend(case.scale, max_model_len=4096)
+    cache = backend.allocate_kv_cache(1, case.num_blocks, block_size, kv_heads, head_dim, torch.float16, CPU)[0]
+    cache.normal_(generator=torch.Generator().manual_seed(1))
+    q, k, v = case.q.half(), case.keys[0][:4].half(), case.values[0][:4].half()  # a new key and value per decode
+    metadata = backend.build_metadata(case.inputs)
+    outputs = []
+    for programs in (1, 3, metadata.decodes.parts):
+        for parts in (metadata.decodes.parts, backend.max_parts):
+            split = dataclasses.replace(metadata.decodes, programs=programs, parts=parts)
+            outputs.append(backend.forward(q, k, v, cache, dataclasses.replace(metadata, decodes=split)))
+    return metadata.decodes.parts > 1 and all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    triton_paged._multiprocessors = lambda device: 8  # a CUDA device's property; the CPU has none
+    cases = {f"{dtype}-block{block_size}-{heads}x{kv_heads}x{head_dim}":
+             errors(getattr(torch, dtype), block_size, heads, kv_heads, head_dim)
+             for dtype in ("float32", "float16") for block_size in (4, 16)
+             for heads, kv_heads, head_dim in ((4, 4, 64), (9, 3, 64), (8, 2, 128))}
+    print(json.dumps({"errors": cases, "decodes_agree_however_split": decodes_agree_however_split()}))
+
+
+if __name__ == "__main__":
+    main()

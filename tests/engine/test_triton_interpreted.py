@@ -1,0 +1,28 @@
+"""The CUDA attention kernels checked where there is no GPU: Triton's interpreter runs them on the
+CPU (tests/engine/interpreted_kernels.py, in a process of its own), so every `make test` checks
+the paged prefill kernel, the decode kernel split along the context and the merge of its
+partitions against float32 attention, in float32 and float16, across block sizes and query-head
+groups. bfloat16, the CUDA default, is left to tests/gpu: the interpreter computes through
+NumPy, which has no bfloat16."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}  # relative error; measured ~7e-7 and ~3e-4
+
+
+def test_the_attention_kernels_agree_with_float32_attention_under_the_interpreter():
+    run = subprocess.run([sys.executable, "-m", "tests.engine.interpreted_kernels"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(result["errors"]) == 12  # 2 dtypes x 2 block sizes x 3 head shapes, 7 requests each
+    for case, errors in result["errors"].items():
+        assert len(errors) == 7
+        assert max(errors) < TOLERANCE[case.split("-")[0]], (case, errors)
+    assert result["decodes_agree_however_split"]
