@@ -39,6 +39,27 @@ PREFILL_QUERIES = 16  # query tokens per prefill tile (times the group: the tile
 MAX_PARTITIONS = 64  # a decode's context is cut into at most this many partitions
 
 
+@triton.jit
+def _attend_key_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, key, key_ok, visible, kv_head, dims, dim_ok, scale,
+                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys into the running softmax of the rows' queries `q`: reads the keys where
+    `key_ok` from their blocks, scores those each row sees (`visible`, rows x keys), and returns
+    the rows' output so far, max and sum (float32). A row that has seen no key yet (padding)
+    keeps its max at -inf and adds nothing."""
+    block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    k = tl.load(k_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=PRECISION) * scale  # (rows, keys) in float32
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
                      tile_seq_ptr, tile_start_ptr, scale,
@@ -72,19 +93,9 @@ def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_pt
     for start in range(0, key_end, BLOCK_N):
         key = start + keys
         key_ok = key < key_end
-        block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        slot = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) in float32
-        s = tl.where(key_ok[None, :] & (key[None, :] <= position[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (padding)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        visible = key_ok[None, :] & (key[None, :] <= position[:, None])  # causal within the chunk
+        acc, m_i, l_i = _attend_key_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, key, key_ok, visible, kv_head, dims,
+                                         dim_ok, scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (query_start + query)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -118,18 +129,9 @@ def _decode_partitions(acc_ptr, ml_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, s
         for start in range(part * PARTITION, end, BLOCK_N):  # every tile holds a key: maxima stay finite
             key = start + keys
             key_ok = key < end
-            block = tl.load(table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            slot = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            k = tl.load(k_ptr + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-            s = tl.dot(q, k, input_precision=PRECISION) * scale
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            acc, m_i, l_i = _attend_key_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, key, key_ok, key_ok[None, :],
+                                             kv_head, dims, dim_ok, scale, stride_cb, stride_cs, stride_ch,
+                                             BLOCK_SIZE, PRECISION)
         index = (seq * num_heads + head) * parts + part
         tl.store(acc_ptr + index[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(ml_ptr + index * 2, m_i, mask=row_ok)
