@@ -1,6 +1,6 @@
 """Factories for engine tests: scheduler without a model, one step with fake sampled tokens, a
 fake clock, HF reference generation, prompts that repeat themselves, a draft checkpoint, a ragged
-batch for an attention backend with the attention it must give."""
+batch for an attention backend with the attention it must give, the fused kernels' check."""
 from __future__ import annotations
 
 import itertools
@@ -129,6 +129,44 @@ def expected_attention(case: AttentionCase, dtype: torch.dtype) -> list[tuple[sl
         weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         expected.append((rows, torch.einsum("hqk,khd->qhd", weights, vv)))
     return expected
+
+
+def check_fused_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """RMSNorm, SwiGLU and RoPE with the KV write, each one Triton kernel, against the torch ops they
+    replace in the same dtype: equal but for the last bit of a rounding tie. RMSNorm with the
+    residual add before it: the sum torch's add gives, and the RMSNorm kernel's bits of it."""
+    import torch.nn.functional as F
+
+    from engine.attention.triton_paged import PagedMetadata, TritonPagedBackend
+    from engine.models import cuda_ops
+    from engine.models.llama import _rope
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(37, 576, device=device, generator=gen).to(dtype)
+    weight = torch.randn(576, device=device, generator=gen).to(dtype)
+    expected = F.rms_norm(x.float(), (576,), None, 1e-5).to(dtype) * weight
+    torch.testing.assert_close(cuda_ops.rms_norm(x, weight, 1e-5), expected)
+    residual = torch.randn(37, 576, device=device, generator=gen).to(dtype)
+    total, normed = cuda_ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, cuda_ops.rms_norm(residual + x, weight, 1e-5))
+    gate_up = torch.randn(37, 2 * 1536, device=device, generator=gen).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cuda_ops.swiglu(gate_up), F.silu(gate) * up)
+
+    tokens, heads, kv_heads, head_dim, block_size = 37, 9, 3, 64, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, generator=gen).to(dtype)
+    cos, sin = (torch.randn(tokens, head_dim, device=device, generator=gen).to(dtype) for _ in range(2))
+    backend = TritonPagedBackend(head_dim ** -0.5, 2048)
+    cache = backend.allocate_kv_cache(1, 8, block_size, kv_heads, head_dim, dtype, device)[0]
+    slots = torch.randperm(8 * block_size, device=device, generator=gen)[:tokens]
+    qk = backend.rope_and_write(qkv, cos, sin, cache, PagedMetadata(slots, None, None, None, None, []), heads)
+    rotated = _rope(qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos[:, None],
+                    sin[:, None])
+    torch.testing.assert_close(qk, rotated)
+    flat = cache.view(2, -1, kv_heads, head_dim)
+    torch.testing.assert_close(flat[0, slots], rotated[:, heads:])
+    assert torch.equal(flat[1, slots], qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim))
 
 
 def sampled(out: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:

@@ -1,9 +1,10 @@
-"""The CUDA attention kernels (engine/attention/triton_paged.py) run by Triton's interpreter on the
-CPU, for tests/engine/test_triton_interpreted.py. Run as `TRITON_INTERPRET=1 python -m
-tests.engine.interpreted_kernels`: the interpreter is chosen when the kernels are defined, so it
-needs a process of its own. Prints one JSON object: per case, each request's error against
-float32 attention; and whether a decode's output depends on how many programs share its
-partitions."""
+"""The CUDA kernels (engine/attention/triton_paged.py, engine/models/cuda_ops.py) run by Triton's
+interpreter on the CPU, for tests/engine/test_triton_interpreted.py. Run as `TRITON_INTERPRET=1
+python -m tests.engine.interpreted_kernels`: the interpreter is chosen when the kernels are
+defined, so it needs a process of its own. Prints one JSON object: per case, each request's
+attention error against float32 attention; whether a decode's output depends on how many
+programs share its partitions; and per dtype, what failed in the fused kernels' check (null: it
+passed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import os
 import torch
 
 import engine.attention.triton_paged as triton_paged
-from tests.engine.helpers import attention_case, expected_attention, run_attention
+from tests.engine.helpers import attention_case, check_fused_kernels, expected_attention, run_attention
 
 CPU = torch.device("cpu")
 SHAPES = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]  # (cached context, new tokens)
@@ -45,6 +46,15 @@ def decodes_agree_however_split() -> bool:
     return metadata.decodes.parts > 1 and all(torch.equal(out, outputs[0]) for out in outputs[1:])
 
 
+def fused_kernels_failure(dtype: torch.dtype) -> str | None:
+    """What the fused kernels' check (RMSNorm, SwiGLU, RoPE with the KV write) found, if anything."""
+    try:
+        check_fused_kernels(CPU, dtype)
+    except AssertionError as e:
+        return str(e)[:2000] or "assertion failed"
+    return None
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     triton_paged._multiprocessors = lambda device: 8  # a CUDA device's property; the CPU has none
@@ -52,7 +62,9 @@ def main() -> None:
              errors(getattr(torch, dtype), block_size, heads, kv_heads, head_dim)
              for dtype in ("float32", "float16") for block_size in (4, 16)
              for heads, kv_heads, head_dim in ((4, 4, 64), (9, 3, 64), (8, 2, 128))}
-    print(json.dumps({"errors": cases, "decodes_agree_however_split": decodes_agree_however_split()}))
+    print(json.dumps({"errors": cases, "decodes_agree_however_split": decodes_agree_however_split(),
+                      "fused_kernels": {dtype: fused_kernels_failure(getattr(torch, dtype))
+                                        for dtype in ("float32", "float16")}}))
 
 
 if __name__ == "__main__":

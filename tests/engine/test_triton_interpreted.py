@@ -1,9 +1,10 @@
-"""The CUDA attention kernels checked where there is no GPU: Triton's interpreter runs them on the
-CPU (tests/engine/interpreted_kernels.py, in a process of its own), so every `make test` checks
-the paged prefill kernel, the decode kernel split along the context and the merge of its
-partitions against float32 attention, in float32 and float16, across block sizes and query-head
-groups. bfloat16, the CUDA default, is left to tests/gpu: the interpreter computes through
-NumPy, which has no bfloat16."""
+"""The CUDA kernels checked where there is no GPU: Triton's interpreter runs them on the CPU
+(tests/engine/interpreted_kernels.py, in a process of its own), so every `make test` checks the
+paged prefill kernel, the decode kernel split along the context and the merge of its partitions
+against float32 attention across block sizes and query-head groups, and the fused RMSNorm,
+SwiGLU and RoPE with the KV write against the torch ops they replace, in float32 and float16.
+bfloat16, the CUDA default, is left to tests/gpu: the interpreter computes through NumPy, which
+has no bfloat16."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}  # relative error; measured ~7e-7 and ~3e-4
 
 
-def test_the_attention_kernels_agree_with_float32_attention_under_the_interpreter():
+def test_the_kernels_agree_with_their_references_under_the_interpreter():
     run = subprocess.run([sys.executable, "-m", "tests.engine.interpreted_kernels"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -26,3 +27,4 @@ def test_the_attention_kernels_agree_with_float32_attention_under_the_interprete
         assert len(errors) == 7
         assert max(errors) < TOLERANCE[case.split("-")[0]], (case, errors)
     assert result["decodes_agree_however_split"]
+    assert result["fused_kernels"] == {"float32": None, "float16": None}, result["fused_kernels"]

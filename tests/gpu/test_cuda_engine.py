@@ -269,41 +269,11 @@ def test_sampling_on_cuda_is_seeded_and_batch_independent(model_dir, prompts):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_fused_kernels_round_as_the_torch_ops_do(dtype):
-    """RMSNorm, SwiGLU and RoPE with the KV write, each one Triton kernel, against the torch ops they
-    replace in the same dtype: equal but for the last bit of a rounding tie. RMSNorm with the
-    residual add before it: the sum torch's add gives, and the RMSNorm kernel's bits of it."""
-    import torch.nn.functional as F
+    """RMSNorm (with the residual add before it), SwiGLU and RoPE with the KV write, each one
+    Triton kernel, round as the torch ops they replace (tests/engine/helpers.py)."""
+    from tests.engine.helpers import check_fused_kernels
 
-    from engine.attention.triton_paged import PagedMetadata, TritonPagedBackend
-    from engine.models import cuda_ops
-    from engine.models.llama import _rope
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(37, 576, device="cuda", generator=gen).to(dtype)
-    weight = torch.randn(576, device="cuda", generator=gen).to(dtype)
-    expected = F.rms_norm(x.float(), (576,), None, 1e-5).to(dtype) * weight
-    torch.testing.assert_close(cuda_ops.rms_norm(x, weight, 1e-5), expected)
-    residual = torch.randn(37, 576, device="cuda", generator=gen).to(dtype)
-    total, normed = cuda_ops.add_rms_norm(x, residual, weight, 1e-5)
-    assert torch.equal(total, residual + x)
-    assert torch.equal(normed, cuda_ops.rms_norm(residual + x, weight, 1e-5))
-    gate_up = torch.randn(37, 2 * 1536, device="cuda", generator=gen).to(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cuda_ops.swiglu(gate_up), F.silu(gate) * up)
-
-    tokens, heads, kv_heads, head_dim, block_size = 37, 9, 3, 64, 16
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=gen).to(dtype)
-    cos, sin = (torch.randn(tokens, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
-    backend = TritonPagedBackend(head_dim ** -0.5, 2048)
-    cache = backend.allocate_kv_cache(1, 8, block_size, kv_heads, head_dim, dtype, torch.device("cuda"))[0]
-    slots = torch.randperm(8 * block_size, device="cuda", generator=gen)[:tokens]
-    qk = backend.rope_and_write(qkv, cos, sin, cache, PagedMetadata(slots, None, None, None, None, []), heads)
-    rotated = _rope(qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos[:, None],
-                    sin[:, None])
-    torch.testing.assert_close(qk, rotated)
-    flat = cache.view(2, -1, kv_heads, head_dim)
-    torch.testing.assert_close(flat[0, slots], rotated[:, heads:])
-    assert torch.equal(flat[1, slots], qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim))
+    check_fused_kernels(torch.device("cuda"), dtype)
 
 
 def test_a_decodes_attention_does_not_depend_on_how_many_programs_share_its_partitions():
