@@ -131,6 +131,20 @@ def expected_attention(case: AttentionCase, dtype: torch.dtype) -> list[tuple[sl
     return expected
 
 
+def decode_outputs_however_split(backend, q, k, v, cache, metadata) -> list[torch.Tensor]:
+    """A decode batch's output from the paged backend with one program per partition, a few
+    programs walking several partitions each, and partial results sized for the longest context
+    the model allows: as a CUDA graph's padded bucket and an eager step split it."""
+    import dataclasses
+
+    outputs = []
+    for programs in (1, 3, metadata.decodes.parts):
+        for parts in (metadata.decodes.parts, backend.max_parts):
+            split = dataclasses.replace(metadata.decodes, programs=programs, parts=parts)
+            outputs.append(backend.forward(q, k, v, cache, dataclasses.replace(metadata, decodes=split)))
+    return outputs
+
+
 def check_fused_kernels(device: torch.device, dtype: torch.dtype) -> None:
     """RMSNorm, SwiGLU and RoPE with the KV write, each one Triton kernel, against the torch ops they
     replace in the same dtype: equal but for the last bit of a rounding tie. RMSNorm with the

@@ -7,14 +7,19 @@ programs share its partitions; and per dtype, what failed in the fused kernels' 
 passed)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import torch
 
 import engine.attention.triton_paged as triton_paged
-from tests.engine.helpers import attention_case, check_fused_kernels, expected_attention, run_attention
+from tests.engine.helpers import (
+    attention_case,
+    check_fused_kernels,
+    decode_outputs_however_split,
+    expected_attention,
+    run_attention,
+)
 
 CPU = torch.device("cpu")
 SHAPES = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]  # (cached context, new tokens)
@@ -29,8 +34,8 @@ def errors(dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head_
 
 
 def decodes_agree_however_split() -> bool:
-    """A batch of decodes with one program per partition, a few programs walking several each, and
-    partial results sized for the longest context a model allows: the same bits."""
+    """Whether a batch of decodes, long contexts among them, gives the same bits however its
+    partitions are shared out."""
     block_size, heads, kv_heads, head_dim = 16, 8, 2, 64
     case = attention_case(0, [(700, 1), (63, 1), (64, 1), (5, 1)], block_size, heads, kv_heads, head_dim, CPU)
     backend = triton_paged.TritonPagedBackend(case.scale, max_model_len=4096)
@@ -38,11 +43,7 @@ def decodes_agree_however_split() -> bool:
     cache.normal_(generator=torch.Generator().manual_seed(1))
     q, k, v = case.q.half(), case.keys[0][:4].half(), case.values[0][:4].half()  # a new key and value per decode
     metadata = backend.build_metadata(case.inputs)
-    outputs = []
-    for programs in (1, 3, metadata.decodes.parts):
-        for parts in (metadata.decodes.parts, backend.max_parts):
-            split = dataclasses.replace(metadata.decodes, programs=programs, parts=parts)
-            outputs.append(backend.forward(q, k, v, cache, dataclasses.replace(metadata, decodes=split)))
+    outputs = decode_outputs_however_split(backend, q, k, v, cache, metadata)
     return metadata.decodes.parts > 1 and all(torch.equal(out, outputs[0]) for out in outputs[1:])
 
 

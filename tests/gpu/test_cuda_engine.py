@@ -280,11 +280,9 @@ def test_a_decodes_attention_does_not_depend_on_how_many_programs_share_its_part
     """The decode kernel splits each context into partitions (flash-decoding); a CUDA graph's
     padded bucket and an eager step give a decode different program counts and partial-result
     sizes, so both must give the same bits. Long contexts: many partitions each."""
-    import dataclasses
-
     from engine.attention.selector import select_backend
     from engine.runner.inputs import build_inputs
-    from tests.engine.helpers import ragged_batch
+    from tests.engine.helpers import decode_outputs_however_split, ragged_batch
 
     block_size, heads, kv_heads, head_dim, device = 16, 32, 8, 64, torch.device("cuda")
     shapes = [(1500, 1), (700, 1), (63, 1), (64, 1), (5, 1)]
@@ -299,11 +297,7 @@ def test_a_decodes_attention_does_not_depend_on_how_many_programs_share_its_part
             for _ in range(2))
     metadata = backend.build_metadata(inputs)
     assert metadata.decodes.parts == -(-1501 // backend.partition) > 1
-    outputs = []
-    for programs in (1, 3, metadata.decodes.parts):
-        for parts in (metadata.decodes.parts, backend.max_parts):
-            split = dataclasses.replace(metadata.decodes, programs=programs, parts=parts)
-            outputs.append(backend.forward(q, k, v, cache, dataclasses.replace(metadata, decodes=split)))
+    outputs = decode_outputs_however_split(backend, q, k, v, cache, metadata)
     assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
 
 
