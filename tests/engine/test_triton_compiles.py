@@ -1,8 +1,8 @@
-"""Every Triton kernel compiles for an H100 (sm_90) where there is no GPU: Triton's own compiler
-(its frontend, MLIR passes and the ptxas it ships) takes each kernel to PTX and a cubin for that
-target, with the argument types and constants its launch gives it. The interpreter
-(test_triton_interpreted.py) checks what the kernels compute but runs their Python, so an error
-only the compiler sees would otherwise wait for a GPU."""
+"""Every Triton kernel compiles for the data-center GPUs users run (A100, H100, B200) where there is
+no GPU: Triton's own compiler (its frontend, MLIR passes and the ptxas it ships) takes each kernel
+to PTX and a cubin for each one's architecture, with the argument types and constants its launch
+gives it. The interpreter (test_triton_interpreted.py) checks what the kernels compute but runs
+their Python, so an error only the compiler sees would otherwise wait for a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ from triton.compiler import ASTSource
 from engine.attention import triton_paged
 from engine.models import cuda_ops
 
-H100 = GPUTarget("cuda", 90, 32)
+GPUS = {"A100": 80, "H100": 90, "B200": 100}  # compute capability
 
 
 @pytest.fixture(autouse=True)
@@ -26,9 +26,10 @@ INDEX_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "tile_s
 FLOAT32_POINTERS = {"acc_ptr", "ml_ptr"}  # a split decode's partial results
 
 
-def compile_for_h100(kernel, dtype: str, constants: dict):
-    """`kernel` compiled with its tensors in `dtype` (Triton's name: bf16, fp16, fp32), int32
-    indices and partial results in float32, `scale` and `eps` float32, other integers int32."""
+def compile_for(gpu: str, kernel, dtype: str, constants: dict):
+    """`kernel` compiled for `gpu` with its tensors in `dtype` (Triton's name: bf16, fp16, fp32),
+    int32 indices and partial results in float32, `scale` and `eps` float32, other integers int32;
+    checks that the PTX is that GPU's."""
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -38,7 +39,8 @@ def compile_for_h100(kernel, dtype: str, constants: dict):
         else:
             signature[name] = "fp32" if name in ("scale", "eps") else "i32"
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=H100)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", GPUS[gpu], 32))
+    assert f".target sm_{GPUS[gpu]}" in compiled.asm["ptx"] and compiled.asm["cubin"], kernel.fn.__name__
 
 
 def _attention(block_size: int, group: int, head_dim: int, precision: str) -> dict:
@@ -46,9 +48,10 @@ def _attention(block_size: int, group: int, head_dim: int, precision: str) -> di
                 BLOCK_N=max(triton_paged.KEY_TILE, block_size), BLOCK_SIZE=block_size, PRECISION=precision)
 
 
-@pytest.mark.parametrize("dtype,precision", [("bf16", "tf32"), ("fp32", "ieee")])
+@pytest.mark.parametrize("gpu,dtype,precision", [("A100", "bf16", "tf32"), ("H100", "bf16", "tf32"),
+                                                 ("H100", "fp32", "ieee"), ("B200", "bf16", "tf32")])
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 4, 64), (4, 3, 128)])
-def test_the_attention_kernels_compile_for_an_h100(dtype, precision, block_size, group, head_dim):
+def test_the_attention_kernels_compile(gpu, dtype, precision, block_size, group, head_dim):
     common = _attention(block_size, group, head_dim, precision)
     block_q = triton_paged.PREFILL_QUERIES
     kernels = [
@@ -61,12 +64,10 @@ def test_the_attention_kernels_compile_for_an_h100(dtype, precision, block_size,
          dict(NUM_HEADS=group * 2, NUM_KV_HEADS=2, HEAD_DIM=head_dim, BLOCK_D=common["BLOCK_D"])),
     ]
     for kernel, constants in kernels:
-        compiled = compile_for_h100(kernel, dtype, constants)
-        assert ".target sm_90" in compiled.asm["ptx"] and compiled.asm["cubin"], kernel.fn.__name__
+        compile_for(gpu, kernel, dtype, constants)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_the_fused_kernels_compile_for_an_h100(dtype):
+@pytest.mark.parametrize("gpu,dtype", [("A100", "bf16"), ("H100", "bf16"), ("H100", "fp16"), ("B200", "bf16")])
+def test_the_fused_kernels_compile(gpu, dtype):
     for kernel in (cuda_ops._rms_norm, cuda_ops._add_rms_norm, cuda_ops._swiglu):
-        compiled = compile_for_h100(kernel, dtype, dict(BLOCK=1024))
-        assert ".target sm_90" in compiled.asm["ptx"] and compiled.asm["cubin"], kernel.fn.__name__
+        compile_for(gpu, kernel, dtype, dict(BLOCK=1024))
