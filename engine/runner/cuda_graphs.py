@@ -47,7 +47,7 @@ class DecodeGraphs:
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.sink_block, self.block_size = sink_block, block_size
         device, largest, memory_bytes = kv_cache.device, max(settings.sizes), settings.memory_bytes
-        self.width = width = -(-settings.max_model_len // block_size)
+        width = -(-settings.max_model_len // block_size)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((largest,), sink_block * block_size, dtype=torch.long, device=device)
