@@ -673,8 +673,11 @@ def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
 
 def run_offline_here(wl: Workload, model: str | None, engine_args: dict[str, Any],
                      threads: int | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
-    """The workload through engine.LLM: all at once, or in waves of `max_concurrency` (one
-    request at a time with 1, the single-stream case). Reports the engine's own TTFT and TPOT."""
+    """The workload through engine.LLM: all at once, or in waves of `max_concurrency` where that is
+    below the engine's `max_num_seqs` (one request at a time with 1, the single-stream case). A
+    client that keeps at least a full batch in flight is matched by the engine's own queue, which
+    starts a request as soon as one ends, as the served engine does. Reports the engine's own TTFT
+    and TPOT."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -691,7 +694,8 @@ def run_offline_here(wl: Workload, model: str | None, engine_args: dict[str, Any
                  use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
     prompts = [list(p) for p in wl.prompts]
-    wave = max_concurrency or len(prompts)
+    batch = llm.engine.config.scheduler.max_num_seqs
+    wave = max_concurrency if max_concurrency and max_concurrency < batch else len(prompts)
     t0, cpu0 = time.perf_counter(), time.process_time()
     outs = []
     for i in range(0, len(prompts), wave):
