@@ -1,16 +1,27 @@
-"""Where a single-stream decode step's time goes on one NVIDIA GPU (the models of
-benchmarks/cuda_engine.py, bfloat16, the default engine: the paged kernel, decode steps in CUDA
-graphs, async scheduling unless `--sync`): the step's wall time; its parts on the host
-(scheduling, inputs, the graph's launch and copies, sampling's launch, the wait for the step's
-tokens, the update and output processing; each timed around the call); the bucket-1 graph
-replayed back to back (the GPU's time a step); the graph launch's CPU time; kernels and GPU busy
-time a step (torch.profiler, 20 steps), and the profiler's tables.
+"""Where a decode step's time goes on one NVIDIA GPU (the models of benchmarks/cuda_engine.py,
+bfloat16, the default engine: the paged kernel, decode steps in CUDA graphs, async scheduling
+unless `--sync`): the step's wall time; its parts on the host (scheduling, inputs, the graph's
+launch and copies, sampling's launch, the wait for the step's tokens, the update and output
+processing; each timed around the call); the step's graph replayed back to back (the GPU's time
+a step); the graph launch's CPU time; kernels and GPU busy time a step (torch.profiler, 20
+steps), and the profiler's tables.
 
-    python benchmarks/cuda_step.py [--models llama-1b,smollm2-135m] [--sync] [--json OUT]
+`--rows R`: R streams decode at once (1: the single stream). `--prefill P`: a request with a
+P-token prompt and one token to generate joins every step, so every step is a mixed one (its
+decodes and one prefill chunk, run eagerly and waited for), the steady state of a server whose
+requests keep arriving; the Python functions that take the host's time in such steps are listed
+too (cProfile, 20 steps).
+
+    python benchmarks/cuda_step.py [--models llama-1b,smollm2-135m] [--rows 1] [--prefill 0] [--sync]
+        [--json OUT]
 """
 import argparse
+import cProfile
+import io
+import itertools
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -42,26 +53,42 @@ class Timed:
         return getattr(self._fn, name)
 
 
-def timeline(eng, steps: int) -> dict:
+class Steps:
+    """The engine's steps, each after the arrival of one request to prefill (`prefill` tokens,
+    one to generate) where `prefill` is set."""
+
+    def __init__(self, eng, prefill: int):
+        self.eng, self.prefill, self.arrivals = eng, prefill, itertools.count()
+
+    def __call__(self) -> None:
+        if self.prefill:
+            n = next(self.arrivals)
+            self.eng.add_request(f"arrival-{n}", random_prompt(self.prefill, seed=1000 + n),
+                                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        self.eng.step()
+
+
+def timeline(eng, step: Steps, steps: int) -> dict:
     """Mean ms per step spent in each part of the step (wall, no sync added)."""
     import engine.runner.model_runner as mr
     sink = {}
     timed = [(eng.scheduler, "schedule"), (eng.scheduler, "schedule_ahead"), (mr, "build_inputs"),
-             (eng.runner.sampler, "launch"), (eng.runner, "collect"), (eng.scheduler, "update_from_output"),
-             (eng.output_processor, "process")] + ([(eng.runner.graphs, "run")] if eng.runner.graphs else [])
+             (eng.runner, "launch"), (eng.runner.sampler, "launch"), (eng.runner, "collect"),
+             (eng.scheduler, "update_from_output"), (eng.output_processor, "process")]
+    timed += [(eng.runner.graphs, "run")] if eng.runner.graphs else []
     saved = [getattr(owner, name) for owner, name in timed]
     for (owner, name), fn in zip(timed, saved):
         setattr(owner, name, Timed(fn, f"{type(owner).__name__}.{name}", sink))
     t0 = time.perf_counter()
     for _ in range(steps):
-        eng.step()
+        step()
     sink["step_total"] = time.perf_counter() - t0
     for (owner, name), fn in zip(timed, saved):
         setattr(owner, name, fn)
     return {k: v / steps * 1e3 for k, v in sink.items()}
 
 
-def run(name: str, async_scheduling: bool) -> dict:
+def run(name: str, async_scheduling: bool, rows: int, prefill: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = shaped_model(tmp, SHAPES[name])
         t0 = time.perf_counter()
@@ -71,25 +98,33 @@ def run(name: str, async_scheduling: bool) -> dict:
         eng = llm.engine
         llm.generate([random_prompt(128, seed=1)], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
                      use_tqdm=False)
-        eng.add_request("p", random_prompt(128, seed=2), SamplingParams(max_tokens=400, temperature=0,
-                                                                         ignore_eos=True))
+        for row in range(rows):
+            eng.add_request(f"p{row}", random_prompt(128, seed=2 + row),
+                            SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        step = Steps(eng, prefill)
         for _ in range(21):
-            eng.step()
+            step()
         walls, hosts = [], []
         for _ in range(150):
             t0 = time.perf_counter()
-            eng.step()
+            step()
             walls.append(time.perf_counter() - t0)
             hosts.append(eng._last_step.scheduler_overhead_s)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
-                eng.step()
+                step()
             torch.cuda.synchronize()
-        parts = timeline(eng, 100)
+        python = cProfile.Profile()
+        python.enable()
+        for _ in range(20):
+            step()
+        python.disable()
+        parts = timeline(eng, step, 100)
         graphs = eng.runner.graphs
+        size = next((size for size in graphs.sizes if size >= rows), None) if graphs is not None else None
         replay = launch = None
-        if graphs is not None and 1 in graphs.graphs:
-            g = graphs.graphs[1].graph
+        if size is not None and not prefill:
+            g = graphs.graphs[size].graph
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(300):
@@ -107,7 +142,8 @@ def run(name: str, async_scheduling: bool) -> dict:
         kernels = [e for e in averages if e.device_type.name == "CUDA"]
         kernel_count = sum(e.count for e in kernels) / 20
         gpu_us = sum(e.self_device_time_total for e in kernels) / 20
-        print(f"== {name}: build {build_s:.1f}s, step wall median {statistics.median(walls)*1e3:.3f} ms, "
+        print(f"== {name}, {rows} rows{f' + a {prefill}-token prefill' if prefill else ''}: build {build_s:.1f}s, "
+              f"step wall median {statistics.median(walls)*1e3:.3f} ms, "
               f"host outside runner {statistics.median(hosts)*1e3:.3f} ms, graph replay alone "
               f"{replay * 1e3 if replay else float('nan'):.3f} ms, kernels/step {kernel_count:.0f}, "
               f"GPU busy/step {gpu_us/1e3:.3f} ms, "
@@ -115,7 +151,11 @@ def run(name: str, async_scheduling: bool) -> dict:
         print("   step parts (ms):", json.dumps({k: round(v, 4) for k, v in parts.items()}), flush=True)
         print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
         print(averages.table(sort_by="self_device_time_total", row_limit=25))
-        result = {"build_s": build_s, "step_wall_ms": statistics.median(walls) * 1e3,
+        text = io.StringIO()
+        pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue(), flush=True)
+        result = {"rows": rows, "prefill": prefill, "build_s": build_s,
+                  "step_wall_ms": statistics.median(walls) * 1e3,
                   "host_outside_runner_ms": statistics.median(hosts) * 1e3,
                   "replay_ms": replay * 1e3 if replay else None, "kernels_per_step": kernel_count,
                   "gpu_busy_ms": gpu_us / 1e3, "graph_launch_cpu_ms": launch * 1e3 if launch else None,
@@ -128,13 +168,15 @@ def run(name: str, async_scheduling: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-1b,smollm2-135m")
+    ap.add_argument("--rows", type=int, default=1, help="streams decoding at once")
+    ap.add_argument("--prefill", type=int, default=0, help="a request of this many prompt tokens joins every step")
     ap.add_argument("--sync", action="store_true", help="without async scheduling: each step waited for")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
                "async_scheduling": not args.sync}
     for name in args.models.split(","):
-        results[name] = run(name, not args.sync)
+        results[name] = run(name, not args.sync, args.rows, args.prefill)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
