@@ -5,8 +5,15 @@ GPU (the weights take microseconds to read); a graph launches the whole forward 
 bucket's graph reads fixed buffers (token ids, positions, KV slots, block tables, context
 lengths), so a step copies its inputs in, pads to the bucket, and replays. Padding rows attend to
 one token of a sink block that no request owns and write their keys there. Steps with a prefill
-chunk, or more rows than the largest bucket, run eagerly. The graphs share one memory pool;
-buckets are captured smallest first until `memory_bytes` is used.
+chunk, or more rows than the largest bucket, run eagerly.
+
+The graphs share one memory pool and are captured largest first: each smaller graph's
+temporaries fit in the blocks the larger ones freed, and every graph writes its logits into one
+buffer of the largest bucket's rows, so the pool holds about one graph's memory, not the sum of
+all (smallest first, each larger graph needs blocks of its own); the warm-up forward before each
+capture runs on one stream, whose freed blocks the next warm-up reuses. A bucket whose capture
+takes the memory past `memory_bytes` is dropped; while none is kept the pool starts afresh, so
+the next smaller bucket is measured alone.
 """
 from __future__ import annotations
 
@@ -24,7 +31,6 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # (size, vocab), written by each replay
     inputs: tuple  # tensors the graph reads besides the shared buffers: alive as long as it is
 
 
@@ -53,18 +59,29 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), sink_block * block_size, dtype=torch.long, device=device)
         self.block_tables = torch.full((largest, width), sink_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.logits: torch.Tensor | None = None  # (largest, vocab): each replay writes its rows' logits here
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.warmup_stream = torch.cuda.Stream(device)  # one for all: each warm-up reuses the blocks the last freed
         start = torch.cuda.memory_reserved(device)
-        for size in sorted(settings.sizes):
-            self.graphs[size] = self._capture(size)
+        for size in sorted(settings.sizes, reverse=True):
+            captured = self._capture(size)
             used = torch.cuda.memory_reserved(device) - start
-            if used > memory_bytes:
-                del self.graphs[size]
-                logger.info("CUDA graphs: bucket %d would take the graphs' memory to %.0f MiB, over the cap of "
-                            "%.0f MiB; larger decode steps run eagerly", size, used / 2**20, memory_bytes / 2**20)
-                break
+            if used <= memory_bytes:
+                self.graphs[size] = captured
+                continue
+            logger.info("CUDA graphs: bucket %d would take the graphs' memory to %.0f MiB, over the cap of %.0f MiB; "
+                        "its decode steps run in a larger bucket's graph or eagerly", size, used / 2**20,
+                        memory_bytes / 2**20)
+            del captured
+            if not self.graphs:  # the pool holds only what the dropped graph freed: give it back
+                self.pool = torch.cuda.graph_pool_handle()
+                torch.cuda.empty_cache()
+                start = torch.cuda.memory_reserved(device) - self.logits.numel() * self.logits.element_size()
         self.sizes = sorted(self.graphs)
+        self.memory_bytes = torch.cuda.memory_reserved(device) - start  # what the kept graphs hold
+        logger.info("CUDA graphs: %d decode buckets of %s rows captured in %.0f MiB", len(self.sizes),
+                    f"{self.sizes[0]}-{self.sizes[-1]}" if self.sizes else "no", self.memory_bytes / 2**20)
         self.replays = 0  # decode steps run from a graph
 
     def _capture(self, size: int) -> _Graph:
@@ -76,15 +93,18 @@ class DecodeGraphs:
             return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self.backend, metadata,
                               rows)
 
-        stream = torch.cuda.Stream()
+        stream = self.warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
-            forward()  # warm-up outside the graph: kernels compiled and autotuned, workspaces made
+            logits = forward()  # warm-up outside the graph: kernels compiled and autotuned, workspaces made
         torch.cuda.current_stream().wait_stream(stream)
+        if self.logits is None:
+            self.logits = torch.empty_like(logits)
+        del logits
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
-            logits = forward()
-        return _Graph(graph, logits, (metadata, rows))
+            self.logits[:size].copy_(forward())
+        return _Graph(graph, (metadata, rows))
 
     def bucket(self, inputs: ModelInputs) -> int | None:
         """The smallest captured size holding this step, if it is decode-only and fits one."""
@@ -116,7 +136,6 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
         self.block_tables[:size, :width].copy_(tables, non_blocking=True)
         self.seq_lens[:size].copy_(lens, non_blocking=True)
-        captured = self.graphs[size]
-        captured.graph.replay()
+        self.graphs[size].graph.replay()
         self.replays += 1
-        return captured.logits[:n]
+        return self.logits[:n]

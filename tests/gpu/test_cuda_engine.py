@@ -5,7 +5,8 @@ float32 with the torch backend equals transformers on the same GPU token for tok
 (torch's FlashAttention-2 over gathered contexts) and the torch backend is as faithful to float32
 as transformers' own bfloat16. Every scheduler feature is on in some run: chunked prefill with
 cached context, prefix sharing, swap and recompute preemption. CUDA graphs on and off give the
-same tokens (a graph step sends its block tables only as wide as its longest context), and so do
+same tokens (a graph step sends its block tables only as wide as its longest context; the graphs
+of every bucket hold about the largest one's memory), and so do
 async scheduling on and off; a decode's attention does not depend on how its context's partitions
 are shared out; carrying the residual to the RMSNorm kernel changes no bit; swapping through the
 side stream gives the tokens of a run that never swaps; the KV pool is sized from the GPU's
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.runner.cuda_graphs import default_sizes
 from tests.conftest import save_tiny_model
 from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy
 
@@ -115,6 +117,26 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(model_dir, prompts, dtype, 
         assert (_graph_replays(llm) > 0) != eager
         _check_pool(llm, engine_args)
     assert runs[False] == runs[True]
+
+
+def test_the_decode_graphs_hold_about_the_largest_ones_memory(tmp_path):
+    """Every bucket up to 256 rows is captured within twice the memory the 256-row graph takes
+    alone: the graphs are captured largest first into one pool, each smaller one in the blocks
+    the larger freed, and all write their logits to one buffer. (Captured smallest first with
+    logits of their own, the 35 buckets' logits alone would take ~16x the largest's: 4,231 rows
+    of a 32,000-token vocabulary.)"""
+    model = save_tiny_model(tmp_path, "llama", vocab_size=32000, hidden_size=256, intermediate_size=512,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    args = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_num_seqs=256, num_blocks=600)
+    alone = LLM(model, cuda_graph_sizes=[256], **args)
+    largest = alone.engine.runner.graphs.memory_bytes
+    assert alone.engine.runner.graphs.sizes == [256] and largest > 0
+    del alone
+    gc.collect()
+    torch.cuda.empty_cache()
+    graphs = LLM(model, cuda_graph_memory_bytes=2 * largest, **args).engine.runner.graphs
+    assert graphs.sizes == default_sizes(256)
+    assert graphs.memory_bytes <= 2 * largest
 
 
 def test_a_graph_step_sends_its_block_tables_only_as_wide_as_its_longest_row(model_dir):
