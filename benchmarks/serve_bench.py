@@ -662,6 +662,17 @@ def wait_healthy(url: str, timeout_s: float, still_starting: Callable[[], None] 
     raise TimeoutError(f"{url} not healthy within {timeout_s} s")
 
 
+def offline_wave(num_requests: int, max_concurrency: int | None, max_num_seqs: int) -> int:
+    """Requests the offline run submits at a time: all of them, or waves of the client's in-flight
+    cap where that is below the engine's batch (one at a time with 1, the single-stream case). A
+    client that keeps at least a full batch in flight is matched by the engine's own queue, which
+    starts a request as soon as one ends, as the served engine does; waves would idle the batch's
+    rows while each wave's longest request finishes."""
+    if max_concurrency and max_concurrency < max_num_seqs:
+        return max_concurrency
+    return num_requests
+
+
 def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
                 threads: int | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
     """run_offline_here in a process of its own, as the served engine's step loop runs
@@ -673,11 +684,8 @@ def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
 
 def run_offline_here(wl: Workload, model: str | None, engine_args: dict[str, Any],
                      threads: int | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
-    """The workload through engine.LLM: all at once, or in waves of `max_concurrency` where that is
-    below the engine's `max_num_seqs` (one request at a time with 1, the single-stream case). A
-    client that keeps at least a full batch in flight is matched by the engine's own queue, which
-    starts a request as soon as one ends, as the served engine does. Reports the engine's own TTFT
-    and TPOT."""
+    """The workload through engine.LLM, submitted as `offline_wave` says. Reports the engine's own
+    TTFT and TPOT."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -694,8 +702,7 @@ def run_offline_here(wl: Workload, model: str | None, engine_args: dict[str, Any
                  use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
     prompts = [list(p) for p in wl.prompts]
-    batch = llm.engine.config.scheduler.max_num_seqs
-    wave = max_concurrency if max_concurrency and max_concurrency < batch else len(prompts)
+    wave = offline_wave(len(prompts), max_concurrency, llm.engine.config.scheduler.max_num_seqs)
     t0, cpu0 = time.perf_counter(), time.process_time()
     outs = []
     for i in range(0, len(prompts), wave):

@@ -1,0 +1,31 @@
+"""serve_bench's offline comparison submits the workload as a client with the same in-flight cap
+would keep the served engine busy: waves only where the cap is below the engine's batch."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+from benchmarks import serve_bench  # noqa: E402
+from benchmarks.workload import DEFAULT_VOCAB_SIZE, make_workload  # noqa: E402
+from tests.conftest import save_tiny_model  # noqa: E402
+
+
+def test_the_offline_run_submits_in_waves_only_below_a_full_batch():
+    assert serve_bench.offline_wave(2048, None, 256) == 2048  # a burst: all at once
+    assert serve_bench.offline_wave(2048, 256, 256) == 2048  # a full batch in flight: the engine's queue refills
+    assert serve_bench.offline_wave(2048, 512, 256) == 2048
+    assert serve_bench.offline_wave(64, 1, 256) == 1  # the single stream
+    assert serve_bench.offline_wave(64, 8, 256) == 8
+
+
+def test_the_offline_run_with_a_full_batch_in_flight_generates_every_token(tmp_path):
+    """Six requests through a two-row engine with the client's cap at two: submitted at once, the
+    engine's queue holds the rest, and every request gets its exact output length. (The run's
+    warm-up prompts are SmolLM2-sized ids: the model has that vocabulary.)"""
+    model = save_tiny_model(tmp_path, "llama", vocab_size=DEFAULT_VOCAB_SIZE)
+    workload = make_workload(6, prompt_len_range=(4, 20), output_len_range=(2, 9), seed=3)
+    result = serve_bench.run_offline_here(workload, model, dict(max_num_seqs=2, quantization="none"),
+                                          threads=1, max_concurrency=2)
+    assert result["output_len_mismatches"] == []
+    assert result["output_tokens"] == workload.num_output_tokens
