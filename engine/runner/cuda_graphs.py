@@ -77,7 +77,7 @@ class DecodeGraphs:
             if not self.graphs:  # the pool holds only what the dropped graph freed: give it back
                 self.pool = torch.cuda.graph_pool_handle()
                 torch.cuda.empty_cache()
-                start = torch.cuda.memory_reserved(device) - self.logits.numel() * self.logits.element_size()
+                start = torch.cuda.memory_reserved(device) - self.logits.nbytes
         self.sizes = sorted(self.graphs)
         self.memory_bytes = torch.cuda.memory_reserved(device) - start  # what the kept graphs hold
         logger.info("CUDA graphs: %d decode buckets of %s rows captured in %.0f MiB", len(self.sizes),
