@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.grammar import GrammarCompiler, RequestGrammar
+from engine.heap import freeze_startup_heap
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineStats, ModelReport, StepStats
 from engine.model_setup import LoadedModel, load_model
@@ -106,6 +107,7 @@ class LLMEngine:
         self.runs_ahead = device.type == "cuda" if async_scheduling is None else async_scheduling
         self._ahead: LaunchedStep | None = None  # the step launched before the last one was collected
         self.num_steps_ahead = 0  # steps launched before the step before them was collected
+        freeze_startup_heap()
 
     def _graph_settings(self, device: torch.device) -> GraphSettings | None:
         model = self.config.model
