@@ -10,7 +10,7 @@ samples are done: the n with the highest cumulative logprob, as choices 0..n-1.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
@@ -41,6 +41,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    holdback: int  # characters a running sample's text holds back: the longest stop string's but one
     samples: dict[int, _SampleState] = field(default_factory=dict)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked, until emitted
@@ -62,7 +63,8 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float) -> None:
         self.states[request_id] = _RequestState(prompt, prompt_token_ids, params,
-                                                RequestMetrics(arrival_time + self._wall_offset))
+                                                RequestMetrics(arrival_time + self._wall_offset),
+                                                max(map(len, params.stop), default=1) - 1)
 
     def process(self, update: SchedulerUpdate, logprobs: dict[str, list[dict[int, float]]]
                 ) -> tuple[list[RequestOutput | RequestError], list[str], list[str]]:
@@ -83,8 +85,9 @@ class OutputProcessor:
                 if sample is None:
                     sample = state.samples[request.sample_index] = _SampleState(
                         DecodeStream(skip_special_tokens=True), request.spec)
-                self._update_metrics(state, request)
-                if self._append(sample, request, logprobs.get(request.request_id)):
+                if state.metrics.first_token_time is None:
+                    self._first_token(state, request)
+                if self._append(sample, request, logprobs.get(request.request_id) if logprobs else None):
                     stopped.append(request.request_id)
                 changed[request.group_id] = state
             except Exception as e:  # detokenizing this request failed: it fails alone
@@ -114,10 +117,10 @@ class OutputProcessor:
     def _append(self, sample: _SampleState, request: Request, logprobs: list[dict[int, float]] | None) -> bool:
         """Adds the request's new tokens (one, or several after accepted drafts) to its sample, in
         order; True if a stop string ended it (the tokens after that one are dropped)."""
-        new = request.token_ids[request.num_prompt_tokens + len(sample.token_ids):]  # not a copy of every output
+        new = request.token_ids[len(request.prompt_token_ids) + len(sample.token_ids):]  # not a copy of every output
+        last = len(new) - 1 if request.is_finished else -1
         for i, token_id in enumerate(new):
-            finished = request.is_finished and i == len(new) - 1
-            if self._append_token(sample, request, token_id, logprobs[i] if logprobs else None, finished):
+            if self._append_token(sample, request, token_id, logprobs[i] if logprobs else None, i == last):
                 return True
         return False
 
@@ -146,24 +149,23 @@ class OutputProcessor:
         sample.finish_reason = FinishReason.STOP.value
         return was_running
 
-    def _update_metrics(self, state: _RequestState, request: Request) -> None:
+    def _first_token(self, state: _RequestState, request: Request) -> None:
+        """Records what the request's first output shows once: its timings, cached tokens, prompt logprobs."""
         metrics = state.metrics
-        if metrics.first_token_time is None and request.first_token_time is not None:
+        if request.first_token_time is not None:
             metrics.first_token_time = request.first_token_time + self._wall_offset
             metrics.first_scheduled_time = request.first_scheduled_time + self._wall_offset
             state.num_cached_tokens = request.num_cached_prompt_tokens
             state.prompt_logprobs = request.prompt_logprobs
 
     def _emit(self, request_id: str, state: _RequestState) -> RequestOutput:
-        params = state.params
-        finished = (len(state.samples) == params.best_of
-                    and all(s.finish_reason is not None for s in state.samples.values()))
-        holdback = max(map(len, params.stop), default=1) - 1
+        params, samples = state.params, state.samples
+        finished = len(samples) == params.best_of and all(s.finish_reason is not None for s in samples.values())
         deltas = []
         for index, sample in self._returned(state, finished):
-            end = len(sample.text) if sample.finish_reason else max(sample.num_emitted_chars,
-                                                                     len(sample.text) - holdback)
-            text, tokens = sample.text[sample.num_emitted_chars:end], sample.token_ids[sample.num_emitted_tokens:]
+            text = sample.text
+            end = len(text) if sample.finish_reason else max(sample.num_emitted_chars, len(text) - state.holdback)
+            text, tokens = text[sample.num_emitted_chars:end], sample.token_ids[sample.num_emitted_tokens:]
             if not text and not tokens and (sample.finish_reason is None or sample.finish_emitted):
                 continue
             sample.finish_emitted = sample.finish_reason is not None
@@ -171,7 +173,9 @@ class OutputProcessor:
                                            sample.logprobs[sample.num_emitted_tokens:]
                                            if params.logprobs is not None else None))
             sample.num_emitted_chars, sample.num_emitted_tokens = end, len(sample.token_ids)
-        state.metrics.spec = sum((s.spec for s in state.samples.values()), SpecCounts())
+        # one sample's counts are its request's own, kept up to date by the scheduler: no sum to make
+        state.metrics.spec = (next(iter(samples.values())).spec if len(samples) == 1
+                              else sum((s.spec for s in samples.values()), SpecCounts()))
         if finished:
             del self.states[request_id]
             state.metrics.finished_time = state.metrics.finished_time or self._clock() + self._wall_offset
@@ -181,11 +185,11 @@ class OutputProcessor:
         return output
 
     @staticmethod
-    def _returned(state: _RequestState, finished: bool) -> list[tuple[int, _SampleState]]:
+    def _returned(state: _RequestState, finished: bool) -> Iterable[tuple[int, _SampleState]]:
         """(choice index, sample) of what the request returns: every sample as it goes, or with
         best_of > n, once all are done, the n highest by cumulative logprob."""
         if not state.params.ranks_samples:
-            return sorted(state.samples.items())
+            return sorted(state.samples.items()) if len(state.samples) > 1 else state.samples.items()
         if not finished:
             return []
         best = sorted(state.samples.values(), key=_cumulative_logprob, reverse=True)[:state.params.n]

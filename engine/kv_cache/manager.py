@@ -82,12 +82,9 @@ class KVCacheManager:
         """Makes room for `num_new_tokens` tokens after the request's computed ones (plus a cached
         prefix `computed`, for a request with no blocks yet). Returns the copy-on-write block
         copies (src, dst) to run before the forward, or None, changing nothing, if blocks are short."""
-        if self.num_free_blocks_needed(request, num_new_tokens, computed) > self.pool.num_free_blocks:
+        table, shared, num_new_blocks = self._plan(request, num_new_tokens, computed)
+        if max(num_new_blocks, 0) + len(shared) + self._num_touched_free(computed) > self.pool.num_free_blocks:
             return None
-        table = self.block_tables.get(request.request_id, [])
-        start = request.num_computed_tokens + computed.num_tokens
-        num_new_blocks = self.num_blocks_for(start + num_new_tokens) - len(table) - len(computed.block_ids)
-        shared = self._blocks_to_copy(table, start, start + num_new_tokens)
         if computed.block_ids:
             self.pool.touch(list(computed.block_ids))
             table = list(computed.block_ids)
@@ -107,17 +104,26 @@ class KVCacheManager:
                                computed: ComputedBlocks = NO_COMPUTED_BLOCKS) -> int:
         """Free blocks `allocate_slots` would take: new blocks, copies of shared blocks it
         writes, and cached prefix blocks that now sit in the free queue."""
+        _, shared, num_new_blocks = self._plan(request, num_new_tokens, computed)
+        return max(num_new_blocks, 0) + len(shared) + self._num_touched_free(computed)
+
+    def _plan(self, request: Request, num_new_tokens: int, computed: ComputedBlocks
+              ) -> tuple[list[int], list[int], int]:
+        """Writing `num_new_tokens` after the request's computed tokens (and `computed`): its
+        table, the indexes of the table's blocks to copy first (shared or cached ones the
+        tokens land in), and the number of blocks to add (negative: that many to spare)."""
         table = self.block_tables.get(request.request_id, [])
         start = request.num_computed_tokens + computed.num_tokens
         end = start + num_new_tokens
-        num_new_blocks = self.num_blocks_for(end) - len(table) - len(computed.block_ids)
-        num_touched_free = sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0)
-        return max(num_new_blocks, 0) + len(self._blocks_to_copy(table, start, end)) + num_touched_free
+        first, end_block = start // self.block_size, _cdiv(end, self.block_size)
+        ref_cnt, block_hash = self.pool.ref_cnt, self.pool.block_hash
+        shared = [i for i in range(first, min(len(table), end_block))
+                  if ref_cnt[table[i]] > 1 or block_hash[table[i]] is not None]
+        return table, shared, end_block - len(table) - len(computed.block_ids)
 
-    def _blocks_to_copy(self, table: list[int], start: int, end: int) -> list[int]:
-        """Indexes of existing blocks written by positions [start, end) that are shared or cached."""
-        return [i for i in range(start // self.block_size, min(len(table), self.num_blocks_for(end)))
-                if self.pool.ref_cnt[table[i]] > 1 or self.pool.block_hash[table[i]] is not None]
+    def _num_touched_free(self, computed: ComputedBlocks) -> int:
+        """Blocks of a cached prefix that sit in the free queue: taking them uses free blocks."""
+        return sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0) if computed.block_ids else 0
 
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Tokens in the request's leading blocks that other requests also hold: they survive its

@@ -26,26 +26,41 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
+def _order(item: ScheduledRequest) -> tuple[bool, int]:
+    """Rows first, by context length; then prefill chunks, in the order scheduled."""
+    rows = _as_rows(item)
+    return not rows, item.start_pos if rows else 0
+
+
 def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
-    ordered = sorted(scheduled, key=lambda s: (not _as_rows(s), s.start_pos if _as_rows(s) else 0))
+    ordered = sorted(scheduled, key=_order)
     input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [], [], []
     query_start_loc, sample_indices, sampled_requests, sampled_drafts, verified = [0], [], [], [], []
     scored_indices, scored_prompts = [], []
     num_decodes = 0
     for item in ordered:
-        n, start = len(item.token_ids), item.start_pos
-        input_ids.extend(item.token_ids)
-        positions.extend(range(start, start + n))
-        table = item.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        rows = _as_rows(item)
-        sequences = [(p, p + 1) for p in range(start, start + n)] if rows else [(start, start + n)]
-        for first, end in sequences:
-            starts.append(first)
-            seq_lens.append(end)
+        n, start, table = len(item.token_ids), item.start_pos, item.block_table
+        if n == 1:  # one row: most of a step's items, so spelled out
+            input_ids.append(item.token_ids[0])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+            starts.append(start)
+            seq_lens.append(start + 1)
             tables.append(table)
-            query_start_loc.append(query_start_loc[-1] + end - first)
-        num_decodes += len(sequences) if rows else 0
+            query_start_loc.append(query_start_loc[-1] + 1)
+            num_decodes += 1
+        else:
+            input_ids.extend(item.token_ids)
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            rows = _as_rows(item)
+            sequences = [(p, p + 1) for p in range(start, start + n)] if rows else [(start, start + n)]
+            for first, end in sequences:
+                starts.append(first)
+                seq_lens.append(end)
+                tables.append(table)
+                query_start_loc.append(query_start_loc[-1] + end - first)
+            num_decodes += len(sequences) if rows else 0
         first = item.request.first_unscored_position
         if first is not None and first < start + n:  # prompt logprobs: positions up to the last but one
             first, end = max(first, start), min(start + n, item.request.num_prompt_tokens - 1)
@@ -58,8 +73,9 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
             verified.append((item.request, drafts, len(sample_indices)))
             sample_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
             sampled_requests.append(item.request)
-            sampled_requests.extend(WithDrafts(item.request, drafts[:j]) for j in range(1, len(drafts) + 1))
-            sampled_drafts.extend(item.sampled_drafts or [None] * len(drafts))
+            if drafts:
+                sampled_requests.extend(WithDrafts(item.request, drafts[:j]) for j in range(1, len(drafts) + 1))
+                sampled_drafts.extend(item.sampled_drafts or [None] * len(drafts))
             sampled_drafts.append(None)  # the bonus token's row
 
     num_tokens = len(input_ids)

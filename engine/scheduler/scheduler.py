@@ -199,26 +199,32 @@ class Scheduler:
         row of this step is dropped, and its place goes to a waiting request a step later."""
         if self.parked or self.speculative is not None:
             return None
-        items = [item for item in out.scheduled if item.request.status is RequestStatus.RUNNING]  # ended: dropped
-        if (len(items) != len(self.running) or not items
-                or not all(len(item.token_ids) == 1 and item.sample and _samples_ahead(item.request)
-                           for item in items)):
+        num_running, continuing = 0, []
+        for item in out.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # ended: dropped
+            if len(item.token_ids) != 1 or not item.sample or not _samples_ahead(request):
+                return None
+            num_running += 1
+            if not self._at_length(request, num_pending=1):
+                continuing.append(request)
+        if num_running != len(self.running) or not continuing:
             return None
-        continuing = [item.request for item in items if not self._at_length(item.request, num_pending=1)]
         queued = self.waiting or self.swapped
         if queued and (self.config.policy == "priority" or len(continuing) < self.config.max_num_seqs):
             return None
-        needed = sum(self.kv.num_free_blocks_needed(request, 2) for request in continuing)
-        if not continuing or needed > self.kv.num_free_blocks:
+        kv = self.kv
+        # two tokens span at most two blocks, each new or copied: counted exactly only if that could not fit
+        if (2 * len(continuing) > kv.num_free_blocks
+                and sum(kv.num_free_blocks_needed(request, 2) for request in continuing) > kv.num_free_blocks):
             return None
         ahead = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         for request in continuing:  # slots for `out`'s position and the next
-            ahead.blocks_to_copy.extend(self.kv.allocate_slots(request, 2))
-            ahead.scheduled.append(ScheduledRequest(request=request, token_ids=[PENDING_TOKEN],
-                                                    start_pos=request.num_computed_tokens + 1,
-                                                    block_table=list(self.kv.block_table(request.request_id)),
-                                                    sample=True))
+            ahead.blocks_to_copy.extend(kv.allocate_slots(request, 2))
+            ahead.scheduled.append(ScheduledRequest(request, [PENDING_TOKEN], request.num_computed_tokens + 1,
+                                                    list(kv.block_table(request.request_id)), True))
         return ahead
 
     def _at_length(self, request: Request, num_pending: int = 0) -> bool:
