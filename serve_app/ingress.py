@@ -30,6 +30,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from engine.errors import InvalidRequestError
+from engine.heap import collect_young_less_often
 from engine.tokenization import check_token_ids, encode_chat, encode_text
 from serve_app.auth import Authorizer, resolve_priority
 from serve_app.channels import ReplicaChannels
@@ -60,6 +61,7 @@ class Ingress:
     """The ingress deployment (plain class; app.py wraps it with serve.ingress/deployment)."""
 
     def __init__(self, config: AppConfig, router: Any, replicas: Any):
+        collect_young_less_often()  # each request's objects live as long as it does (Serve freezes the rest)
         self.config = config
         # Data-plane calls (admit, release, token streams) over the gRPC transport when enabled:
         # benchmarks/serve_hops.py measures it at about half the CPU per message.

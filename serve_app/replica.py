@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.heap import collect_young_less_often
 from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
 from serve_app.draft import draft_transport
@@ -77,6 +78,7 @@ class EngineReplica:
     def __init__(self, config: EngineReplicaConfig, router: Any = None,
                  engine_cls: type[EngineClient] | None = None, replica_id: str | None = None,
                  metrics_enabled: bool = False, slo: dict[int, SLOTarget] | None = None, draft: Any = None):
+        collect_young_less_often()  # each stream's objects live as long as it does (Serve freezes the rest)
         if engine_cls is None:
             from engine.async_engine import AsyncEngine
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
 import httpx
 import openai
 import pytest
 from conftest import greedy_text, local_stack, run, sse_events
 from fake_engine import FakeTokenizer
 
+from engine.heap import YOUNG_COLLECTION_OBJECTS
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
 from serve_app.local import LocalHandle
@@ -168,6 +171,13 @@ class _Engines:
         if self.fails:
             raise RuntimeError("engine replica died")
         return ModelInfo("fake", 256, 16, 100, FakeTokenizer())
+
+
+def test_the_ingress_collects_its_requests_young_objects_less_often():
+    gc.set_threshold(700)  # Python's default
+    Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), LocalHandle(_Fleet()),
+            LocalHandle(_Engines()))
+    assert gc.get_threshold()[0] == YOUNG_COLLECTION_OBJECTS
 
 
 def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready():

@@ -4,10 +4,12 @@ error chunks, abort on cancel, load reports only when something changed."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from conftest import greedy_text, run
 from fake_engine import FakeAsyncEngine
 
+from engine.heap import YOUNG_COLLECTION_OBJECTS
 from engine.sampling_params import SamplingParams
 from serve_app.config import EngineReplicaConfig
 from serve_app.messages import EngineRequest
@@ -37,6 +39,12 @@ def test_streams_the_engine_output_coalesced():
     assert 2 <= len(chunks) <= 8
     assert "".join(o.text for c in chunks for o in c.outputs) == greedy_text([11, 12], 40)
     assert chunks[-1].finished and chunks[-1].outputs[-1].finish_reason == "length"
+
+
+def test_a_replica_collects_its_streams_young_objects_less_often():
+    gc.set_threshold(700)  # Python's default
+    make()
+    assert gc.get_threshold()[0] == YOUNG_COLLECTION_OBJECTS
 
 
 def test_engine_refusal_becomes_a_400_chunk_naming_the_field():
