@@ -100,22 +100,20 @@ def _info(engine: LLMEngine) -> CoreInfo:
 class StepLoop:
     """Applies commands, steps while there is work, emits events in batches.
 
-    With `output_interval_s` > 0 the steps' events are held and emitted together at most once
-    per interval: every emit wakes the receiving server's threads, which on a small machine
-    take their time slices from the forward's cores, and every request's delta in it costs the
-    server a wake-up of that request's stream. A request's first tokens, its end and an error
-    are emitted at once, with that request's held deltas alone, so TTFT and the last token never
-    wait and the other streams still get one delta per interval; the loop going idle emits all.
+    With `output_interval_s` > 0 the steps' deltas are held in the engine and emitted together at
+    most once per interval: every emit wakes the receiving server's threads, which on a small
+    machine take their time slices from the forward's cores, and every request's delta in it
+    costs the server a wake-up of that request's stream. A request's first tokens, its end and an
+    error are emitted at once, with that request's held deltas alone, so TTFT and the last token
+    never wait and the other streams still get one delta per interval.
     """
 
     def __init__(self, engine: LLMEngine, emit: Emit, output_interval_s: float = 0.0):
         self.engine, self.emit, self.output_interval_s = engine, emit, output_interval_s
         self.num_added = 0
-        self._streaming: set[str] = set()  # requests whose first tokens were emitted, until they end
 
     def run(self, receive: Callable[[float], list[Command] | None]) -> None:
         """`receive(timeout)`: the commands that arrived within `timeout` s, or None to stop."""
-        held: list[Event] = []
         last_emit = -float("inf")
         while True:
             busy = self.engine.has_unfinished_requests()
@@ -125,39 +123,18 @@ class StepLoop:
             events: list[Event] = []
             for command in commands:
                 events += self._apply(command)
+            now = time.monotonic()
+            due = now - last_emit >= self.output_interval_s
             if self.engine.has_unfinished_requests():
                 try:
-                    events += self.engine.step()
+                    events += self.engine.step(hold_deltas=not due)
                 except Exception as e:  # not attributable to one request: fail them all, go on
                     logger.exception("engine step failed")
                     events += self.engine.fail_all(e)
-            held += events
-            urgent = self._track_streams(events)
-            if not (held or commands):
-                continue
-            now = time.monotonic()
-            if now - last_emit >= self.output_interval_s or not self.engine.has_unfinished_requests():
-                self._emit(held)
-                held, last_emit = [], now
-            elif urgent:
-                self._emit([event for event in held if event.request_id in urgent])
-                held = [event for event in held if event.request_id not in urgent]
-
-    def _emit(self, events: list[Event]) -> None:
-        self.emit(CoreOutputs(_one_per_request(events), self.engine.get_stats(), self.num_added))
-
-    def _track_streams(self, events: list[Event]) -> set[str]:
-        """Updates the set of streaming requests; the ids of those whose output starts or ends
-        with these events, or that failed."""
-        urgent = set()
-        for event in events:
-            if isinstance(event, RequestError) or event.finished:
-                self._streaming.discard(event.request_id)
-                urgent.add(event.request_id)
-            elif event.request_id not in self._streaming:
-                self._streaming.add(event.request_id)
-                urgent.add(event.request_id)
-        return urgent
+            if events or (commands and due):
+                self.emit(CoreOutputs(events, self.engine.get_stats(), self.num_added))
+                if due:
+                    last_emit = now
 
     def _apply(self, command: Command) -> list[Event]:
         match command:
@@ -172,19 +149,6 @@ class StepLoop:
                 output = self.engine.abort_request(request_id)
                 return [output] if output is not None else []
         raise TypeError(f"unknown command {command!r}")
-
-
-def _one_per_request(events: list[Event]) -> list[Event]:
-    """The held deltas of each request folded into one, in order of first appearance; an error
-    replaces its request's deltas (its stream raises, nothing of it is read)."""
-    by_id: dict[str, Event] = {}
-    for event in events:
-        first = by_id.get(event.request_id)
-        if first is None or isinstance(event, RequestError):
-            by_id[event.request_id] = event
-        elif not isinstance(first, RequestError):
-            first.merge(event)
-    return list(by_id.values())
 
 
 class ThreadCore:

@@ -238,10 +238,11 @@ class LLMEngine:
         return self.scheduler.make_stats(self._last_step)
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self) -> list[Event]:
+    def step(self, hold_deltas: bool = False) -> list[Event]:
         """One iteration: schedule, run the ragged batch, update requests. Returns deltas, and
         errors for the requests that failed. The step launched ahead by the last call, if any,
-        is this call's step."""
+        is this call's step. `hold_deltas`: a running request's deltas only with its first
+        tokens or its end; the others are held until a step that does not hold them."""
         compiled = self._admit_compiled()
         if self._ahead is None and not self.scheduler.has_unfinished():
             return compiled
@@ -265,7 +266,7 @@ class LLMEngine:
         result = self.runner.collect(launched)
         t2 = time.perf_counter()
         update = self.scheduler.update_from_output(out, result)
-        events, stopped, failed = self.output_processor.process(update, result.logprobs)
+        events, stopped, failed = self.output_processor.process(update, result.logprobs, hold_deltas)
         for request_id in stopped:
             self.scheduler.finish_request(request_id, FinishReason.STOP)
         for group_id in failed:

@@ -1,7 +1,9 @@
 """Turns sampled tokens into user outputs: incremental detokenization, stop strings, deltas.
 
 Owns per-request output state (text so far, what was already emitted); tells the engine which
-requests a stop string ended, and which failed to detokenize (those fail alone). Text never
+requests a stop string ended, and which failed to detokenize (those fail alone). A step's deltas
+can be held: a running request's changes then wait here, and go out with its first tokens, its
+end, or the next step that emits every request's (one delta for all the steps held). Text never
 includes a stop string or a stop token; while a request
 runs, the last (longest stop string - 1) characters are held back, so a stream never shows the
 start of a stop string that is later cut. A request with best_of > n emits once, when its
@@ -43,6 +45,7 @@ class _RequestState:
     metrics: RequestMetrics
     holdback: int  # characters a running sample's text holds back: the longest stop string's but one
     samples: dict[int, _SampleState] = field(default_factory=dict)
+    emitted: bool = False  # an output of it went out
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked, until emitted
 
@@ -51,6 +54,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, clock: Callable[[], float] = time.monotonic):
         self.tokenizer = tokenizer.backend_tokenizer
         self.states: dict[str, _RequestState] = {}
+        self._held: dict[str, _RequestState] = {}  # requests changed since their last output, by group id
         self._clock = clock
         self._wall_offset = time.time() - clock()  # engine timings are on `clock`; outputs show wall time
 
@@ -66,13 +70,16 @@ class OutputProcessor:
                                                 RequestMetrics(arrival_time + self._wall_offset),
                                                 max(map(len, params.stop), default=1) - 1)
 
-    def process(self, update: SchedulerUpdate, logprobs: dict[str, list[dict[int, float]]]
+    def process(self, update: SchedulerUpdate, logprobs: dict[str, list[dict[int, float]]], hold: bool = False
                 ) -> tuple[list[RequestOutput | RequestError], list[str], list[str]]:
         """Returns the step's events (one delta per user request that changed, one error per
         user request that failed), the ids of the requests a stop string just ended, and the
-        groups whose detokenization failed (the caller finishes both in the scheduler)."""
+        groups whose detokenization failed (the caller finishes both in the scheduler). `hold`:
+        deltas only for the requests whose first output or end this is; the others' wait for a
+        step that does not hold."""
         events: list[RequestOutput | RequestError] = []
         for group_id, error in update.failed.items():
+            self._held.pop(group_id, None)
             if self.states.pop(group_id, None) is not None:
                 events.append(failure_event(group_id, error))
         stopped, failed, changed = [], [], {}
@@ -93,9 +100,15 @@ class OutputProcessor:
             except Exception as e:  # detokenizing this request failed: it fails alone
                 del self.states[request.group_id]
                 changed.pop(request.group_id, None)
+                self._held.pop(request.group_id, None)
                 failed.append(request.group_id)
                 events.append(failure_event(request.group_id, e))
-        events += [self._emit(group_id, state) for group_id, state in changed.items()]
+        self._held.update(changed)
+        if hold:  # of those this step changed
+            due = [(group_id, state) for group_id, state in changed.items() if not state.emitted or _finished(state)]
+        else:
+            due = list(self._held.items())
+        events += [self._emit(group_id, state) for group_id, state in due]
         return events, stopped, failed
 
     def refuse(self, request_id: str, error: Exception) -> RequestError:
@@ -160,7 +173,9 @@ class OutputProcessor:
 
     def _emit(self, request_id: str, state: _RequestState) -> RequestOutput:
         params, samples = state.params, state.samples
-        finished = len(samples) == params.best_of and all(s.finish_reason is not None for s in samples.values())
+        finished = _finished(state)
+        state.emitted = True
+        self._held.pop(request_id, None)
         deltas = []
         for index, sample in self._returned(state, finished):
             text = sample.text
@@ -194,6 +209,12 @@ class OutputProcessor:
             return []
         best = sorted(state.samples.values(), key=_cumulative_logprob, reverse=True)[:state.params.n]
         return list(enumerate(best))
+
+
+def _finished(state: _RequestState) -> bool:
+    """Every sample of the request has ended."""
+    samples = state.samples
+    return len(samples) == state.params.best_of and all(s.finish_reason is not None for s in samples.values())
 
 
 def _cumulative_logprob(sample: _SampleState) -> float:

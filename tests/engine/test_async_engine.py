@@ -59,9 +59,9 @@ def test_thread_core_builds_and_steps_the_engine_on_one_thread(tiny_llama, monke
         threads.add(threading.get_ident())
         build(self, *args, **kwargs)
 
-    def recorded_step(self):
+    def recorded_step(self, hold_deltas=False):
         threads.add(threading.get_ident())
-        return step(self)
+        return step(self, hold_deltas)
 
     monkeypatch.setattr(llm_engine.LLMEngine, "__init__", recorded_build)
     monkeypatch.setattr(llm_engine.LLMEngine, "step", recorded_step)
@@ -249,6 +249,27 @@ def test_held_outputs_never_delay_an_abort_or_a_batch_mates_error(held_engine):
     assert len(first.outputs[0].token_ids) == 1 and not first.finished
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     _wait_idle(held_engine)
+
+
+def test_held_samples_and_stop_strings_come_out_as_unheld(held_engine, engine):
+    """Held deltas wait in the output processor, each sample's since its last output: n seeded
+    samples, a stop string's holdback and the end come out as they do delta by delta."""
+    params = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=11, stop=["e", "a"])
+
+    async def by_index(eng, request_id):
+        texts, tokens, reasons = {}, {}, {}
+        async for out in eng.generate([5, 6, 7, 8], params, request_id):
+            for o in out.outputs:
+                texts[o.index] = texts.get(o.index, "") + o.text
+                tokens[o.index] = tokens.get(o.index, []) + o.token_ids
+                reasons[o.index] = o.finish_reason or reasons.get(o.index)
+        return texts, tokens, reasons
+
+    async def main():
+        return await by_index(held_engine, "held-n"), await by_index(engine, "each-n")
+
+    held, each = asyncio.run(main())
+    assert held == each and len(held[0]) == 3 and all(held[2].values())
 
 
 async def _drain(stream):
