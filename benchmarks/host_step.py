@@ -14,13 +14,18 @@ loop's wall time; the forward (the model's call) and the greedy argmax, both com
 here and queued on a GPU; the host work (the rest); its parts (each timed around its call); the
 garbage collector's pauses by generation. Repeated `--repeats` times in one process. `--profile`:
 then the Python functions that take the host's time (cProfile, `--steps` more steps).
+`--prefill P`: a request with a P-token prompt and one token to generate arrives every step, as
+the engine process receives requests (an AddRequest command), so every step is a mixed one, the
+steady state of a server whose requests keep arriving (`--rows 255`: room for it in the batch).
 
-    python benchmarks/host_step.py [--rows 256] [--steps 200] [--repeats 3] [--profile] [--json OUT]
+    python benchmarks/host_step.py [--rows 256] [--prefill 0] [--steps 200] [--repeats 3] [--profile]
+        [--json OUT]
 """
 import argparse
 import cProfile
 import gc
 import io
+import itertools
 import json
 import os
 import pickle
@@ -40,12 +45,14 @@ from benchmarks.cuda_step import Timed  # noqa: E402
 from benchmarks.quantization import cpu_features  # noqa: E402
 from benchmarks.workload import random_prompt  # noqa: E402
 from engine import SamplingParams  # noqa: E402
-from engine.engine_core import StepLoop  # noqa: E402
+from engine.engine_core import AddRequest, StepLoop  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 
 TINY = dict(SHAPES["smollm2-135m"], vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2)
 WARMUP_STEPS = 20
+ARRIVAL = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+ARRIVALS = itertools.count()
 
 
 def served_engine_args() -> tuple[dict, float]:
@@ -89,8 +96,9 @@ def timed_parts(eng: LLMEngine, sink: dict) -> list:
     return saved
 
 
-def measure(eng: LLMEngine, flush_interval_s: float, steps: int) -> dict:
-    """Runs `steps` iterations of the engine process's loop; ms per step of each part."""
+def measure(eng: LLMEngine, flush_interval_s: float, steps: int, prefill: int = 0) -> dict:
+    """Runs `steps` iterations of the engine process's loop, a request of `prefill` prompt
+    tokens arriving at each where that is set; ms per step of each part."""
     sink: dict[str, float] = {"emit (pickled)": 0.0}
     sent = [0]
 
@@ -103,7 +111,12 @@ def measure(eng: LLMEngine, flush_interval_s: float, steps: int) -> dict:
 
     def receive(timeout: float) -> list | None:
         remaining[0] -= 1
-        return [] if remaining[0] >= 0 else None
+        if remaining[0] < 0:
+            return None
+        if not prefill:
+            return []
+        n = next(ARRIVALS)
+        return [AddRequest(f"arrival-{n}", random_prompt(prefill, TINY["vocab_size"], seed=n), ARRIVAL)]
 
     loop = StepLoop(eng, emit, flush_interval_s)
     steps_ahead = eng.num_steps_ahead
@@ -132,17 +145,17 @@ def measure(eng: LLMEngine, flush_interval_s: float, steps: int) -> dict:
     return ms
 
 
-def profile(eng: LLMEngine, flush_interval_s: float, steps: int) -> str:
+def profile(eng: LLMEngine, flush_interval_s: float, steps: int, prefill: int) -> str:
     python = cProfile.Profile()
     python.enable()
-    measure(eng, flush_interval_s, steps)
+    measure(eng, flush_interval_s, steps, prefill)
     python.disable()
     text = io.StringIO()
     pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(30)
     return text.getvalue()
 
 
-def run(rows: int, steps: int, profiled: bool) -> dict:
+def run(rows: int, prefill: int, steps: int, profiled: bool) -> dict:
     args, flush_interval_s = served_engine_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = shaped_model(tmp, TINY, device="cpu", dtype=torch.float32)
@@ -151,16 +164,17 @@ def run(rows: int, steps: int, profiled: bool) -> dict:
         for row in range(rows):
             eng.add_request(f"r{row}", random_prompt(128, TINY["vocab_size"], seed=row), params)
         measure(eng, flush_interval_s, WARMUP_STEPS)  # the prefills, and the batch settled into decodes
-        result = measure(eng, flush_interval_s, steps)
+        result = measure(eng, flush_interval_s, steps, prefill)
         result["rows"] = len(eng.scheduler.running)
         if profiled:
-            print(profile(eng, flush_interval_s, steps), flush=True)
+            print(profile(eng, flush_interval_s, steps, prefill), flush=True)
         return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=0, help="a request of this many prompt tokens arrives every step")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="then list the host's Python functions by time")
@@ -171,7 +185,7 @@ def main() -> None:
     print(cpu_features(), flush=True)
     runs = []
     for repeat in range(args.repeats):
-        runs.append(run(args.rows, args.steps, args.profile))
+        runs.append(run(args.rows, args.prefill, args.steps, args.profile))
         print(f"run {repeat + 1}:", json.dumps({k: round(v, 3) for k, v in runs[-1].items()}), flush=True)
     medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     print("median:", json.dumps({k: round(v, 3) for k, v in medians.items()}), flush=True)

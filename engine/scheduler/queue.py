@@ -53,8 +53,10 @@ class WaitingQueue:
         return request_id in self._heap
 
     def key(self, request: Request) -> float:
-        """The request's rank key (see rank_key); valid while the request waits or runs."""
-        return rank_key(self.policy, self.aging_rate, request.priority, self.predictor(request), request.arrival_time)
+        """The request's rank key (see rank_key); valid while the request waits or runs. The
+        work estimate is made only for `sjf`, the one policy that ranks by it."""
+        work = self.predictor(request) if self.policy == "sjf" else 0.0
+        return rank_key(self.policy, self.aging_rate, request.priority, work, request.arrival_time)
 
     def add(self, request: Request) -> None:
         self.remove(request.request_id)  # at most once

@@ -423,10 +423,12 @@ class Scheduler:
         computed = self.kv.get_computed_blocks(best)
         num_new = min(best.num_tokens - computed.num_tokens, self.config.max_num_batched_tokens)
         while self.running:
-            worst = max(self.running, key=self._victim_rank)
             full = (len(self.running) >= self.config.max_num_seqs
                     or self.kv.num_free_blocks_needed(best, num_new, computed) > self.kv.num_free_blocks)
-            if not full or self._victim_rank(best) >= self._victim_rank(worst):
+            if not full:
+                return
+            worst = max(self.running, key=self._victim_rank)
+            if self._victim_rank(best) >= self._victim_rank(worst):
                 return
             self._preempt(worst, out)
 
