@@ -16,6 +16,7 @@ too (cProfile, 20 steps).
         [--json OUT]
 """
 import argparse
+import contextlib
 import cProfile
 import io
 import itertools
@@ -53,6 +54,21 @@ class Timed:
         return getattr(self._fn, name)
 
 
+@contextlib.contextmanager
+def timed_calls(parts: list[tuple[object, str, str]], sink: dict[str, float]):
+    """While inside, each (owner, attribute, key) of `parts` is wrapped in Timed, its time summed
+    under `key` in `sink` (0 for one never called); put back on leaving."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in parts]
+    for (owner, attr, fn), (_, _, key) in zip(saved, parts):
+        setattr(owner, attr, Timed(fn, key, sink))
+        sink.setdefault(key, 0.0)
+    try:
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
 class Steps:
     """The engine's steps, each after the arrival of one request to prefill (`prefill` tokens,
     one to generate) where `prefill` is set."""
@@ -76,15 +92,11 @@ def timeline(eng, step: Steps, steps: int) -> dict:
              (eng.runner, "launch"), (eng.runner.sampler, "launch"), (eng.runner, "collect"),
              (eng.scheduler, "update_from_output"), (eng.output_processor, "process")]
     timed += [(eng.runner.graphs, "run")] if eng.runner.graphs else []
-    saved = [getattr(owner, name) for owner, name in timed]
-    for (owner, name), fn in zip(timed, saved):
-        setattr(owner, name, Timed(fn, f"{type(owner).__name__}.{name}", sink))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sink["step_total"] = time.perf_counter() - t0
-    for (owner, name), fn in zip(timed, saved):
-        setattr(owner, name, fn)
+    with timed_calls([(owner, name, f"{type(owner).__name__}.{name}") for owner, name in timed], sink):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sink["step_total"] = time.perf_counter() - t0
     return {k: v / steps * 1e3 for k, v in sink.items()}
 
 

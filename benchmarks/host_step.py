@@ -41,7 +41,7 @@ import yaml
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 from benchmarks.cuda_engine import SHAPES, shaped_model  # noqa: E402
-from benchmarks.cuda_step import Timed  # noqa: E402
+from benchmarks.cuda_step import timed_calls  # noqa: E402
 from benchmarks.quantization import cpu_features  # noqa: E402
 from benchmarks.workload import random_prompt  # noqa: E402
 from engine import SamplingParams  # noqa: E402
@@ -79,21 +79,16 @@ class GCPauses:
             self.seconds[generation] = self.seconds.get(generation, 0.0) + time.perf_counter() - self._start
 
 
-def timed_parts(eng: LLMEngine, sink: dict) -> list:
-    """Wraps the step's parts in Timed (each under the name given here); returns what to put back."""
+def step_parts(eng: LLMEngine) -> list[tuple[object, str, str]]:
+    """The step's parts timed (owner, attribute, name shown)."""
     import engine.runner.model_runner as runner_module
     import engine.sampler as sampler_module
-    parts = [(eng, "step", "step"), (eng.scheduler, "schedule", "schedule"),
-             (eng.scheduler, "schedule_ahead", "schedule ahead"),
-             (eng.runner, "launch", "runner launch"), (runner_module, "build_inputs", "build inputs"),
-             (eng.runner, "model", "forward"), (eng.runner.sampler, "launch", "sampler launch"),
-             (sampler_module, "greedy_tokens", "argmax"), (eng.runner, "collect", "collect"),
-             (eng.scheduler, "update_from_output", "update"), (eng.output_processor, "process", "output processing")]
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in parts]
-    for (owner, attr, fn), (_, _, name) in zip(saved, parts):
-        setattr(owner, attr, Timed(fn, name, sink))
-        sink[name] = 0.0
-    return saved
+    return [(eng, "step", "step"), (eng.scheduler, "schedule", "schedule"),
+            (eng.scheduler, "schedule_ahead", "schedule ahead"),
+            (eng.runner, "launch", "runner launch"), (runner_module, "build_inputs", "build inputs"),
+            (eng.runner, "model", "forward"), (eng.runner.sampler, "launch", "sampler launch"),
+            (sampler_module, "greedy_tokens", "argmax"), (eng.runner, "collect", "collect"),
+            (eng.scheduler, "update_from_output", "update"), (eng.output_processor, "process", "output processing")]
 
 
 def measure(eng: LLMEngine, flush_interval_s: float, steps: int, prefill: int = 0) -> dict:
@@ -120,17 +115,15 @@ def measure(eng: LLMEngine, flush_interval_s: float, steps: int, prefill: int = 
 
     loop = StepLoop(eng, emit, flush_interval_s)
     steps_ahead = eng.num_steps_ahead
-    saved = timed_parts(eng, sink)
     pauses = GCPauses()
     gc.callbacks.append(pauses)
-    t0 = time.perf_counter()
     try:
-        loop.run(receive)
+        with timed_calls(step_parts(eng), sink):
+            t0 = time.perf_counter()
+            loop.run(receive)
+            wall = time.perf_counter() - t0
     finally:
-        wall = time.perf_counter() - t0
         gc.callbacks.remove(pauses)
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
     ms = {name: seconds / steps * 1e3 for name, seconds in sink.items()}
     ms["wall"] = wall / steps * 1e3
     ms["host"] = ms["wall"] - ms["forward"] - ms["argmax"]
