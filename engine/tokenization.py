@@ -5,6 +5,9 @@ functions at its edge, tokenizes each prompt once and sends the engine the token
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tools import Tool, conversation, template_reads_tools
@@ -36,11 +39,22 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+_INT = frozenset([int])
+
+
+def all_ints(values: Iterable[Any]) -> bool:
+    """Every value of type int, so no bool (JSON's true is no token id); a loop in C, as a
+    prompt's ids are checked on every request."""
+    return _INT.issuperset(map(type, values))
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt",
                     name: str = "prompt_token_ids") -> None:
     """`param`: the request field at fault; `name`: the ids as the message calls them."""
     if not token_ids:
         raise InvalidRequestError(param, f"{name} must not be empty")
+    if all_ints(token_ids) and min(token_ids) >= 0 and max(token_ids) < vocab_size:
+        return
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(param, f"{name}: {bad[:5]} outside the vocabulary [0, {vocab_size})")

@@ -292,6 +292,10 @@ class Ingress:
             err = APIError(500, f"Internal error: {type(e).__name__}", "internal_error")
             return JSONResponse(err.body(), status_code=500)
 
+        # Routes are matched in the order they are added: the requests that come most, first.
+        for path, endpoint in (("/v1/completions", self.completions), ("/v1/chat/completions", self.chat_completions)):
+            app.add_api_route(path, endpoint, methods=["POST"])
+
         @app.get("/v1/models")
         async def models(request: Request) -> dict:
             self.auth.authorize(request.headers.get("authorization"))
@@ -319,8 +323,6 @@ class Ingress:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
-        for path, endpoint in (("/v1/completions", self.completions), ("/v1/chat/completions", self.chat_completions)):
-            app.add_api_route(path, endpoint, methods=["POST"])
         return app
 
 

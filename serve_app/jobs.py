@@ -258,13 +258,13 @@ async def respond(ingress: JobHost, jobs: list[Job], fmt: Formatter, stream: boo
         raise
     if not stream:
         try:
-            async for job, chunk in _merged(out, len(jobs)):
-                fmt.add(chunk, job.choice_offset)
+            async for batch, _ in _arrived(out, len(jobs)):
+                for job, chunk in batch:
+                    fmt.add(chunk, job.choice_offset)
         finally:
             await _cancel(tasks)
         return JSONResponse(fmt.response())
-    return StreamingResponse(_sse(out, tasks, fmt), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return EventStreamResponse(_sse(out, tasks, fmt), headers={"Cache-Control": "no-cache"})
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
@@ -273,29 +273,56 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _merged(out: asyncio.Queue, num_jobs: int) -> AsyncIterator[tuple[Job, StreamChunk]]:
-    """The jobs' chunks in arrival order until every job has ended; a job's error raises."""
+async def _arrived(out: asyncio.Queue, num_jobs: int) -> AsyncIterator[tuple[list[tuple[Job, StreamChunk]], bool]]:
+    """The jobs' chunks in arrival order, in batches of those that arrived together, each with
+    whether every job had ended by then; a job's error raises (after the batch before it)."""
     remaining = num_jobs
     while remaining:
-        job, item = await out.get()
-        if item is None:
-            remaining -= 1
-        elif isinstance(item, APIError):
-            raise item
-        else:
-            yield job, item
+        batch = []
+        item = await out.get()
+        while True:
+            chunk = item[1]
+            if chunk is None:
+                remaining -= 1
+            elif isinstance(chunk, APIError):
+                if batch:
+                    yield batch, False
+                raise chunk
+            else:
+                batch.append(item)
+            if not remaining or out.empty():
+                break
+            item = out.get_nowait()
+        yield batch, not remaining
 
 
-async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> AsyncIterator[str]:
+async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> AsyncIterator[tuple[str, bool]]:
+    """The stream as (text, more) pieces: one per batch of chunks that arrived together, the last
+    one with the usage event and [DONE]."""
+    last = ""
     try:
-        async for job, chunk in _merged(out, len(tasks)):
-            for event in fmt.stream_events(chunk, job.choice_offset):
-                yield sse_event(event)
-        usage_event = fmt.usage_event()
-        if usage_event is not None:
-            yield sse_event(usage_event)
+        async for batch, ended in _arrived(out, len(tasks)):
+            text = "".join(sse_event(event) for job, chunk in batch
+                           for event in fmt.stream_events(chunk, job.choice_offset))
+            if ended:
+                usage_event = fmt.usage_event()
+                last = text + (sse_event(usage_event) if usage_event is not None else "")
+            elif text:
+                yield text, True
     except APIError as e:
-        yield sse_event(e.body())
+        last = sse_event(e.body())
     finally:
         await _cancel(tasks)
-    yield SSE_DONE
+    yield last + SSE_DONE, False
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response from (text, more) pieces, the last with more False. Each piece is one
+    ASGI message, so one socket write, and the last one ends the response in the same write:
+    events that arrive together, and a stream's last events and its end, share a write."""
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for text, more in self.body_iterator:
+            await send({"type": "http.response.body", "body": text.encode(), "more_body": more})

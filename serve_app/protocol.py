@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.tokenization import all_ints
 from engine.tools import Tool, forced_calls, parse_tools, resolve_tool_choice
 
 # ---------------------------------------------------------------- errors
@@ -226,7 +227,7 @@ _NOT_WITH_BEAM_SEARCH = ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+    return isinstance(value, list) and bool(value) and all_ints(value)
 
 
 class CompletionRequest(_SamplingFields):
@@ -476,7 +477,10 @@ def model_card(model_name: str, created: int, root: str, max_model_len: int) -> 
 
 
 def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {_COMPACT_JSON.encode(payload)}\n\n"
+
+
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps would build one per event
 
 
 SSE_DONE = "data: [DONE]\n\n"

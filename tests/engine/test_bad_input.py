@@ -22,7 +22,8 @@ def engine(tiny_llama):
 
 @pytest.mark.parametrize("prompt, match", [
     ("", "prompt"), ([], "prompt_token_ids"), (list(range(3, 80)), "context length"),
-    ([5, 10**6], "prompt_token_ids"), ([5, -1], "prompt_token_ids"),
+    ([5, 10**6], "prompt_token_ids"), ([5, -1], "prompt_token_ids"), ([5, True], "prompt_token_ids"),
+    ([5, 6.0], "prompt_token_ids"),
 ])
 def test_invalid_prompts_raise_and_engine_keeps_serving(engine, prompt, match):
     """1. Start a valid request. 2. A bad one raises ValueError. 3. The valid one finishes with the

@@ -38,10 +38,10 @@ def merge(base: dict, override: dict) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def local_stack(
+async def local_app(
     num_replicas: int = 1, engine_cls: type = FakeAsyncEngine, **config: Any
-) -> AsyncIterator[tuple[httpx.AsyncClient, Any, list]]:
-    """(client, router, replicas) with every replica already known to the router."""
+) -> AsyncIterator[tuple[Any, Any, list]]:
+    """(the ingress's ASGI app, router, replicas) with every replica already known to the router."""
     base = {"engine": {"served_model_name": "fake", "stream_flush_interval_s": 0.0,
                        "stats_report_interval_s": 0.05},
             "router": {"no_replica_timeout_s": 0.5}}
@@ -53,16 +53,24 @@ async def local_stack(
         if len(router.pool.views) == num_replicas:
             break
         await asyncio.sleep(0.01)
-    transport = httpx.ASGITransport(app=app)
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://test",
-                                     timeout=30) as client:
-            yield client, router, replicas
+        yield app, router, replicas
     finally:
         for r in replicas:
             r.shutdown()
         if router._tick_task is not None:
             router._tick_task.cancel()
+
+
+@contextlib.asynccontextmanager
+async def local_stack(
+    num_replicas: int = 1, engine_cls: type = FakeAsyncEngine, **config: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any, list]]:
+    """local_app's stack with an HTTP client on its app: (client, router, replicas)."""
+    async with local_app(num_replicas, engine_cls, **config) as (app, router, replicas):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=30) as client:
+            yield client, router, replicas
 
 
 @contextlib.contextmanager

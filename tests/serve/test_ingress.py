@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import json
 
 import httpx
 import openai
 import pytest
-from conftest import greedy_text, local_stack, run, sse_events
+from conftest import greedy_text, local_app, local_stack, run, sse_events
 from fake_engine import FakeTokenizer
 
 from engine.heap import YOUNG_COLLECTION_OBJECTS
@@ -54,6 +56,44 @@ def test_completion_streaming_sse_done_and_usage_last():
             text = "".join(c["choices"][0]["text"] for c in chunks)
             assert text == greedy_text(TOK.encode("hello world"), 6)
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    run(go())
+
+
+def test_a_streams_events_that_arrive_together_share_a_body_message_and_the_last_ends_it():
+    """Each ASGI body message is a socket write: the two choices' events of each step go in one
+    message, and the last message carries the usage event and [DONE] and ends the response."""
+    async def go():
+        async with local_app() as (app, _, _):
+            body = json.dumps({"prompt": "hello world", "max_tokens": 4, "temperature": 0, "n": 2, "stream": True,
+                               "stream_options": {"include_usage": True}}).encode()
+            sent, received = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive() -> dict:
+                if received:
+                    return received.pop()
+                await asyncio.Event().wait()  # the client stays until the response ends
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                     "root_path": "", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 1), "server": ("test", 80)}
+            await app(scope, receive, send)
+            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+            bodies = sent[1:]
+            assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+            events = sse_events(b"".join(m["body"] for m in bodies).decode())
+            chunks = [e for e in events[:-2] if e["choices"]]
+            assert len(chunks) == 8  # four tokens for each of the two choices
+            assert len(bodies) <= 4 + 1  # a message a step, and the end
+            for n in range(2):
+                text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == n)
+                assert text == greedy_text(TOK.encode("hello world"), 4)
+            last = sse_events(bodies[-1]["body"].decode())
+            assert last[-1] == "[DONE]" and last[-2]["usage"]["completion_tokens"] == 8
 
     run(go())
 
@@ -233,6 +273,8 @@ BAD = [
     ("max_tokens over context", "/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400,
      "256"),
     ("token id out of vocab", "/v1/completions", {"prompt": [999]}, 400, "prompt"),
+    ("token id a bool", "/v1/completions", {"prompt": [5, True]}, 400, "prompt must be"),
+    ("token id negative", "/v1/completions", {"prompt": [5, -1]}, 400, "outside the vocabulary"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("invalid role", "/v1/chat/completions",
