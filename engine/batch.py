@@ -5,6 +5,7 @@ importing the runner, scheduler or speculation.
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,28 @@ import torch
 if TYPE_CHECKING:  # the rows' owners, named in annotations only
     from engine.drafts import SampledDraft
     from engine.request import Request
+
+
+def host_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A 1-D host tensor of Python ints through one array conversion: a third of torch.tensor's
+    time on a list (the step's index vectors and block tables are built so every step)."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+
+
+def padded_rows(rows: list[list[int]], fill: int, dtype: torch.dtype = torch.long, width: int | None = None
+                ) -> torch.Tensor:
+    """`rows` (block tables) as one (len(rows), width) host tensor, each row cut or padded with
+    `fill` to `width` (default: the longest row's)."""
+    width = max(map(len, rows)) if width is None else width
+    flat = [fill] * (len(rows) * width)
+    for start, row in zip(range(0, len(flat), width), rows):
+        flat[start:start + min(len(row), width)] = row if len(row) <= width else row[:width]
+    return host_tensor(flat, dtype).view(len(rows), width)
+
+
+_TYPECODES = {torch.int32: "i", torch.long: "q"}
 
 
 @dataclass(slots=True)

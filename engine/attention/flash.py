@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, BlockMajorCache
-from engine.batch import ModelInputs
+from engine.batch import ModelInputs, host_tensor, padded_rows
 
 
 @dataclass(slots=True)
@@ -35,10 +35,8 @@ class FlashAttentionBackend(BlockMajorCache, AttentionBackend):
 
     def build_metadata(self, inputs: ModelInputs) -> FlashAttentionMetadata:
         device, block_size = inputs.input_ids.device, inputs.block_size
-        width = max(map(len, inputs.block_tables))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.long,
-                              device=device)
-        seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long, device=device)
+        tables = padded_rows(inputs.block_tables, 0).to(device)
+        seq_lens = host_tensor(inputs.seq_lens).to(device)
         cu_k = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0))
         request = torch.repeat_interleave(torch.arange(len(inputs.seq_lens), device=device), seq_lens)
         position = torch.arange(request.numel(), device=device) - cu_k[request]

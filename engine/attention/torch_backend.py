@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, zeroed_pool
-from engine.batch import ModelInputs
+from engine.batch import ModelInputs, host_tensor, padded_rows
 
 _BUCKET_GROWTH = 1.5  # a decode bucket's longest context is at most this times its shortest
 
@@ -58,11 +58,8 @@ class TorchAttentionMetadata:
 def _kernel_decodes(inputs: ModelInputs, device: torch.device) -> KernelDecodeBatch | None:
     if inputs.num_decodes == 0:
         return None
-    tables = inputs.block_tables[:inputs.num_decodes]
-    width = max(map(len, tables))
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return KernelDecodeBatch(inputs.num_decodes, torch.tensor(padded, dtype=torch.long, device=device),
-                             torch.tensor(inputs.seq_lens[:inputs.num_decodes], dtype=torch.long, device=device))
+    return KernelDecodeBatch(inputs.num_decodes, padded_rows(inputs.block_tables[:inputs.num_decodes], 0).to(device),
+                             host_tensor(inputs.seq_lens[:inputs.num_decodes]).to(device))
 
 
 def _decode_buckets(inputs: ModelInputs, device: torch.device) -> list[DecodeBucket]:
@@ -73,12 +70,11 @@ def _decode_buckets(inputs: ModelInputs, device: torch.device) -> list[DecodeBuc
             continue
         lens = inputs.seq_lens[first:i]
         max_blocks = -(-max(lens) // bs)
-        tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in inputs.block_tables[first:i]]
         key_pos = torch.arange(max_blocks * bs, device=device)
         valid = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]
         mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
-        buckets.append(DecodeBucket(first, i, torch.tensor(tables, dtype=torch.long, device=device),
-                                    mask[None, :, None, :]))
+        tables = padded_rows(inputs.block_tables[first:i], 0, width=max_blocks).to(device)
+        buckets.append(DecodeBucket(first, i, tables, mask[None, :, None, :]))
         first = i
     return buckets
 
@@ -91,7 +87,7 @@ def _prefill_chunks(inputs: ModelInputs, device: torch.device) -> list[PrefillCh
         if start == 0:
             chunks.append(PrefillChunk(t0, t1, None, seq_len, None))
             continue
-        blocks = torch.tensor(inputs.block_tables[b][: -(-seq_len // bs)], dtype=torch.long, device=device)
+        blocks = host_tensor(inputs.block_tables[b][: -(-seq_len // bs)]).to(device)
         q_pos = torch.arange(start, seq_len, device=device)
         mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
         chunks.append(PrefillChunk(t0, t1, blocks, seq_len, mask))

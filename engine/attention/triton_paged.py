@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.base import AttentionBackend, BlockMajorCache
-from engine.batch import ModelInputs
+from engine.batch import ModelInputs, host_tensor, padded_rows
 
 KEY_TILE = 32  # keys per inner step; a power of two of at least 16 (tl.dot), any block size
 PREFILL_QUERIES = 16  # query tokens per prefill tile (times the group: the tile's rows)
@@ -249,10 +249,9 @@ class TritonPagedBackend(BlockMajorCache, AttentionBackend):
         device = inputs.input_ids.device
 
         def int32(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
+            return host_tensor(values, torch.int32).to(device)
 
-        width = max(map(len, inputs.block_tables))
-        tables = int32([t + [0] * (width - len(t)) for t in inputs.block_tables])
+        tables = padded_rows(inputs.block_tables, 0, torch.int32).to(device)
         num_decodes, launches, decodes, query_start = inputs.num_decodes, [], None, None
         if num_decodes:
             longest = max(inputs.seq_lens[:num_decodes])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import ModelInputs
+from engine.batch import ModelInputs, host_tensor, padded_rows
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +126,9 @@ class DecodeGraphs:
         # Only the step's width: a row's entries past its context are never read, so what an earlier
         # step left there stays (a whole row is max_model_len / block_size entries: 8 MB at 256 rows of 128k)
         tables = torch.full((size, width), self.sink_block, dtype=torch.int32, pin_memory=True)
-        tables[:n] = torch.tensor([t + [self.sink_block] * (width - len(t)) for t in inputs.block_tables],
-                                  dtype=torch.int32)
+        tables[:n] = padded_rows(inputs.block_tables, self.sink_block, torch.int32, width)
         lens = torch.ones(size, dtype=torch.int32, pin_memory=True)
-        lens[:n] = torch.tensor(inputs.seq_lens, dtype=torch.int32)
+        lens[:n] = host_tensor(inputs.seq_lens, torch.int32)
         if n < size:  # padding: token 0 at position 0, one key in the sink block
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import ModelInputs, WithDrafts
+from engine.batch import ModelInputs, WithDrafts, host_tensor
 from engine.scheduler.output import ScheduledRequest
 
 
@@ -22,7 +22,7 @@ def _as_rows(item: ScheduledRequest) -> bool:
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """A long tensor on `device`. On CUDA through pinned memory: a copy from pageable memory waits
     for the work already queued on the stream, which would end the overlap of async scheduling."""
-    host = torch.tensor(values, dtype=torch.long)
+    host = host_tensor(values)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
