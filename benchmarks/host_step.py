@@ -6,7 +6,7 @@ The engine is built from `configs/serve-gpu.yaml`'s engine arguments (priority p
 caching, 256 rows, async scheduling) on the CPU, with a Llama of one layer of width 64 and a
 4,096-word vocabulary (one word per id, as cuda_engine.py's), so the forward is small; on the
 CPU, a larger vocabulary's logits are freed and mapped again every step, time no GPU spends.
-R requests (128-token prompts)
+R requests (`--prompt` tokens each, 128 by default; a longer context is a wider block table)
 decode together, driven by the engine process's own loop (`engine_core.StepLoop`) at the config's
 stream flush interval, each emit pickled as the engine process sends it. Per step, means over
 `--steps` steps (garbage collection's pauses are rare and long, so medians would hide them): the
@@ -18,7 +18,7 @@ then the Python functions that take the host's time (cProfile, `--steps` more st
 the engine process receives requests (an AddRequest command), so every step is a mixed one, the
 steady state of a server whose requests keep arriving (`--rows 255`: room for it in the batch).
 
-    python benchmarks/host_step.py [--rows 256] [--prefill 0] [--steps 200] [--repeats 3] [--profile]
+    python benchmarks/host_step.py [--rows 256] [--prompt 128] [--prefill 0] [--steps 200] [--repeats 3] [--profile]
         [--json OUT]
 """
 import argparse
@@ -148,15 +148,16 @@ def profile(eng: LLMEngine, flush_interval_s: float, steps: int, prefill: int) -
     return text.getvalue()
 
 
-def run(rows: int, prefill: int, steps: int, profiled: bool) -> dict:
+def run(rows: int, prefill: int, steps: int, profiled: bool, prompt: int = 128) -> dict:
     args, flush_interval_s = served_engine_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = shaped_model(tmp, TINY, device="cpu", dtype=torch.float32)
         eng = LLMEngine.from_engine_args(model, **args)
-        params = SamplingParams(max_tokens=(2 + profiled) * steps + WARMUP_STEPS + 8, temperature=0, ignore_eos=True)
+        warmup = WARMUP_STEPS + rows * prompt // args["max_num_batched_tokens"]  # the prefills, and the batch settled
+        params = SamplingParams(max_tokens=(2 + profiled) * steps + warmup + 8, temperature=0, ignore_eos=True)
         for row in range(rows):
-            eng.add_request(f"r{row}", random_prompt(128, TINY["vocab_size"], seed=row), params)
-        measure(eng, flush_interval_s, WARMUP_STEPS)  # the prefills, and the batch settled into decodes
+            eng.add_request(f"r{row}", random_prompt(prompt, TINY["vocab_size"], seed=row), params)
+        measure(eng, flush_interval_s, warmup)
         result = measure(eng, flush_interval_s, steps, prefill)
         result["rows"] = len(eng.scheduler.running)
         if profiled:
@@ -168,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=0, help="a request of this many prompt tokens arrives every step")
+    ap.add_argument("--prompt", type=int, default=128, help="each decoding request's prompt tokens")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="then list the host's Python functions by time")
@@ -178,7 +180,7 @@ def main() -> None:
     print(cpu_features(), flush=True)
     runs = []
     for repeat in range(args.repeats):
-        runs.append(run(args.rows, args.prefill, args.steps, args.profile))
+        runs.append(run(args.rows, args.prefill, args.steps, args.profile, args.prompt))
         print(f"run {repeat + 1}:", json.dumps({k: round(v, 3) for k, v in runs[-1].items()}), flush=True)
     medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     print("median:", json.dumps({k: round(v, 3) for k, v in medians.items()}), flush=True)

@@ -1,6 +1,7 @@
 """The step's batch as the model, the attention backends and the drafters see it: one flat ragged
-batch of every scheduled token (built by engine/runner/inputs.py), and the history each sampled
-row continues. Data types only, low in the engine's layers, so attention can take them without
+batch of every scheduled token (built by engine/runner/inputs.py), the history each sampled
+row continues, and the host tensors its lists become (index vectors, padded block tables). Data
+types and those conversions only, low in the engine's layers, so attention can take them without
 importing the runner, scheduler or speculation.
 """
 from __future__ import annotations
