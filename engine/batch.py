@@ -29,10 +29,13 @@ def padded_rows(rows: list[list[int]], fill: int, dtype: torch.dtype = torch.lon
                 ) -> torch.Tensor:
     """`rows` (block tables) as one (len(rows), width) host tensor, each row cut or padded with
     `fill` to `width` (default: the longest row's)."""
-    width = max(map(len, rows)) if width is None else width
+    longest = max(map(len, rows))
+    width = longest if width is None else width
+    if longest > width:
+        rows = [row[:width] for row in rows]
     flat = [fill] * (len(rows) * width)
     for start, row in zip(range(0, len(flat), width), rows):
-        flat[start:start + min(len(row), width)] = row if len(row) <= width else row[:width]
+        flat[start:start + len(row)] = row
     return host_tensor(flat, dtype).view(len(rows), width)
 
 
