@@ -83,7 +83,7 @@ class KVCacheManager:
         prefix `computed`, for a request with no blocks yet). Returns the copy-on-write block
         copies (src, dst) to run before the forward, or None, changing nothing, if blocks are short."""
         table, shared, num_new_blocks = self._plan(request, num_new_tokens, computed)
-        if max(num_new_blocks, 0) + len(shared) + self._num_touched_free(computed) > self.pool.num_free_blocks:
+        if self._free_blocks_taken(shared, num_new_blocks, computed) > self.pool.num_free_blocks:
             return None
         if computed.block_ids:
             self.pool.touch(list(computed.block_ids))
@@ -105,7 +105,7 @@ class KVCacheManager:
         """Free blocks `allocate_slots` would take: new blocks, copies of shared blocks it
         writes, and cached prefix blocks that now sit in the free queue."""
         _, shared, num_new_blocks = self._plan(request, num_new_tokens, computed)
-        return max(num_new_blocks, 0) + len(shared) + self._num_touched_free(computed)
+        return self._free_blocks_taken(shared, num_new_blocks, computed)
 
     def _plan(self, request: Request, num_new_tokens: int, computed: ComputedBlocks
               ) -> tuple[list[int], list[int], int]:
@@ -121,9 +121,11 @@ class KVCacheManager:
                   if ref_cnt[table[i]] > 1 or block_hash[table[i]] is not None]
         return table, shared, end_block - len(table) - len(computed.block_ids)
 
-    def _num_touched_free(self, computed: ComputedBlocks) -> int:
-        """Blocks of a cached prefix that sit in the free queue: taking them uses free blocks."""
-        return sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0) if computed.block_ids else 0
+    def _free_blocks_taken(self, shared: list[int], num_new_blocks: int, computed: ComputedBlocks) -> int:
+        """Free blocks a `_plan` takes: its new blocks, a copy of each shared block, and the
+        blocks of a cached prefix that sit in the free queue."""
+        touched_free = sum(1 for b in computed.block_ids if self.pool.ref_cnt[b] == 0) if computed.block_ids else 0
+        return max(num_new_blocks, 0) + len(shared) + touched_free
 
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Tokens in the request's leading blocks that other requests also hold: they survive its
