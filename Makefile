@@ -5,14 +5,18 @@ PYTHON ?= python3
 
 .PHONY: install install-gpu serve generate test test-fast test-gpu gpu-wheels lint bench
 
-# Where nvidia-smi finds a GPU, torch's CUDA build (PyPI's Linux wheel, Triton with it) instead of the CPU build.
+# Where nvidia-smi finds a GPU, torch's CUDA build (PyPI's Linux wheel, Triton and CUDA's libraries with it) instead
+# of the CPU build. Fetched from TORCH_INDEX alone: no pip configuration file and no find-links or extra index from
+# the environment, any of which may hold a CPU build of the same version that pip would take instead.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_INDEX ?= https://pypi.org/simple
+CUDA_TORCH_PIP = env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_NO_INDEX PIP_CONFIG_FILE=/dev/null \
+	$(PY) -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(GPU),1)
-	PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL= $(PY) -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX)
+	$(CUDA_TORCH_PIP)
 else
 	$(PY) -m pip install -q torch==2.13.0          # the CPU build on local disk; install it first
 endif
@@ -58,10 +62,11 @@ test: lint
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
-# A venv made on a CPU-only machine, moved to a GPU host: torch's CUDA build in place of the CPU one.
+# A venv made on a CPU-only machine, moved to a GPU host: torch's CUDA build in place of the CPU one, with the
+# CUDA libraries and the Triton it depends on.
 install-gpu: install
-	PIP_FIND_LINKS= PIP_EXTRA_INDEX_URL= $(PY) -m pip install -q --force-reinstall --no-deps torch==2.13.0 \
-	  --index-url $(TORCH_INDEX)
+	$(PY) -m pip uninstall -q -y torch
+	$(CUDA_TORCH_PIP)
 
 # The engine and the serve app on CUDA (tests/gpu; each test is skipped, saying why, where torch sees no GPU).
 # GPU_PY: a python whose torch is already a CUDA build (a GPU image with no registry: the project's own
