@@ -174,6 +174,14 @@ class ApiKey(_Strict):
         None, description="Narrows router.priority_range for requests with this key.")
 
 
+class SharedPortConfig(_Strict):
+    """Where every ingress replica of a node serves HTTP itself (serve_app.shared_port)."""
+    host: str = Field("127.0.0.1", description="Address to bind, as http_options.host.")
+    port: int = Field(ge=1, le=65535, description="The port every ingress replica on a node binds (SO_REUSEPORT).")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="An idle keep-alive connection is closed after this, as http_options' is.")
+
+
 class IngressConfig(_Strict):
     api_keys: list[str | ApiKey] = Field(
         default_factory=list, description="Bearer tokens (a string, or a key with its priority range); "
@@ -189,6 +197,11 @@ class IngressConfig(_Strict):
                               "router.max_queued_requests: more could never be admitted together.")
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.1, ge=0)
+    shared_port: SharedPortConfig | None = Field(
+        None, description="Each ingress replica also serves HTTP on this port, which every ingress replica on the "
+                          "node shares (SO_REUSEPORT): the kernel spreads connections over them, with no proxy in "
+                          "between. `make serve` sets it for a graph of several ingress replicas; None: Serve's "
+                          "front door only.")
     colocated: bool | None = Field(
         None, description="The OpenAI front end and the router inside the engine replica's actor "
                           "(serve_app.engine_ingress): no ingress or router actor and no hops between them, so "

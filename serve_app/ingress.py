@@ -15,11 +15,13 @@ the code path is the same.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +49,7 @@ from serve_app.protocol import (
     TokenizeCompletionRequest,
     model_card,
 )
+from serve_app.shared_port import SharedPortServer
 
 logger = logging.getLogger("cbserve.ingress")
 _BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
@@ -274,8 +277,23 @@ class Ingress:
 
     # ------------------------------------------------------------ app
 
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """Where `ingress.shared_port` is set, the app is served there too from its start (Serve
+        starts it once the replica is built) and drained at its shutdown (Serve's, before it ends
+        the replica): new connections go to the replicas still listening, and the requests in
+        flight, which Serve does not count as this replica's, finish."""
+        if self.config.ingress.shared_port is None:
+            yield
+            return
+        shared = SharedPortServer(app, self.config.ingress.shared_port)
+        try:
+            yield
+        finally:
+            await shared.drain()
+
     def build_asgi_app(self) -> FastAPI:
-        app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=self._lifespan)
 
         @app.exception_handler(APIError)
         async def _api_error(_: Request, e: APIError) -> JSONResponse:

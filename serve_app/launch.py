@@ -1,20 +1,24 @@
 """`make serve`: `serve run` on a serve YAML, with the front door chosen for its graph.
 
-Clients reach the app through one of two front doors that Ray Serve ships:
+Clients reach the app through one of three front doors:
 - **direct** (Ray's direct ingress): the app's ingress replica runs its own uvicorn server on
   the config's HTTP port and takes the connections itself. No proxy process on the data path and
   no Serve hop between the socket and the OpenAI front end: on the 64-request burst on 2 cores,
   12% more tokens per second with half the serving processes' CPU (BENCHMARKS.md).
-- **proxy**: Serve's HTTP proxy actor takes the connections and forwards each request to the
+- **shared** (serve_app.shared_port): every ingress replica serves the config's HTTP port itself,
+  bound with SO_REUSEPORT, and the kernel spreads the connections over them: a burst's intake is
+  taken by several processes with none in front of them.
+- **proxy**: Serve's HTTP proxy actor takes the connections and forwards each request to an
   ingress replica.
 
 Direct ingress gives every ingress replica a port of its own, so it is chosen when the graph has
 exactly one (`ingress.num_replicas` 1, which the colocated graph of `configs/serve.yaml` has);
-several ingress replicas keep the proxy, which spreads requests over them behind one port. In
-this mode Ray still starts Serve's proxy; it moves to the next port (`--proxy-port`) and answers
-there too. Ray reads these settings from the environment of the Serve controller and replicas, so
-they only apply when this command starts Ray: joining a running cluster keeps the proxy. KubeRay
-keeps the proxy too: its Service targets the head's proxy, and replicas run on worker pods.
+several ingress replicas share the port. With either, Ray still starts Serve's proxy; it moves to
+the next port (`--proxy-port`) and answers there too. Ray reads direct ingress's settings from the
+environment of the Serve controller and replicas, so they only apply when this command starts
+Ray, and the shared port serves the app at the root: joining a running cluster, or an app under
+another route prefix, keeps the proxy. KubeRay keeps the proxy too: its Service targets the
+head's proxy, and replicas run on worker pods.
 
 The header deadline (`serve_app.proxy`) is installed in whichever process serves HTTP.
 
@@ -40,7 +44,7 @@ import yaml
 from engine.cache_dir import cache_dir
 from serve_app.config import AppConfig
 
-FrontDoor = Literal["direct", "proxy"]
+FrontDoor = Literal["direct", "shared", "proxy"]
 HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
 # The controller reconciles twice a second, not ten times: each pass asks the GCS for every node's
 # state, resources and draining (three RPCs), and at 10 Hz that was the idle graph's largest cost
@@ -80,8 +84,24 @@ def direct_ingress_env(first_port: int, num_ports: int = 1) -> dict[str, str]:
 
 
 def choose_front_door(app: AppConfig) -> FrontDoor:
-    """direct with one ingress replica, proxy with several."""
-    return "direct" if app.ingress.num_replicas == 1 else "proxy"
+    """direct with one ingress replica, shared with several."""
+    return "direct" if app.ingress.num_replicas == 1 else "shared"
+
+
+def shared_port_options(http: dict[str, Any]) -> dict[str, Any]:
+    """`ingress.shared_port` for the address of a serve config's `http_options`, keep-alive as
+    they set it."""
+    shared = {"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))}
+    if "keep_alive_timeout_s" in http:
+        shared["keep_alive_timeout_s"] = float(http["keep_alive_timeout_s"])
+    return shared
+
+
+def with_shared_port(app: dict[str, Any], http: dict[str, Any]) -> dict[str, Any]:
+    """The serve config's application with its ingress replicas serving `http`'s address."""
+    args = dict(app.get("args") or {})
+    args["ingress"] = dict(args.get("ingress") or {}) | {"shared_port": shared_port_options(http)}
+    return app | {"args": args}
 
 
 def joins_running_cluster() -> bool:
@@ -96,19 +116,23 @@ def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, prox
          starts_ray: bool = True) -> tuple[FrontDoor, dict[str, Any], dict[str, str]]:
     """(front door, the serve config to run, the environment to add). Several applications keep
     the proxy, which routes between them by prefix, and so does a cluster this command does not
-    start. With direct ingress the replica takes the config's port and the proxy `proxy_port`
-    (default: the next one)."""
+    start, or an app the shared port would serve under another prefix. With direct ingress or the
+    shared port the ingress replicas take the config's port and the proxy `proxy_port` (default:
+    the next one)."""
     apps = serve_config.get("applications") or []
     door = front_door or (choose_front_door(AppConfig.model_validate(apps[0].get("args") or {}))
                           if len(apps) == 1 and starts_ray else "proxy")
+    if door == "shared" and apps[0].get("route_prefix", "/") != "/":
+        door = "proxy"
     env = HEADER_DEADLINE_ENV | serve_env()
     if door == "proxy":
         return door, serve_config, env
     http = dict(serve_config.get("http_options") or {})
     port = int(http.get("port", 8000))
-    http["port"] = proxy_port if proxy_port is not None else port + 1
-    env |= direct_ingress_env(port)
-    return door, serve_config | {"http_options": http}, env
+    moved = {"http_options": http | {"port": proxy_port if proxy_port is not None else port + 1}}
+    if door == "shared":
+        return door, serve_config | moved | {"applications": [with_shared_port(apps[0], http)]}, env
+    return door, serve_config | moved, env | direct_ingress_env(port)
 
 
 def busy_ports(host: str, ports: list[int]) -> list[int]:
@@ -128,29 +152,29 @@ def busy_ports(host: str, ports: list[int]) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m serve_app.launch", description=__doc__.split("\n")[0])
     p.add_argument("config", help="serve YAML (e.g. configs/serve.yaml)")
-    p.add_argument("--front-door", choices=["direct", "proxy"], default=None,
-                   help="default: direct with one ingress replica, proxy otherwise")
+    p.add_argument("--front-door", choices=["direct", "shared", "proxy"], default=None,
+                   help="default: direct with one ingress replica, shared with several")
     p.add_argument("--proxy-port", type=int, default=None,
-                   help="direct: Serve's proxy's port (default: the config's port + 1)")
+                   help="direct, shared: Serve's proxy's port (default: the config's port + 1)")
     args = p.parse_args(argv)
     path = Path(args.config)
-    door, config, env = plan(yaml.safe_load(path.read_text()), args.front_door, args.proxy_port,
-                             starts_ray=not joins_running_cluster())
+    written = yaml.safe_load(path.read_text())
+    door, config, env = plan(written, args.front_door, args.proxy_port, starts_ray=not joins_running_cluster())
     run_path = path
-    if door == "direct":
-        port = env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]
-        host = config["http_options"].get("host", "127.0.0.1")
-        busy = busy_ports(host, [int(port), config["http_options"]["port"]])
+    if door == "proxy":
+        print("front door: Serve's proxy", flush=True)
+    else:
+        http = written.get("http_options") or {}
+        host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+        busy = busy_ports(host, [port, config["http_options"]["port"]])
         if busy:
             sys.exit(f"port {', '.join(map(str, busy))} on {host} is in use; stop what listens there, or give "
                      "http_options.port (and --proxy-port) free ports")
-        run_path = cache_dir("serve") / f"{path.stem}.direct-{port}.yaml"  # serve run reads the proxy's port here
+        run_path = cache_dir("serve") / f"{path.stem}.{door}-{port}.yaml"  # serve run reads the proxy's port here
         run_path.parent.mkdir(parents=True, exist_ok=True)
         run_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        print(f"front door: direct ingress on {host}:{port} (Serve's proxy on {config['http_options']['port']})",
-              flush=True)
-    else:
-        print("front door: Serve's proxy", flush=True)
+        what = "direct ingress" if door == "direct" else "the ingress replicas' shared port"
+        print(f"front door: {what} on {host}:{port} (Serve's proxy on {config['http_options']['port']})", flush=True)
     serve = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"
     os.execvpe(serve, [serve, "run", str(run_path)], os.environ | env)
 

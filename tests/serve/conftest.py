@@ -131,18 +131,19 @@ def greedy_text(prompt_ids: list[int], n: int) -> str:
 def fake_serve_app(serve_cluster: dict, name: str, config: dict,
                    **engine_options: Any) -> Iterator[str]:
     """build_app on the fake engine (class attributes `engine_options`) as Serve app `name` at
-    /name; yields its URL and deletes the app on exit. One completion goes through first, so
-    tests start with the ingress holding the model info and one request counted per app. The
-    graph is the split one (an Ingress holding the router, and EngineReplica deployments), whose
-    replicas these tests reach by handle, unless `config` says otherwise; the real-engine apps run
-    colocated."""
+    /name (at the root of the ingress replicas' shared port where `config` gives one); yields its
+    URL and deletes the app on exit. One completion goes through first, so tests start with the
+    ingress holding the model info and one request counted per app. The graph is the split one
+    (an Ingress holding the router, and EngineReplica deployments), whose replicas these tests
+    reach by handle, unless `config` says otherwise; the real-engine apps run colocated."""
     from ray import serve
 
     base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}, "ingress": {"colocated": False}}
     cfg = AppConfig.model_validate(merge(base, config))
     engine_cls = FakeAsyncEngine.with_options(**engine_options)
     serve.run(build_app(cfg, engine_cls), name=name, route_prefix=f"/{name}")
-    url = app_url(serve_cluster, name)
+    shared = cfg.ingress.shared_port  # served at the root there
+    url = f"http://{shared.host}:{shared.port}" if shared else app_url(serve_cluster, name)
     try:
         warm = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1},
                           timeout=60)

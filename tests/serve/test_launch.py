@@ -20,6 +20,7 @@ import pytest
 import yaml
 from conftest import wait_healthy
 
+from serve_app.config import AppConfig, SharedPortConfig
 from serve_app.launch import (
     HEADER_DEADLINE_ENV,
     IDLE_PACE_ENV,
@@ -40,13 +41,35 @@ def with_args(**args) -> dict:
     return SERVE_YAML | {"applications": [app | {"args": app["args"] | args}]}
 
 
-def test_one_ingress_replica_is_served_directly_several_through_the_proxy():
+def several_ingress_replicas(route_prefix: str = "/") -> dict:
+    config = with_args(engine=SERVE_YAML["applications"][0]["args"]["engine"] | {"num_replicas": 2},
+                       ingress={"num_replicas": 2, "max_body_bytes": 4096})
+    return config | {"applications": [config["applications"][0] | {"route_prefix": route_prefix}]}
+
+
+def test_one_ingress_replica_is_served_directly_several_share_the_port():
     assert plan(SERVE_YAML)[0] == "direct"  # colocated: one engine replica, its front end inside
     split = with_args(engine=SERVE_YAML["applications"][0]["args"]["engine"] | {"num_replicas": 2})
     assert plan(split)[0] == "direct"  # one Ingress replica in front of two engines
-    assert plan(with_args(engine=split["applications"][0]["args"]["engine"], ingress={"num_replicas": 2}))[0] == "proxy"
+    assert plan(several_ingress_replicas())[0] == "shared"
+    assert plan(several_ingress_replicas("/llm"))[0] == "proxy"  # the shared port serves the app at the root
     assert plan(SERVE_YAML | {"applications": SERVE_YAML["applications"] * 2})[0] == "proxy"
     assert plan(SERVE_YAML, starts_ray=False)[0] == "proxy"  # a running cluster's Serve keeps its settings
+
+
+def test_the_shared_port_is_the_configs_and_the_proxy_moves(monkeypatch):
+    for name in IDLE_PACE_ENV | SERVE_LOOP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    written = several_ingress_replicas()
+    written["http_options"] = {"host": "0.0.0.0", "port": 9000, "keep_alive_timeout_s": 30}
+    door, config, env = plan(written)
+    assert door == "shared" and config["http_options"]["port"] == 9001
+    app = AppConfig.model_validate(config["applications"][0]["args"])  # as `serve run` will take it
+    assert app.ingress.shared_port == SharedPortConfig(host="0.0.0.0", port=9000, keep_alive_timeout_s=30.0)
+    assert app.ingress.max_body_bytes == 4096 and app.ingress.num_replicas == 2  # the rest as written
+    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV  # no direct ingress
+    assert plan(written, proxy_port=9100)[1]["http_options"]["port"] == 9100
+    assert written["applications"][0]["args"]["ingress"] == {"num_replicas": 2, "max_body_bytes": 4096}
 
 
 def test_a_running_cluster_is_joined_through_its_proxy(monkeypatch):
