@@ -100,6 +100,15 @@ HEADER_TIMEOUT_S = 2.0  # serve_app.proxy's header deadline in the test cluster'
 KEEP_ALIVE_TIMEOUT_S = 3  # http_options.keep_alive_timeout_s of the test cluster
 
 
+def seconds_until_closed(s: socket.socket, limit_s: float) -> float:
+    """Reads until the server closes the connection; seconds it took."""
+    t0 = time.monotonic()
+    s.settimeout(limit_s)
+    while s.recv(65536):
+        pass
+    return time.monotonic() - t0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -27,7 +27,14 @@ from benchmarks.serve_bench import wait_healthy  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 from serve_app.local import build_local_app  # noqa: E402
-from tests.conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, app_url, free_port, serving  # noqa: E402, F401
+from tests.conftest import (  # noqa: E402, F401
+    HEADER_TIMEOUT_S,
+    KEEP_ALIVE_TIMEOUT_S,
+    app_url,
+    free_port,
+    seconds_until_closed,
+    serving,
+)
 
 
 def merge(base: dict, override: dict) -> dict:

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 import pytest
-from conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, app_url, sse_events, wait_healthy
+from conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, app_url, seconds_until_closed, sse_events, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -225,15 +225,6 @@ def _socket(url: str) -> socket.socket:
     return socket.create_connection((u.hostname, u.port), timeout=30)
 
 
-def _seconds_until_closed(s: socket.socket, limit_s: float) -> float:
-    """Reads until the server closes the connection; seconds it took."""
-    t0 = time.monotonic()
-    s.settimeout(limit_s)
-    while s.recv(65536):
-        pass
-    return time.monotonic() - t0
-
-
 def test_10_slow_headers_idle_keep_alive_and_unfinished_bodies_are_closed(hard_app):
     path = urlparse(hard_app).path
     # headers trickling in, one line per 0.5 s, never finished: closed at the header deadline
@@ -249,12 +240,12 @@ def test_10_slow_headers_idle_keep_alive_and_unfinished_bodies_are_closed(hard_a
             closed = True
             break
     if not closed:
-        _seconds_until_closed(slow, 1)
+        seconds_until_closed(slow, 1)
     assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 2.5
     # a finished request, then idle: closed within the keep-alive timeout
     idle = _socket(hard_app)
     idle.sendall(f"GET {path}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    assert _seconds_until_closed(idle, KEEP_ALIVE_TIMEOUT_S + 5) < KEEP_ALIVE_TIMEOUT_S + 2
+    assert seconds_until_closed(idle, KEEP_ALIVE_TIMEOUT_S + 5) < KEEP_ALIVE_TIMEOUT_S + 2
     # a body that never finishes: 408 after the ingress's body deadline
     body = _socket(hard_app)
     body.sendall(f"POST {path}/v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ops\r\n"

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from serve_app.config import SharedPortConfig
 from serve_app.proxy import HEADER_TIMEOUT_ENV
 from serve_app.shared_port import SharedPortServer, shared_socket
-from tests.conftest import free_port
+from tests.conftest import free_port, seconds_until_closed
 
 HEADER_TIMEOUT_S = 0.5
 KEEP_ALIVE_TIMEOUT_S = 0.5
@@ -107,14 +107,6 @@ def _who(port: int) -> str:
     return _answer(_send(port))
 
 
-def _seconds_until_closed(s: socket.socket, limit_s: float) -> float:
-    t0 = time.monotonic()
-    s.settimeout(limit_s)
-    while s.recv(65536):
-        pass
-    return time.monotonic() - t0
-
-
 def test_the_kernel_spreads_connections_over_every_server_on_the_port(servers):
     port, _, _ = servers
     answered = Counter(_who(port) for _ in range(64))
@@ -140,10 +132,10 @@ def test_headers_not_finished_in_time_and_idle_keep_alive_are_closed(servers):
     port, _, _ = servers
     slow = _connect(port)
     slow.sendall(b"GET /who HTTP/1.1\r\nHost: x\r\n")  # the blank line that ends the headers never comes
-    assert _seconds_until_closed(slow, HEADER_TIMEOUT_S + 5) < HEADER_TIMEOUT_S + 1.5
+    assert seconds_until_closed(slow, HEADER_TIMEOUT_S + 5) < HEADER_TIMEOUT_S + 1.5
     idle = _connect(port)
     idle.sendall(b"GET /who HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _seconds_until_closed(idle, KEEP_ALIVE_TIMEOUT_S + 5) < KEEP_ALIVE_TIMEOUT_S + 1.5
+    assert seconds_until_closed(idle, KEEP_ALIVE_TIMEOUT_S + 5) < KEEP_ALIVE_TIMEOUT_S + 1.5
 
 
 def test_a_port_held_by_a_listener_that_does_not_share_it_is_refused():
