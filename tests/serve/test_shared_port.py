@@ -121,7 +121,7 @@ def test_a_draining_server_finishes_its_requests_and_leaves_new_connections_to_t
     slow = [_send(port, "/slow") for _ in range(16)]
     time.sleep(0.2)  # accepted and in the handler
     drained = loop.start(started["a"].drain())
-    time.sleep(0.1)
+    _wait(lambda: started["a"].socket.fileno() == -1)  # uvicorn closes it at its next tick
     assert Counter(_who(port) for _ in range(32)) == {"b": 32}
     assert not drained.done()
     assert set(map(_answer, slow)) == {"a", "b"}  # each of 16 hashed to one: both ~1 - 2**-15
