@@ -88,10 +88,16 @@ def choose_front_door(app: AppConfig) -> FrontDoor:
     return "direct" if app.ingress.num_replicas == 1 else "shared"
 
 
+def http_address(http: dict[str, Any]) -> tuple[str, int]:
+    """The (host, port) a serve config's `http_options` give, with Serve's defaults."""
+    return http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+
+
 def shared_port_options(http: dict[str, Any]) -> dict[str, Any]:
     """`ingress.shared_port` for the address of a serve config's `http_options`, keep-alive as
     they set it."""
-    shared = {"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))}
+    host, port = http_address(http)
+    shared = {"host": host, "port": port}
     if "keep_alive_timeout_s" in http:
         shared["keep_alive_timeout_s"] = float(http["keep_alive_timeout_s"])
     return shared
@@ -128,7 +134,7 @@ def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, prox
     if door == "proxy":
         return door, serve_config, env
     http = dict(serve_config.get("http_options") or {})
-    port = int(http.get("port", 8000))
+    _, port = http_address(http)
     moved = {"http_options": http | {"port": proxy_port if proxy_port is not None else port + 1}}
     if door == "shared":
         return door, serve_config | moved | {"applications": [with_shared_port(apps[0], http)]}, env
@@ -164,8 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     if door == "proxy":
         print("front door: Serve's proxy", flush=True)
     else:
-        http = written.get("http_options") or {}
-        host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+        host, port = http_address(written.get("http_options") or {})
         busy = busy_ports(host, [port, config["http_options"]["port"]])
         if busy:
             sys.exit(f"port {', '.join(map(str, busy))} on {host} is in use; stop what listens there, or give "

@@ -55,7 +55,7 @@ class _Server(uvicorn.Server):
 
 
 class SharedPortServer:
-    """`app` served on `config`'s shared address from the running event loop, until `stop`."""
+    """`app` served on `config`'s shared address from the running event loop, until `drain`."""
 
     def __init__(self, app: ASGIApp, config: SharedPortConfig):
         self.socket = shared_socket(config.host, config.port)
