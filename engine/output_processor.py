@@ -6,7 +6,10 @@ can be held: a running request's changes then wait here, and go out with its fir
 end, or the next step that emits every request's (one delta for all the steps held). Text never
 includes a stop string or a stop token; while a request
 runs, the last (longest stop string - 1) characters are held back, so a stream never shows the
-start of a stop string that is later cut. A request with best_of > n emits once, when its
+start of a stop string that is later cut. While a step holds, a running sample that has no stop
+string to look for and no logprobs to keep is not detokenized: its request's new tokens are read
+when its delta goes out (or it ends, or is aborted), the same text from the same tokens in one
+pass instead of a call each step. A request with best_of > n emits once, when its
 samples are done: the n with the highest cumulative logprob, as choices 0..n-1.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ from tokenizers.decoders import DecodeStream
 
 from engine.errors import RequestFailedError
 from engine.outputs import CompletionOutput, RequestError, RequestMetrics, RequestOutput, SpecCounts
-from engine.request import FinishReason, Request
+from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import SchedulerUpdate
 
@@ -44,7 +47,9 @@ class _RequestState:
     params: SamplingParams
     metrics: RequestMetrics
     holdback: int  # characters a running sample's text holds back: the longest stop string's but one
+    deferrable: bool  # its text is needed only when a delta goes out: no stop string, no logprobs
     samples: dict[int, _SampleState] = field(default_factory=dict)
+    behind: dict[int, Request] = field(default_factory=dict)  # samples with tokens not appended yet, by index
     emitted: bool = False  # an output of it went out
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked, until emitted
@@ -68,7 +73,8 @@ class OutputProcessor:
             arrival_time: float) -> None:
         self.states[request_id] = _RequestState(prompt, prompt_token_ids, params,
                                                 RequestMetrics(arrival_time + self._wall_offset),
-                                                max(map(len, params.stop), default=1) - 1)
+                                                max(map(len, params.stop), default=1) - 1,
+                                                not params.stop and not params.keeps_logprobs)
 
     def process(self, update: SchedulerUpdate, logprobs: dict[str, list[dict[int, float]]], hold: bool = False
                 ) -> tuple[list[RequestOutput | RequestError], list[str], list[str]]:
@@ -87,6 +93,11 @@ class OutputProcessor:
             state = self.states.get(request.group_id)
             if state is None:
                 continue  # its group failed this step
+            if (hold and state.deferrable and state.emitted and request.status is RequestStatus.RUNNING
+                    and request.sample_index in state.samples):  # read when its delta goes out
+                state.behind[request.sample_index] = request
+                self._held[request.group_id] = state
+                continue
             try:
                 sample = state.samples.get(request.sample_index)
                 if sample is None:
@@ -94,21 +105,29 @@ class OutputProcessor:
                         DecodeStream(skip_special_tokens=True), request.spec)
                 if state.metrics.first_token_time is None:
                     self._first_token(state, request)
-                if self._append(sample, request, logprobs.get(request.request_id) if logprobs else None):
+                if state.behind:
+                    state.behind.pop(request.sample_index, None)
+                if self._append(sample, request, logprobs.get(request.request_id) if logprobs else None,
+                                request.is_finished):
                     stopped.append(request.request_id)
                 changed[request.group_id] = state
             except Exception as e:  # detokenizing this request failed: it fails alone
-                del self.states[request.group_id]
                 changed.pop(request.group_id, None)
-                self._held.pop(request.group_id, None)
+                events.append(self._fail(request.group_id, e))
                 failed.append(request.group_id)
-                events.append(failure_event(request.group_id, e))
         self._held.update(changed)
         if hold:  # of those this step changed
             due = [(group_id, state) for group_id, state in changed.items() if not state.emitted or _finished(state)]
         else:
             due = list(self._held.items())
-        events += [self._emit(group_id, state) for group_id, state in due]
+        for group_id, state in due:
+            try:
+                self._catch_up(state)
+            except Exception as e:  # detokenizing what it held failed: it fails alone
+                events.append(self._fail(group_id, e))
+                failed.append(group_id)
+                continue
+            events.append(self._emit(group_id, state))
         return events, stopped, failed
 
     def refuse(self, request_id: str, error: Exception) -> RequestError:
@@ -116,22 +135,42 @@ class OutputProcessor:
         del self.states[request_id]
         return RequestError(request_id, error)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Final output of an aborted request: every unfinished sample ends with "abort"."""
+    def abort(self, request_id: str) -> RequestOutput | RequestError | None:
+        """Final output of an aborted request: every unfinished sample ends with "abort" (its
+        error if its tokens held back fail to detokenize)."""
         state = self.states.get(request_id)
         if state is None:
             return None
+        try:
+            self._catch_up(state)
+        except Exception as e:
+            return self._fail(request_id, e)
         for index in range(state.params.best_of):
             sample = state.samples.setdefault(index, _SampleState(DecodeStream(skip_special_tokens=True), SpecCounts()))
             sample.finish_reason = sample.finish_reason or FinishReason.ABORT.value
         state.metrics.finished_time = self._clock() + self._wall_offset
         return self._emit(request_id, state)
 
-    def _append(self, sample: _SampleState, request: Request, logprobs: list[dict[int, float]] | None) -> bool:
-        """Adds the request's new tokens (one, or several after accepted drafts) to its sample, in
-        order; True if a stop string ended it (the tokens after that one are dropped)."""
+    def _fail(self, group_id: str, error: Exception) -> RequestError:
+        """Drops a request whose detokenization failed: it fails alone."""
+        del self.states[group_id]
+        self._held.pop(group_id, None)
+        return failure_event(group_id, error)
+
+    def _catch_up(self, state: _RequestState) -> None:
+        """Appends the tokens of the samples that holding steps left behind (running then)."""
+        if state.behind:
+            for index, request in state.behind.items():
+                self._append(state.samples[index], request, None, False)
+            state.behind.clear()
+
+    def _append(self, sample: _SampleState, request: Request, logprobs: list[dict[int, float]] | None,
+                ends: bool) -> bool:
+        """Adds the request's new tokens (one, several after accepted drafts, or those of steps
+        that held) to its sample, in order, the last one ending it where `ends`; True if a stop
+        string ended it (the tokens after that one are dropped)."""
         new = request.token_ids[len(request.prompt_token_ids) + len(sample.token_ids):]  # not a copy of every output
-        last = len(new) - 1 if request.is_finished else -1
+        last = len(new) - 1 if ends else -1
         for i, token_id in enumerate(new):
             if self._append_token(sample, request, token_id, logprobs[i] if logprobs else None, i == last):
                 return True

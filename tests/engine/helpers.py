@@ -1,5 +1,6 @@
 """Factories for engine tests: scheduler without a model, one step with fake sampled tokens, a
-fake clock, HF reference generation, prompts that repeat themselves, a draft checkpoint, a ragged
+fake clock, an engine stepped to the end (its deltas held between flushes, as the engine process
+holds them), HF reference generation, prompts that repeat themselves, a draft checkpoint, a ragged
 batch for an attention backend with the attention it must give, the fused kernels' check."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine.batch import ModelInputs
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import ModelRunnerOutput, RequestError, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -46,6 +47,37 @@ def make_request(num_tokens: int = 10, max_tokens: int = 4, prompt: list[int] | 
     prompt = prompt if prompt is not None else [1 + (next(_ids) * 7 + i) % 97 for i in range(num_tokens)]
     return Request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
                    priority=priority, arrival_time=arrival_time)
+
+
+def run_steps(engine, requests: dict[str, tuple[list[int], SamplingParams]], flush_every: int = 1,
+              max_steps: int | None = None) -> tuple[dict[str, list[RequestOutput]], dict[str, Exception]]:
+    """Adds `requests` (id -> (prompt, params)) to an LLMEngine and steps it until nothing is left
+    (or `max_steps`), each step but every `flush_every`-th holding its deltas, as the engine
+    process's loop does between flushes: each request's outputs, and the errors by request."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs, errors = {request_id: [] for request_id in requests}, {}
+    for step in itertools.count(1):
+        if not engine.has_unfinished_requests() or (max_steps is not None and step > max_steps):
+            break
+        for event in engine.step(hold_deltas=step % flush_every != 0):
+            if isinstance(event, RequestError):
+                errors[event.request_id] = event.error
+            else:
+                outputs[event.request_id].append(event)
+    return outputs, errors
+
+
+def choices(outputs: list[RequestOutput]) -> dict[int, tuple[list[int], str, str | None, list | None]]:
+    """A request's deltas joined: each choice's tokens, text, finish reason and logprobs (if any)."""
+    joined: dict[int, tuple[list[int], str, str | None, list | None]] = {}
+    for output in outputs:
+        for o in output.outputs:
+            tokens, text, _, logprobs = joined.get(o.index, ([], "", None, None))
+            if o.logprobs is not None:
+                logprobs = (logprobs or []) + o.logprobs
+            joined[o.index] = (tokens + o.token_ids, text + o.text, o.finish_reason, logprobs)
+    return joined
 
 
 def ragged_batch(seed: int, shapes: list[tuple[int, int]], num_blocks: int, block_size: int

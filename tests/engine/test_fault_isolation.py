@@ -15,8 +15,8 @@ import engine.sampler as sampler_module
 from engine import AsyncEngine, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestError
 from engine.scheduler.scheduler import Scheduler
+from tests.engine.helpers import run_steps
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
@@ -30,20 +30,11 @@ def engine(request, tiny_llama):
                                       async_scheduling=request.param)
 
 
-def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]]):
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    tokens, errors = {rid: [] for rid in requests}, {}
-    while engine.has_unfinished_requests():
-        for event in engine.step():
-            if isinstance(event, RequestError):
-                errors[event.request_id] = event.error
-            else:
-                for o in event.outputs:
-                    tokens[event.request_id] += o.token_ids
+def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]], flush_every: int = 1):
+    outputs, errors = run_steps(engine, requests, flush_every)
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return tokens, errors
+    return {rid: [t for out in outs for o in out.outputs for t in o.token_ids] for rid, outs in outputs.items()}, errors
 
 
 def _raise_for_bad(original, request_of):
@@ -59,7 +50,7 @@ INJECTIONS = {  # where the fault strikes -> (owner, attribute, how to find the 
                  lambda token_ids, raw, requests: next((r for r in requests if r.request_id.startswith("bad")),
                                                        requests[0])),
     "stop-check": (Scheduler, "_stop_reason", lambda self, request: request),
-    "detokenization": (OutputProcessor, "_append", lambda self, sample, request, logprobs: request),
+    "detokenization": (OutputProcessor, "_append", lambda self, sample, request, *_: request),
 }
 
 
@@ -82,6 +73,28 @@ def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch, where):
     assert (engine.num_steps_ahead > 0) == engine.runs_ahead
     monkeypatch.undo()
     assert _run(engine, {"after": (PROMPTS["a"], GREEDY)})[0]["after"] == reference["a"]
+
+
+def test_a_fault_detokenizing_held_tokens_fails_that_request_alone(engine, monkeypatch):
+    """Between flushes a running request's tokens are detokenized only when its delta goes out:
+    a fault there (the tokens of several steps appended at once) fails it alone, as one in its
+    own step does."""
+    reference, _ = _run(engine, {rid: (PROMPTS[rid], p) for rid, p in MATES.items()})
+    append = OutputProcessor._append
+    struck = []
+
+    def held_fault(self, sample, request, logprobs, ends):
+        if request.request_id == "bad" and request.num_output_tokens - len(sample.token_ids) > 1:
+            struck.append(request.num_output_tokens)
+            raise RuntimeError("injected fault")
+        return append(self, sample, request, logprobs, ends)
+
+    monkeypatch.setattr(OutputProcessor, "_append", held_fault)
+    batch = {rid: (PROMPTS[rid], p) for rid, p in MATES.items()} | {"bad": (PROMPTS["bad"], GREEDY)}
+    tokens, errors = _run(engine, batch, flush_every=4)
+    assert struck and set(errors) == {"bad"} and "injected fault" in str(errors["bad"])
+    assert len(tokens["bad"]) == 1  # its first token went out before the fault
+    assert {rid: tokens[rid] for rid in MATES} == reference
 
 
 def test_a_failed_sample_of_n_fails_its_whole_group(engine, monkeypatch):
