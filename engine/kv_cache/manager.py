@@ -83,6 +83,8 @@ class KVCacheManager:
         prefix `computed`, for a request with no blocks yet). Returns the copy-on-write block
         copies (src, dst) to run before the forward, or None, changing nothing, if blocks are short."""
         table, shared, num_new_blocks = self._plan(request, num_new_tokens, computed)
+        if table and num_new_blocks <= 0 and not shared and not computed.block_ids:
+            return []  # the tokens land in blocks it holds alone (a decode, most steps)
         if self._free_blocks_taken(shared, num_new_blocks, computed) > self.pool.num_free_blocks:
             return None
         if computed.block_ids:
