@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install install-gpu serve generate test test-fast test-gpu gpu-wheels lint bench
+.PHONY: install install-gpu serve generate test test-fast test-gpu gpu-site lint bench
 
 # Where nvidia-smi finds a GPU, torch's CUDA build (PyPI's Linux wheel, Triton and CUDA's libraries with it) instead
 # of the CPU build. Fetched from TORCH_INDEX alone: no pip configuration file and no find-links or extra index from
@@ -69,24 +69,23 @@ install-gpu: install
 	$(CUDA_TORCH_PIP)
 
 # The engine and the serve app on CUDA (tests/gpu; each test is skipped, saying why, where torch sees no GPU).
-# GPU_PY: a python whose torch is already a CUDA build (a GPU image with no registry: the project's own
-# dependencies missing there go in as wheels from `make gpu-wheels`, WHEELS=.whl).
+# GPU_PY: a python whose torch is already a CUDA build. GPU_SITE: on a GPU image with no registry, the archive of
+# `make gpu-site` (made elsewhere), unpacked and put first on PYTHONPATH: Ray Serve and the engine's dependencies.
 GPU_PY ?= $(PY)
-WHEELS ?=
+GPU_SITE ?=
 test-gpu: $(if $(filter $(PY),$(GPU_PY)),lint)
-ifneq ($(WHEELS),)
-	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(WHEELS)/site $(WHEELS)/*.whl
-	PYTHONPATH=$(WHEELS)/site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+ifneq ($(GPU_SITE),)
+	rm -rf .gpu-site && mkdir .gpu-site && tar xJf $(GPU_SITE) -C .gpu-site
+	PYTHONPATH=$(CURDIR)/.gpu-site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
 else
 	$(GPU_PY) -m pytest -q -m gpu tests/gpu
 endif
 
-# The engine's dependencies that a CUDA image with torch and transformers lacks, as wheels for CPython 3.12
-# on x86-64 Linux, into .whl (for `make test-gpu GPU_PY=python3 WHEELS=.whl` on a host with no registry).
-gpu-wheels:
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  $(foreach n,39 35 34 31 28 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 \
-	  -d .whl "llguidance>=1.9" "gguf>=0.10" "jsonschema>=4" jsonschema-specifications referencing rpds-py
+# Ray Serve and the engine's dependencies that a CUDA image with torch lacks, for CPython 3.12 on x86-64 Linux, as
+# one archive that travels beside this tree to a host with no registry (benchmarks/gpu_site.py says what it leaves
+# out): `make test-gpu GPU_PY=python3 GPU_SITE=.whl/gpu-site.tar.xz` there.
+gpu-site:
+	$(PYTHON) benchmarks/gpu_site.py .whl/gpu-site.tar.xz
 
 bench: install
 	$(PY) benchmarks/throughput.py
