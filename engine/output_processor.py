@@ -170,6 +170,14 @@ class OutputProcessor:
         that held) to its sample, in order, the last one ending it where `ends`; True if a stop
         string ended it (the tokens after that one are dropped)."""
         new = request.token_ids[len(request.prompt_token_ids) + len(sample.token_ids):]  # not a copy of every output
+        if logprobs is None and not request.params.stop:  # no stop string to look for: decoded in one pass
+            running = new[:-1] if ends else new
+            sample.token_ids += running
+            step, tokenizer = sample.decoder.step, self.tokenizer
+            sample.text += "".join([step(tokenizer, token_id) or "" for token_id in running])
+            if ends and new:  # the last token ends it: the text decoded whole, a stop token left out
+                self._append_token(sample, request, new[-1], None, True)
+            return False
         last = len(new) - 1 if ends else -1
         for i, token_id in enumerate(new):
             if self._append_token(sample, request, token_id, logprobs[i] if logprobs else None, i == last):
