@@ -54,7 +54,8 @@ class Request:
         self.request_id = request_id
         self.group_id = group_id or request_id  # the user request this sample belongs to
         self.sample_index = sample_index
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # never changed: num_prompt_tokens is kept
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.constraint = constraint  # advanced by every appended token
@@ -77,20 +78,16 @@ class Request:
         self.finished_time: float | None = None
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -88,17 +88,19 @@ class Sampler:
         """`drafts`: per row, the sampled draft it verifies (Leviathan et al.'s rule), or None: the
         row is sampled as it is (a one-hot draft is verified by comparing with that sample)."""
         drafts = drafts or [None] * len(requests)
-        snapshot = self._snapshot(requests)
-        masks = _constraint_masks(requests, logits.shape[-1])
+        kinds = _RowKinds.of(requests)
+        snapshot = self._snapshot([requests[i] for i in kinds.random])
+        masks = _constraint_masks(requests, kinds.constrained, logits.shape[-1])
         try:
-            return self._sample_batch(logits, requests, drafts, masks)
+            return self._sample_batch(logits, requests, drafts, masks, kinds)
         except Exception:
             self._restore(snapshot)
         token_ids, logprobs, errors = [], [], {}
         for row, request in enumerate(requests):
             try:
                 one = self._sample_batch(logits[row:row + 1], [request], drafts[row:row + 1],
-                                         masks.of_row(row) if masks is not None else None).result()
+                                         masks.of_row(row) if masks is not None else None,
+                                         _RowKinds.of([request])).result()
             except Exception as e:  # this request's own fault: fail it, keep its batch-mates
                 token_ids.append(None)
                 logprobs.append(None)
@@ -112,24 +114,22 @@ class Sampler:
         return SampledBatch(device_ids, [], lambda _: output)
 
     def _sample_batch(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None],
-                      masks: _ConstraintMasks | None) -> SampledBatch:
+                      masks: _ConstraintMasks | None, kinds: _RowKinds) -> SampledBatch:
         logits = raw = logits.float()
-        raw_logprobs = (torch.log_softmax(logits, dim=-1)
-                        if any(r.params.keeps_logprobs for r in requests) else None)
-        adjusted = [row for row, r in enumerate(requests) if _has_adjustments(r)]
-        if adjusted:
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if kinds.logprobs else None
+        if kinds.adjusted:
             logits = logits.clone()  # the caller's logits stay intact for a row-by-row retry
-            for row in adjusted:
+            for row in kinds.adjusted:
                 self._adjust(logits[row], requests[row])
         if masks is not None:
             logits = _constrain(logits, raw, requests, masks)
         token_ids = greedy_tokens(logits)
-        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        random_rows = kinds.random
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             token_ids[rows] = self._sample(logits[rows], [requests[i] for i in random_rows],
                                            [drafts[i] for i in random_rows])
-        return _gathered(token_ids, raw_logprobs, requests)
+        return _gathered(token_ids, raw_logprobs, requests, kinds.logprobs)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None]
                 ) -> torch.Tensor:
@@ -175,10 +175,9 @@ class Sampler:
             generator = self._request_generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
         return generator
 
-    def _snapshot(self, requests: list[Request]) -> tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]:
-        """States of the generators a pass may draw from (none for an all-greedy batch), and the
-        seeded requests that have no generator yet."""
-        sampled = [r for r in requests if not r.params.greedy]
+    def _snapshot(self, sampled: list[Request]) -> tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]:
+        """States of the generators a pass over the `sampled` (not greedy) rows may draw from
+        (none for an all-greedy batch), and the seeded requests that have no generator yet."""
         if not sampled:
             return [], []
         seeded = [r.request_id for r in sampled if r.params.seed is not None]
@@ -276,9 +275,8 @@ class _ConstraintMasks:
         return _ConstraintMasks([0], self.disallowed[j:j + 1])
 
 
-def _constraint_masks(rows: list[Request], vocab_size: int) -> _ConstraintMasks | None:
+def _constraint_masks(rows: list[Request], constrained: list[int], vocab_size: int) -> _ConstraintMasks | None:
     """Each constrained row's disallowed tokens; None when no row has a constraint."""
-    constrained = [i for i, row in enumerate(rows) if row.constraint is not None]
     if not constrained:
         return None
     bitmask = new_bitmask(len(constrained), vocab_size)
@@ -311,6 +309,31 @@ def _has_adjustments(request: Request) -> bool:
     return request.params.has_penalties or bool(request.params.logit_bias) or _below_min_tokens(request)
 
 
+@dataclass(slots=True)
+class _RowKinds:
+    """The rows of a batch that take more than a greedy argmax, each kind's found in one pass
+    over its requests (a full batch's per-row checks are host work every step)."""
+    random: list[int]  # sampled, not greedy
+    logprobs: list[int]  # their logprobs kept
+    adjusted: list[int]  # penalties, logit bias or min_tokens
+    constrained: list[int]  # a structured output's
+
+    @classmethod
+    def of(cls, requests: list[Request]) -> _RowKinds:
+        kinds = cls([], [], [], [])
+        for row, request in enumerate(requests):
+            params = request.params
+            if not params.greedy:
+                kinds.random.append(row)
+            if params.keeps_logprobs:
+                kinds.logprobs.append(row)
+            if _has_adjustments(request):
+                kinds.adjusted.append(row)
+            if request.constraint is not None:
+                kinds.constrained.append(row)
+        return kinds
+
+
 def _apply_penalties(row: torch.Tensor, request: Request) -> None:
     """In place. Repetition penalty (HF/vLLM) over prompt and output; presence and frequency
     penalties (OpenAI) over the output only."""
@@ -326,11 +349,11 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[Request]) -> SampledBatch:
-    """The rows' tokens, and where asked their logprobs (the sampled token's and the top
+def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[Request], rows: list[int]
+              ) -> SampledBatch:
+    """The rows' tokens, and for `rows` their logprobs from `raw` (the sampled token's and the top
     `logprobs` ones; the sampled one alone where only best_of's ranking needs it), selected on
     the logits' device; their copies to the host are queued together, so a step waits once."""
-    rows = [i for i, r in enumerate(requests) if r.params.keeps_logprobs] if raw is not None else []
     values = [token_ids]
     if rows:
         index = torch.tensor(rows, device=token_ids.device)

@@ -119,8 +119,10 @@ class KVCacheManager:
         end = start + num_new_tokens
         first, end_block = start // self.block_size, _cdiv(end, self.block_size)
         ref_cnt, block_hash = self.pool.ref_cnt, self.pool.block_hash
-        shared = [i for i in range(first, min(len(table), end_block))
-                  if ref_cnt[table[i]] > 1 or block_hash[table[i]] is not None]
+        shared = []
+        for i in range(first, min(len(table), end_block)):  # a loop: a comprehension's call costs more, per decode
+            if ref_cnt[table[i]] > 1 or block_hash[table[i]] is not None:
+                shared.append(i)
         return table, shared, end_block - len(table) - len(computed.block_ids)
 
     def _free_blocks_taken(self, shared: list[int], num_new_blocks: int, computed: ComputedBlocks) -> int:

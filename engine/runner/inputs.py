@@ -8,10 +8,14 @@ decode path (no per-request attention call, whatever the batch). Owns no model s
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from engine.batch import ModelInputs, WithDrafts, host_tensor
 from engine.scheduler.output import ScheduledRequest
+
+_START_POS = attrgetter("start_pos")
 
 
 def _as_rows(item: ScheduledRequest) -> bool:
@@ -26,14 +30,17 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
-def _order(item: ScheduledRequest) -> tuple[bool, int]:
+def _ordered(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Rows first, by context length; then prefill chunks, in the order scheduled."""
-    rows = _as_rows(item)
-    return not rows, item.start_pos if rows else 0
+    rows, chunks = [], []
+    for item in scheduled:
+        (rows if _as_rows(item) else chunks).append(item)
+    rows.sort(key=_START_POS)
+    return rows + chunks
 
 
 def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
-    ordered = sorted(scheduled, key=_order)
+    ordered = _ordered(scheduled)
     input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [], [], []
     query_start_loc, sample_indices, sampled_requests, sampled_drafts, verified = [0], [], [], [], []
     scored_indices, scored_prompts = [], []
@@ -61,7 +68,7 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
                 tables.append(table)
                 query_start_loc.append(query_start_loc[-1] + end - first)
             num_decodes += len(sequences) if rows else 0
-        first = item.request.first_unscored_position
+        first = item.request.first_unscored_position if item.request.prompt_logprobs is not None else None
         if first is not None and first < start + n:  # prompt logprobs: positions up to the last but one
             first, end = max(first, start), min(start + n, item.request.num_prompt_tokens - 1)
             if first < end:
@@ -71,9 +78,11 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         if item.sample:  # the last token's logits, and each draft's: the target's token after it
             drafts = item.draft_token_ids
             verified.append((item.request, drafts, len(sample_indices)))
-            sample_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
             sampled_requests.append(item.request)
-            if drafts:
+            if not drafts:
+                sample_indices.append(query_start_loc[-1] - 1)
+            else:
+                sample_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
                 sampled_requests.extend(WithDrafts(item.request, drafts[:j]) for j in range(1, len(drafts) + 1))
                 sampled_drafts.extend(item.sampled_drafts or [None] * len(drafts))
             sampled_drafts.append(None)  # the bonus token's row

@@ -149,10 +149,11 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         result = step.sampled.result()
         sampled, logprobs = {}, {}
+        token_ids, errors = result.token_ids, result.errors
         for request, drafts, row in inputs.verified:
-            if request.request_id in result.errors:
+            if errors and request.request_id in errors:
                 continue
-            tokens = accepted_tokens(result.token_ids[row:row + len(drafts) + 1], drafts)
+            tokens = accepted_tokens(token_ids[row:row + len(drafts) + 1], drafts) if drafts else [token_ids[row]]
             sampled[request.request_id] = tokens
             if request.params.keeps_logprobs:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]

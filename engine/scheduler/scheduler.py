@@ -230,8 +230,8 @@ class Scheduler:
     def _at_length(self, request: Request, num_pending: int = 0) -> bool:
         """Whether the request has reached max_tokens or the model's length, counting
         `num_pending` tokens being sampled for it now."""
-        return (request.num_output_tokens + num_pending >= request.params.max_tokens
-                or request.num_tokens + num_pending >= self.max_model_len)
+        num_tokens = len(request.token_ids) + num_pending
+        return num_tokens - request.num_prompt_tokens >= request.params.max_tokens or num_tokens >= self.max_model_len
 
     def observe_step(self, num_tokens: int, seconds: float, num_draft_passes: int = 0,
                      draft_seconds: float = 0.0, num_drafting: int = 0, num_catch_up_tokens: int = 0) -> None:
@@ -469,16 +469,17 @@ class Scheduler:
         now = self.clock()
         update = SchedulerUpdate()
         self.counters.num_spec_unfilled_steps += result.drafts_unfilled
+        errors, prompt_logprobs, sampled = result.errors, result.prompt_logprobs, result.sampled
         for item in out.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            error = result.errors.get(request.request_id)
+            error = errors.get(request.request_id) if errors else None
             if error is None:
                 try:
-                    if request.request_id in result.prompt_logprobs:
-                        request.record_prompt_logprobs(*result.prompt_logprobs[request.request_id])
-                    if self._advance(request, item, result.sampled, now):
+                    if prompt_logprobs and request.request_id in prompt_logprobs:
+                        request.record_prompt_logprobs(*prompt_logprobs[request.request_id])
+                    if self._advance(request, item, sampled, now):
                         update.updated.append(request)
                 except Exception as e:  # this request's fault only
                     error = e
@@ -494,8 +495,9 @@ class Scheduler:
         rejected drafts is dropped (computed tokens end at the last accepted one, and blocks that
         held only rejected positions are freed)."""
         request.num_computed_tokens += item.num_input_tokens
-        self.counters.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
-                                               - item.start_pos)
+        if item.start_pos < request.num_prompt_tokens:  # a prompt chunk (a decode computes no prompt token)
+            self.counters.num_prompt_tokens += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
+                                                   - item.start_pos)
         self.kv.cache_full_blocks(request)
         if not item.sample:
             return False

@@ -47,7 +47,7 @@ def _raise_for_bad(original, request_of):
 
 INJECTIONS = {  # where the fault strikes -> (owner, attribute, how to find the request in its arguments)
     "sampling": (sampler_module, "_gathered",  # the batch's rows: it strikes any batch holding the request
-                 lambda token_ids, raw, requests: next((r for r in requests if r.request_id.startswith("bad")),
+                 lambda token_ids, raw, requests, rows: next((r for r in requests if r.request_id.startswith("bad")),
                                                        requests[0])),
     "stop-check": (Scheduler, "_stop_reason", lambda self, request: request),
     "detokenization": (OutputProcessor, "_append", lambda self, sample, request, *_: request),
