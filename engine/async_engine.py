@@ -145,13 +145,17 @@ class AsyncEngine(EngineClient):
                       priority: int, waited_s: float) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         await self._register(request_id, stream, AddRequest(request_id, prompt, params, priority, waited_s))
-        finished = False
+        finished, first = False, None
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
+                if first is None:
+                    first = item
+                else:  # the step loop sends the prompt with the first output only
+                    item.prompt, item.prompt_token_ids = first.prompt, first.prompt_token_ids
                 finished = item.finished
                 yield item
         finally:

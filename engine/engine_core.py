@@ -110,6 +110,7 @@ class StepLoop:
 
     def __init__(self, engine: LLMEngine, emit: Emit, output_interval_s: float = 0.0):
         self.engine, self.emit, self.output_interval_s = engine, emit, output_interval_s
+        engine.output_processor.prompt_once = True  # the client (AsyncEngine) keeps it from the first output
         self.num_added = 0
 
     def run(self, receive: Callable[[float], list[Command] | None]) -> None:

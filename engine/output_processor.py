@@ -62,6 +62,10 @@ class OutputProcessor:
         self._held: dict[str, _RequestState] = {}  # requests changed since their last output, by group id
         self._clock = clock
         self._wall_offset = time.time() - clock()  # engine timings are on `clock`; outputs show wall time
+        # the prompt and its token ids with a request's first output only: set where the outputs go to
+        # a client that keeps them from there (engine_core.StepLoop's), so a long prompt is not sent
+        # again with every delta
+        self.prompt_once = False
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.states
@@ -221,6 +225,8 @@ class OutputProcessor:
     def _emit(self, request_id: str, state: _RequestState) -> RequestOutput:
         params, samples = state.params, state.samples
         finished = _finished(state)
+        prompt, prompt_token_ids = (state.prompt, state.prompt_token_ids) if not (state.emitted and self.prompt_once) \
+            else (None, None)
         state.emitted = True
         self._held.pop(request_id, None)
         deltas = []
@@ -241,7 +247,7 @@ class OutputProcessor:
         if finished:
             del self.states[request_id]
             state.metrics.finished_time = state.metrics.finished_time or self._clock() + self._wall_offset
-        output = RequestOutput(request_id, state.prompt, state.prompt_token_ids, deltas, finished,
+        output = RequestOutput(request_id, prompt, prompt_token_ids, deltas, finished,
                                state.metrics, state.num_cached_tokens, state.prompt_logprobs)
         state.prompt_logprobs = None  # sent once, with the first output
         return output

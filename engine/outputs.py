@@ -84,7 +84,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # (a step loop's outputs after the first carry None here and in `prompt`)
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics

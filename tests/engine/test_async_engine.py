@@ -46,6 +46,40 @@ def test_concurrent_streams_equal_offline_generate(engine, tiny_llama):
         assert deltas > 1 and last.finished and last.outputs[0].finish_reason == "length"
 
 
+def test_every_delta_shows_the_prompt_that_the_step_loop_sends_once(engine, tiny_llama):
+    """The step loop's outputs carry a request's prompt and its token ids with its first output
+    only (a long prompt is not sent again with every delta); every delta the stream yields shows
+    them, a text prompt and a prompt of token ids alike."""
+    ids = LLM(tiny_llama).engine.encode_prompt("the cat sat")
+
+    async def main():
+        return ([out async for out in engine.generate("the cat sat", PARAMS, "text-prompt")],
+                [out async for out in engine.generate([5, 6, 7], PARAMS, "ids-prompt")])
+
+    text_outputs, id_outputs = asyncio.run(main())
+    assert len(text_outputs) > 1 and len(id_outputs) > 1
+    assert all(o.prompt == "the cat sat" and o.prompt_token_ids == ids for o in text_outputs)
+    assert all(o.prompt is None and o.prompt_token_ids == [5, 6, 7] for o in id_outputs)
+
+
+def test_the_step_loop_sends_a_requests_prompt_with_its_first_output_alone(tiny_llama):
+    from engine.engine_core import AddRequest, StepLoop
+    from engine.llm_engine import LLMEngine
+
+    sent = []
+    commands = [[AddRequest("a", "the cat sat", PARAMS), AddRequest("b", [5, 6, 7], PARAMS)]]
+
+    def receive(timeout):
+        return commands.pop() if commands else [] if loop.engine.has_unfinished_requests() else None
+
+    loop = StepLoop(LLMEngine(EngineConfig.from_kwargs(model=tiny_llama)), lambda out: sent.extend(out.events))
+    loop.run(receive)
+    for request_id, prompt in (("a", "the cat sat"), ("b", None)):
+        first, *rest = [o for o in sent if o.request_id == request_id]
+        assert first.prompt == prompt and first.prompt_token_ids and len(rest) == PARAMS.max_tokens - 1
+        assert all(o.prompt is None and o.prompt_token_ids is None for o in rest)
+
+
 def test_thread_core_builds_and_steps_the_engine_on_one_thread(tiny_llama, monkeypatch):
     """Every parallel region starts from the step loop's thread: libgomp stops spinning at
     barriers once a process holds more OpenMP pools' threads than CPUs, and an engine built on
