@@ -96,7 +96,7 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_uncomputed_tokens == 1
+        return len(self.token_ids) - self.num_computed_tokens == 1  # num_uncomputed_tokens, for every request a step
 
     @property
     def num_remaining_tokens(self) -> int:

@@ -9,6 +9,7 @@ tensors. Block bookkeeping is the KVCacheManager's. Time comes from the injected
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -274,11 +275,11 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Best first; a prefill chunk leaves room for the decodes ranked behind it, so a long
         prompt never makes a running stream skip a step."""
-        queue = sorted(self.running, key=self._victim_rank)  # best first; victims come from the tail
+        queue = deque(sorted(self.running, key=self._victim_rank))  # best first; victims come from the tail
         decodes_behind = sum(r.is_decoding for r in queue)
         planned = self._plan_drafts() if self.proposer is not None else {}
         while queue and budget > 0:
-            request = queue.pop(0)
+            request = queue.popleft()
             drafts: list[int] = []
             if request.is_decoding:
                 decodes_behind -= 1
@@ -383,15 +384,15 @@ class Scheduler:
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
                        copies: list[tuple[int, int]], drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
-        out.blocks_to_copy.extend(copies)
-        out.scheduled.append(ScheduledRequest(
-            request=request,
-            token_ids=request.token_ids[start:start + num_new] + (drafts or []),
-            start_pos=start,
-            block_table=list(self.kv.block_table(request.request_id)),
-            sample=start + num_new == request.num_tokens,
-            draft_token_ids=drafts or [],
-        ))
+        if copies:
+            out.blocks_to_copy.extend(copies)
+        token_ids = request.token_ids[start:start + num_new]
+        if drafts:
+            token_ids += drafts
+        else:
+            drafts = []
+        out.scheduled.append(ScheduledRequest(request, token_ids, start, list(self.kv.block_table(request.request_id)),
+                                              start + num_new == len(request.token_ids), drafts))
 
     # ---- preemption ----------------------------------------------------------------------
     def _reclaim_parked(self) -> bool:
