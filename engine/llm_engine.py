@@ -273,9 +273,9 @@ class LLMEngine:
             self.scheduler.finish_group(group_id, FinishReason.ERROR)
         events += self.beams.process(update, result.logprobs)
         t3 = time.perf_counter()
-        self.scheduler.observe_step(out.total_num_scheduled_tokens, t3 - t0 - result.draft_seconds,
-                                    result.draft_passes, result.draft_seconds, num_drafting,
-                                    result.draft_catch_up_tokens)
-        self._last_step = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, t3 - t0,
+        num_tokens = out.total_num_scheduled_tokens
+        self.scheduler.observe_step(num_tokens, t3 - t0 - result.draft_seconds, result.draft_passes,
+                                    result.draft_seconds, num_drafting, result.draft_catch_up_tokens)
+        self._last_step = StepStats(len(out.scheduled), num_tokens, t3 - t0,
                                     scheduling + (t3 - t2), self._last_step.num_steps + 1)
         return compiled + events
