@@ -68,7 +68,7 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
                 tables.append(table)
                 query_start_loc.append(query_start_loc[-1] + end - first)
             num_decodes += len(sequences) if rows else 0
-        first = item.request.first_unscored_position if item.request.prompt_logprobs is not None else None
+        first = item.request.first_unscored_position
         if first is not None and first < start + n:  # prompt logprobs: positions up to the last but one
             first, end = max(first, start), min(start + n, item.request.num_prompt_tokens - 1)
             if first < end:
