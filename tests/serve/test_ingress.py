@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from conftest import greedy_text, local_app, local_stack, run, sse_events
-from fake_engine import FakeTokenizer
+from fake_engine import FakeAsyncEngine, FakeTokenizer
 
 from engine.heap import YOUNG_COLLECTION_OBJECTS
 from serve_app.config import AppConfig
@@ -19,6 +19,7 @@ from serve_app.local import LocalHandle
 from serve_app.messages import ModelInfo
 
 TOK = FakeTokenizer()
+SLOW_TOKENS = FakeAsyncEngine.with_options(step_delay_s=0.01)
 
 
 def test_completion_non_streaming_text_usage_and_finish():
@@ -94,6 +95,67 @@ def test_a_streams_events_that_arrive_together_share_a_body_message_and_the_last
                 assert text == greedy_text(TOK.encode("hello world"), 4)
             last = sse_events(bodies[-1]["body"].decode())
             assert last[-1] == "[DONE]" and last[-2]["usage"]["completion_tokens"] == 8
+
+    run(go())
+
+
+def _streamed_completion(app, sent: list[dict], disconnected: asyncio.Event, max_tokens: int):
+    """The app's answer to a streamed completion over raw ASGI: its messages go to `sent`; the
+    client disconnects when `disconnected` is set."""
+    body = json.dumps({"prompt": "hello world", "max_tokens": max_tokens, "stream": True}).encode()
+    received = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if received:
+            return received.pop()
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    return app(scope, receive, send)
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_client_that_disconnects_mid_stream_ends_the_response_and_its_request_in_the_engine():
+    """A 200-token stream (2 s at 10 ms a token): the client leaves after two events, the response
+    ends at once without an error, and the engine aborts the request (its slot and blocks freed)."""
+    async def go():
+        async with local_app(engine_cls=SLOW_TOKENS) as (app, _, replicas):
+            sent, disconnected = [], asyncio.Event()
+            answer = asyncio.ensure_future(_streamed_completion(app, sent, disconnected, max_tokens=200))
+            await _until(lambda: len(sent) >= 3)
+            disconnected.set()
+            await asyncio.wait_for(answer, 1.0)
+            engine = replicas[0].engine
+            await _until(lambda: engine.aborted)
+            assert engine.stats().num_running == 0 and not engine.finished
+            assert len(sent) < 50 and sent[-1]["more_body"] is True  # ended early, not by the stream's end
+
+    run(go())
+
+
+def test_the_servers_cancellation_of_a_stream_is_not_taken_for_the_clients_disconnect():
+    async def go():
+        async with local_app(engine_cls=SLOW_TOKENS) as (app, _, replicas):
+            sent = []
+            answer = asyncio.ensure_future(_streamed_completion(app, sent, asyncio.Event(), max_tokens=200))
+            await _until(lambda: len(sent) >= 3)
+            answer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await answer
+            await _until(lambda: replicas[0].engine.aborted)
 
     run(go())
 
