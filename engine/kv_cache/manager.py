@@ -82,9 +82,9 @@ class KVCacheManager:
         """Makes room for `num_new_tokens` tokens after the request's computed ones (plus a cached
         prefix `computed`, for a request with no blocks yet). Returns the copy-on-write block
         copies (src, dst) to run before the forward, or None, changing nothing, if blocks are short."""
+        if not computed.block_ids and self._lands_in_own_blocks(request, num_new_tokens):
+            return []  # a decode, most steps
         table, shared, num_new_blocks = self._plan(request, num_new_tokens, computed)
-        if table and num_new_blocks <= 0 and not shared and not computed.block_ids:
-            return []  # the tokens land in blocks it holds alone (a decode, most steps)
         if self._free_blocks_taken(shared, num_new_blocks, computed) > self.pool.num_free_blocks:
             return None
         if computed.block_ids:
@@ -116,14 +116,30 @@ class KVCacheManager:
         tokens land in), and the number of blocks to add (negative: that many to spare)."""
         table = self.block_tables.get(request.request_id, [])
         start = request.num_computed_tokens + computed.num_tokens
-        end = start + num_new_tokens
-        first, end_block = start // self.block_size, _cdiv(end, self.block_size)
+        end_block = _cdiv(start + num_new_tokens, self.block_size)
+        shared = self._shared(table, start // self.block_size, min(len(table), end_block))
+        return table, shared, end_block - len(table) - len(computed.block_ids)
+
+    def _lands_in_own_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether `num_new_tokens` after the request's computed tokens land in blocks its table
+        already has, none of them to copy first: nothing to allocate or copy (a `_plan` that
+        would find so, made without one for a decode's slots, most steps of most requests)."""
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return False
+        start = request.num_computed_tokens
+        end_block = _cdiv(start + num_new_tokens, self.block_size)
+        return end_block <= len(table) and not self._shared(table, start // self.block_size, end_block)
+
+    def _shared(self, table: list[int], first: int, end: int) -> list[int]:
+        """Indexes in table[first:end] of the blocks a write must copy first: another request
+        holds them too, or the prefix cache does."""
         ref_cnt, block_hash = self.pool.ref_cnt, self.pool.block_hash
         shared = []
-        for i in range(first, min(len(table), end_block)):  # a loop: a comprehension's call costs more, per decode
+        for i in range(first, end):  # a loop: a comprehension's call costs more, per decode
             if ref_cnt[table[i]] > 1 or block_hash[table[i]] is not None:
                 shared.append(i)
-        return table, shared, end_block - len(table) - len(computed.block_ids)
+        return shared
 
     def _free_blocks_taken(self, shared: list[int], num_new_blocks: int, computed: ComputedBlocks) -> int:
         """Free blocks a `_plan` takes: its new blocks, a copy of each shared block, and the
