@@ -208,7 +208,7 @@ class Scheduler:
             if len(item.token_ids) != 1 or not item.sample or not _samples_ahead(request):
                 return None
             num_running += 1
-            if not self._at_length(request, num_pending=1):
+            if not self._at_length(request, 1):
                 continuing.append(request)
         if num_running != len(self.running) or not continuing:
             return None
@@ -583,4 +583,4 @@ def _samples_ahead(request: Request) -> bool:
     host: its sampling reads nothing of its output but that token's place."""
     params = request.params
     return (not request.beam and request.constraint is None and not params.has_penalties
-            and request.num_output_tokens >= params.min_tokens)
+            and (not params.min_tokens or request.num_output_tokens >= params.min_tokens))

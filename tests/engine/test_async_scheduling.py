@@ -141,10 +141,12 @@ def test_an_arrival_waits_for_the_step_in_flight_and_then_joins(tiny_llama, prom
     _assert_no_block_held(engine)
 
 
-def test_requests_whose_sampling_reads_their_output_never_run_ahead(tiny_llama, prompts):
+@pytest.mark.parametrize("reads_output", [dict(repetition_penalty=1.3), dict(min_tokens=MAX_NEW)],
+                         ids=["penalty", "min_tokens"])
+def test_requests_whose_sampling_reads_their_output_never_run_ahead(tiny_llama, prompts, reads_output):
     """Penalties and min_tokens read a request's output up to the token before: that token must be
     on the host first, so their batches step one at a time, with the synchronous engine's tokens."""
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, repetition_penalty=1.3, min_tokens=MAX_NEW)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, **reads_output)
     outputs = {}
     for async_scheduling in (False, True):
         llm = LLM(tiny_llama, async_scheduling=async_scheduling)
