@@ -13,17 +13,33 @@ from engine.sampling_params import SamplingParams
 from engine.tools import Tool, conversation, template_reads_tools
 
 
-def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    if not isinstance(text, str) or not text:
-        raise InvalidRequestError("prompt", "prompt must be a non-empty string")
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    check_text(text, param)
     try:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except Exception as e:  # e.g. a lone surrogate the tokenizer cannot take
-        raise InvalidRequestError("prompt", f"prompt could not be tokenized: {e}") from None
+        raise untokenizable(param, e) from None
+
+
+def check_text(text: str, param: str = "prompt") -> None:
+    if not isinstance(text, str) or not text:
+        raise InvalidRequestError(param, f"{param} must be a non-empty string")
+
+
+def untokenizable(param: str, error: Exception) -> InvalidRequestError:
+    return InvalidRequestError(param, f"{param} could not be tokenized: {error}")
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[Tool] | None = None) -> list[int]:
+    """`render_chat`'s text tokenized as transformers' `apply_chat_template` tokenizes it: the
+    template writes every special token, so none is added."""
+    return encode_text(tokenizer, render_chat(tokenizer, messages, add_generation_prompt, tools),
+                       add_special_tokens=False, param="messages")
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[Tool] | None = None) -> str:
     """The chat template applied to OpenAI-format messages (tool calls and results included),
     with the `tools` offered and the assistant's generation prompt unless told otherwise."""
     if not messages:
@@ -32,11 +48,10 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     extra = {"tools": [t.as_openai() for t in tools]} if native and tools else {}
     messages = conversation(messages, tools or [], native)
     try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                **extra)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **extra)
     except Exception as e:  # the template refuses the conversation (roles, order, content)
         raise InvalidRequestError("messages", f"could not apply the chat template: {e}") from None
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 _INT = frozenset([int])

@@ -5,7 +5,8 @@ and body timeout 408, JSON that Python cannot take or that holds invalid Unicode
 error in OpenAI's shape, 404 and 405 included), auth and priorities (serve_app.auth), readiness
 (`/health`: 503 until an engine replica is ready and the model's info is here), and validation
 with the engine's own rules: each prompt is templated and tokenized here, once, with the
-engine's tokenizer (ModelInfo), and the engine gets the token ids. Does not own: the jobs' flow
+engine's tokenizer (ModelInfo), off the event loop (serve_app.batch_tokenizer), and the engine
+gets the token ids. Does not own: the jobs' flow
 (jobs.py), queueing, sampling.
 
 `router` and `replicas` are DeploymentHandles in Serve, or `serve_app.local` shims in tests;
@@ -33,8 +34,9 @@ from starlette.exceptions import HTTPException
 
 from engine.errors import InvalidRequestError
 from engine.heap import collect_young_less_often
-from engine.tokenization import check_token_ids, encode_chat, encode_text
+from engine.tokenization import check_token_ids, render_chat
 from serve_app.auth import Authorizer, resolve_priority
+from serve_app.batch_tokenizer import BatchTokenizer
 from serve_app.channels import ReplicaChannels
 from serve_app.config import AppConfig
 from serve_app.formatting import ChatFormatter, CompletionFormatter
@@ -77,6 +79,7 @@ class Ingress:
         self.model_name = config.engine.model_name
         self.auth = Authorizer(config.ingress, config.router)
         self._model_info: ModelInfo | None = None
+        self._tokens: BatchTokenizer | None = None  # the model's tokenizer, off the event loop
         self._info_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
         self._created = int(time.time())
@@ -92,8 +95,31 @@ class Ingress:
         check load it once an engine replica is ready, so no request waits for it."""
         async with self._info_lock:
             if self._model_info is None:
-                self._model_info = await self.replicas.model_info.remote()
+                info = await self.replicas.model_info.remote()
+                self._tokens = BatchTokenizer(info.tokenizer)
+                self._model_info = info
         return self._model_info
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return await self._encode(prompt) if isinstance(prompt, str) else prompt
+
+    async def _chat_ids(self, info: ModelInfo, req: ChatCompletionRequest | TokenizeChatRequest,
+                        add_generation_prompt: bool = True) -> list[int]:
+        """engine.tokenization.encode_chat's ids: the template applied here, its text (every
+        special token written out, none to add) tokenized off the event loop."""
+        try:
+            text = render_chat(info.tokenizer, req.template_messages(), add_generation_prompt, req.offered_tools)
+        except InvalidRequestError as e:
+            raise APIError.from_invalid(e) from None
+        return await self._encode(text, add_special_tokens=False, param="messages")
+
+    async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """A text's token ids (the model's info already here), tokenized off the event loop."""
+        assert self._tokens is not None
+        try:
+            return await self._tokens.encode(text, add_special_tokens, param)
+        except InvalidRequestError as e:
+            raise APIError.from_invalid(e) from None
 
     async def check_health(self) -> None:
         """Serve's periodic check of this replica: loads the model's info once an engine replica
@@ -206,12 +232,13 @@ class Ingress:
                            param="prompt", code="too_many_prompts")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         _log_user(base_id, req)
+        prompt_ids = ([await self._prompt_ids(prompts[0])] if len(prompts) == 1
+                      else await asyncio.gather(*map(self._prompt_ids, prompts)))  # a batch's texts together
         try:
-            jobs = [make_job(f"{base_id}-{i}", encode_text(info.tokenizer, p) if isinstance(p, str) else p,
-                             req=req, info=info, max_tokens=req.max_tokens,
+            jobs = [make_job(f"{base_id}-{i}", ids, req=req, info=info, max_tokens=req.max_tokens,
                              default_max_tokens=self.config.ingress.default_completion_max_tokens,
                              num_logprobs=req.logprobs, priority=priority, choice_offset=i * req.n, param="prompt")
-                    for i, p in enumerate(prompts)]
+                    for i, ids in enumerate(prompt_ids)]
         except InvalidRequestError as e:
             raise APIError.from_invalid(e) from None
         check_fits_queue(jobs, self.config.router.max_queued_tokens)
@@ -222,8 +249,8 @@ class Ingress:
         req, priority, info = await self._accept(request, ChatCompletionRequest)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         _log_user(base_id, req)
+        ids = await self._chat_ids(info, req)
         try:
-            ids = encode_chat(info.tokenizer, req.template_messages(), tools=req.offered_tools)
             job = make_job(f"{base_id}-0", ids, req=req, info=info, max_tokens=req.requested_max_tokens,
                            default_max_tokens=info.max_model_len, num_logprobs=req.num_logprobs, priority=priority,
                            choice_offset=0, param="messages")
@@ -238,14 +265,10 @@ class Ingress:
         _, data = await self._authorized_json(request)
         req, info = await self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest,
                                           data)
-        try:
-            if isinstance(req, TokenizeChatRequest):
-                ids = encode_chat(info.tokenizer, req.template_messages(), req.add_generation_prompt,
-                                  req.offered_tools)
-            else:
-                ids = encode_text(info.tokenizer, req.prompt, req.add_special_tokens)
-        except InvalidRequestError as e:
-            raise APIError.from_invalid(e) from None
+        if isinstance(req, TokenizeChatRequest):
+            ids = await self._chat_ids(info, req, req.add_generation_prompt)
+        else:
+            ids = await self._encode(req.prompt, req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = info.tokenizer.convert_ids_to_tokens(ids)

@@ -40,11 +40,12 @@ class FakeTokenizer:
         return ids
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        """The generation prompt is token 3 ("t3")."""
         for m in messages:
             if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"bad role {m['role']}")
-        text = " ".join(f"{m['role']} {m['content']}" for m in messages)
-        return self.encode(text) + ([3] if add_generation_prompt else [])
+        text = " ".join(f"{m['role']} {m['content']}" for m in messages) + (" t3" if add_generation_prompt else "")
+        return self.encode(text) if tokenize else text
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f" t{i}" for i in ids)
