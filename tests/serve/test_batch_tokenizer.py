@@ -37,6 +37,16 @@ class HeldTokenizer(FakeTokenizer):
         return super().encode(text, add_special_tokens)
 
 
+async def held_worker(tokens: BatchTokenizer, tok: HeldTokenizer) -> asyncio.Future:
+    """"hold" sent to the worker, and the worker inside its encode until `tok.release`."""
+    held = asyncio.ensure_future(tokens.encode("hold"))
+    for _ in range(1000):
+        if tok.calls:
+            return held
+        await asyncio.sleep(0.01)
+    raise AssertionError("the worker never started")
+
+
 @pytest.mark.parametrize("tokenizer", ["embedded", "tiny bpe"])
 def test_a_batchs_ids_are_the_tokenizers_own_with_and_without_special_tokens(tokenizer):
     tok = load_vocabulary(None)[0] if tokenizer == "embedded" else build_tokenizer("bpe")
@@ -60,8 +70,7 @@ def test_texts_are_tokenized_in_the_worker_in_arrival_order_while_the_loop_goes_
     tokens = BatchTokenizer(tok)
 
     async def go():
-        held = asyncio.ensure_future(tokens.encode("hold"))
-        await asyncio.sleep(0.05)
+        held = await held_worker(tokens, tok)
         queued = [asyncio.ensure_future(tokens.encode(f"t{i} word", i % 2 == 0)) for i in range(10)]
         await asyncio.sleep(0.05)  # the loop runs while the worker is held
         assert [text for _, text in tok.calls] == ["hold"]
@@ -81,8 +90,7 @@ def test_a_text_the_tokenizer_refuses_fails_alone_and_a_request_gone_away_takes_
     tokens = BatchTokenizer(tok)
 
     async def go():
-        held = asyncio.ensure_future(tokens.encode("hold"))
-        await asyncio.sleep(0.05)
+        held = await held_worker(tokens, tok)
         good, bad, gone = (asyncio.ensure_future(tokens.encode(text, param=param)) for text, param in
                            (("t1 t2", "prompt"), ("a bad word", "messages"), ("t5", "prompt")))
         await asyncio.sleep(0.05)
