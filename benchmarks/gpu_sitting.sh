@@ -8,6 +8,7 @@
 #                                               # with one ingress replica and with four on the shared port,
 #                                               # each against the offline engine
 #
+# A task's device time (15 minutes, the machine's start included) fits one part a sitting: the engine part first.
 # Run from the repository root. GPU_PY: a python whose torch is a CUDA build (default python3, a GPU image's).
 # GPU_SITE: on an image that lacks Ray Serve or the engine's dependencies and reaches no registry, the archive of
 # `make gpu-site` (made elsewhere, carried here), unpacked and put first on PYTHONPATH. Each command has a time
