@@ -85,8 +85,8 @@ class BatchTokenizer:
             for text in texts:
                 try:
                     results.extend(self._encode_batch([text], add_special_tokens))
-                except Exception as e:
-                    results.append(e)
+                except Exception as refused:
+                    results.append(refused)
             return results
 
     def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
