@@ -5,7 +5,8 @@ engine.AsyncEngine), running an `EngineRequest` on it and streaming its coalesce
 (serve_app.coalescer) on its own call or on its caller's channel (many requests' chunks a
 message; serve_app.channels is the caller's end), mapping engine errors to error chunks,
 telling Serve whether the engine can serve (`check_health`), and reporting its load to the
-router when it changes (and at least every `stats_heartbeat_s`). Does not own: HTTP,
+router when it changes (and at least every `stats_heartbeat_s`), at most once per output
+interval of the engine (its counts change no more often). Does not own: HTTP,
 admission, tokenization (the ingress sends token ids), sampling validation (the ingress built
 the SamplingParams).
 """
@@ -31,7 +32,7 @@ from serve_app.metrics import ReplicaMetrics
 from serve_app.slo import SLOTarget, SLOTracker
 
 logger = logging.getLogger("cbserve.replica")
-_MIN_REPORT_GAP_S = 0.01
+_MIN_REPORT_GAP_S = 0.01  # reports no closer than this, or than the engine's output interval
 CHANNEL_IDLE_S = 2.0  # a channel no request has used for this long ends: Serve's drain waits for open calls
 
 
@@ -103,6 +104,10 @@ class EngineReplica:
         self.num_misrouted = 0
         self._report_now: asyncio.Event | None = None
         self._report_task: asyncio.Task | None = None
+        # Each report is a Serve call, paid by this process and the router's. A burst's ends would
+        # send one every few ms, most with the engine's counts of its last output (StepLoop emits
+        # its stats once an interval); the router counts an end at its release anyway.
+        self._report_gap_s = max(_MIN_REPORT_GAP_S, config.stream_flush_interval_s)
         self._maybe_start_reporting()
 
     # ------------------------------------------------------------ deployment methods
@@ -256,7 +261,8 @@ class EngineReplica:
 
     async def _report_loop(self) -> None:
         """Sends the load snapshot when it changed (or requests arrived), and at least every
-        heartbeat; looks every stats_report_interval_s or as soon as a request ends."""
+        heartbeat; looks every stats_report_interval_s or as soon as a request ends, but never
+        within `_report_gap_s` of its last look."""
         assert self._report_now is not None
         last_key, last_sent = None, -float("inf")
         while True:
@@ -278,7 +284,7 @@ class EngineReplica:
                 raise
             except Exception:
                 logger.warning("load report to router failed", exc_info=True)
-            await asyncio.sleep(_MIN_REPORT_GAP_S)
+            await asyncio.sleep(self._report_gap_s)
             try:
                 await asyncio.wait_for(self._report_now.wait(), timeout=self.config.stats_report_interval_s)
             except TimeoutError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 from conftest import greedy_text, run
 from fake_engine import FakeAsyncEngine
@@ -118,10 +119,12 @@ class _Recorder:
 
     def __init__(self):
         self.reports = []
+        self.times = []
         self.report = self
 
     async def remote(self, stats):
         self.reports.append(stats)
+        self.times.append(time.monotonic())
 
 
 def test_load_reports_are_sent_on_change_and_as_a_heartbeat():
@@ -142,6 +145,30 @@ def test_load_reports_are_sent_on_change_and_as_a_heartbeat():
         before = len(router.reports)
         await asyncio.sleep(0.6)
         assert len(router.reports) == before + 1  # one heartbeat
+        replica.shutdown()
+
+    run(go())
+
+
+def test_a_burst_of_ends_is_reported_once_an_engine_output_interval():
+    """Requests ending every few ms: each end would wake a report (a Serve call); they go out at
+    most once per output interval of the engine (its counts change no more often), and the last
+    end is still reported within about one interval."""
+    async def go():
+        router = _Recorder()
+        replica = make(0.1, router=router, step_delay_s=0.002)
+        await replica.check_health()
+        await asyncio.sleep(0.15)
+        first = len(router.reports)
+        requests = [collect(replica, request(f"q{i}", max_tokens=2 + i)) for i in range(40)]
+        await asyncio.gather(*requests)  # the ends spread over ~0.1 s
+        ended_at = time.monotonic()
+        await asyncio.sleep(0.25)
+        ended = [rid for r in router.reports for rid in r.ended_ids]
+        assert sorted(ended) == sorted(f"q{i}" for i in range(40))
+        gaps = [b - a for a, b in zip(router.times[first - 1:], router.times[first:])]
+        assert gaps and min(gaps) >= 0.09
+        assert router.times[-1] - ended_at <= 0.2
         replica.shutdown()
 
     run(go())
