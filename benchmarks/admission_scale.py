@@ -98,7 +98,7 @@ async def _router_run(num_queued: int, num_replicas: int, events: int, seed: int
 
     t0 = time.perf_counter()
     for request_id in dispatched:
-        await router.release(request_id)
+        await router.release([request_id])
     out["release"] = (time.perf_counter() - t0) / events
 
     queued = [w for w in waiters if not w.done()][:events]

@@ -82,6 +82,8 @@ class Ingress:
         self._tokens: BatchTokenizer | None = None  # the model's tokenizer, off the event loop
         self._info_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        self._ended: list[str] = []  # admitted requests that ended, not yet released at the router
+        self._releasing = False
         self._created = int(time.time())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -133,7 +135,7 @@ class Ingress:
             logger.warning("loading the model's info failed; the next request tries again", exc_info=True)
 
     def call_router_later(self, method: str, arg: str | None) -> None:
-        """Fire-and-forget router call (release / remove_replica); survives our cancellation."""
+        """Fire-and-forget router call (remove_replica); survives our cancellation."""
 
         async def _call() -> None:
             try:
@@ -141,7 +143,30 @@ class Ingress:
             except Exception:
                 logger.warning("router.%s(%s) failed", method, arg, exc_info=True)
 
-        task = asyncio.ensure_future(_call())
+        self._in_background(_call())
+
+    def release_later(self, request_id: str) -> None:
+        """Releases an ended request's admission: the requests that end while a release call is
+        on its way go together in the next (Router.release)."""
+        self._ended.append(request_id)
+        if not self._releasing:
+            self._releasing = True
+            self._in_background(self._send_releases())
+
+    async def _send_releases(self) -> None:
+        try:
+            while self._ended:
+                request_ids, self._ended = self._ended, []
+                try:
+                    await self.router.release.remote(request_ids)
+                except Exception:
+                    logger.warning("router.release of %d requests failed", len(request_ids), exc_info=True)
+        finally:
+            self._releasing = False
+
+    def _in_background(self, call: Any) -> None:
+        """Runs `call` to its end whatever happens to the request that started it."""
+        task = asyncio.ensure_future(call)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -58,13 +58,15 @@ class ReplicaStreams(Protocol):
 class JobHost(Protocol):
     """What a job's flow needs of the ingress that runs it: the router and replicas as Serve
     handles (or serve_app.local's shims), the replicas' stream channels (None: none), the replica
-    accept timeout, and fire-and-forget router calls that outlive the job."""
+    accept timeout, and fire-and-forget router calls that outlive the job (releases batched)."""
     config: AppConfig
     router: RouterCalls
     replica_streams: ReplicaStreams
     channels: ReplicaChannels | None
 
     def call_router_later(self, method: str, arg: str | None) -> None: ...
+
+    def release_later(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,7 @@ class JobStream:
             self._gen = None
         if self._admitted:
             self._admitted = False
-            self.ingress.call_router_later("release", self.job.admit.request_id)
+            self.ingress.release_later(self.job.admit.request_id)
 
 
 async def respond(ingress: JobHost, jobs: list[Job], fmt: Formatter, stream: bool):

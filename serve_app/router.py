@@ -79,8 +79,11 @@ class Router:
                 self.pool.release(request.request_id)
             raise
 
-    async def release(self, request_id: str) -> None:
-        self.pool.release(request_id)
+    async def release(self, request_ids: list[str]) -> None:
+        """Requests that ended at an ingress, those that ended together in one call (each call
+        costs the router and the ingress a Serve message, and a burst's requests end together)."""
+        for request_id in request_ids:
+            self.pool.release(request_id)
         self._dispatch()
 
     async def report(self, stats: ReplicaStats) -> None:

@@ -184,7 +184,8 @@ def test_a_request_on_a_channel_fails_when_its_own_call_fails():
         reported = []
         ingress = SimpleNamespace(config=AppConfig(), router=SimpleNamespace(admit=_Remote(admit)),
                                   replica_streams=streams, channels=ReplicaChannels(streams, 5.0),
-                                  call_router_later=lambda method, arg: reported.append((method, arg)))
+                                  call_router_later=lambda method, arg: reported.append((method, arg)),
+                                  release_later=lambda request_id: reported.append(("release", request_id)))
         ingress.channels.get("r")
         await asyncio.sleep(0.01)  # the channel opens
         job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)

@@ -15,7 +15,7 @@ from fake_engine import FakeAsyncEngine, FakeTokenizer
 from engine.heap import YOUNG_COLLECTION_OBJECTS
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
-from serve_app.local import LocalHandle
+from serve_app.local import LocalHandle, LocalReplicaSet
 from serve_app.messages import ModelInfo
 
 TOK = FakeTokenizer()
@@ -607,7 +607,8 @@ def test_a_replica_that_never_acknowledges_is_a_503_not_a_hang():
         router=SimpleNamespace(admit=Remote(admit)),
         replica_streams=SimpleNamespace(generate=Remote(lambda request, replica_hint, channel: never_answers())),
         channels=None,
-        call_router_later=lambda method, arg: reported.append((method, arg)))
+        call_router_later=lambda method, arg: reported.append((method, arg)),
+        release_later=lambda request_id: reported.append(("release", request_id)))
     job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
 
     async def go():
@@ -621,3 +622,44 @@ def test_a_replica_that_never_acknowledges_is_a_503_not_a_hang():
     error, elapsed = run(go())
     assert error.status == 503 and "unreachable" in error.message and elapsed < 2
     assert ("remove_replica", "lost-replica") in reported and ("release", "j") in reported
+
+
+class _ReleasingRouter:
+    """Records each release call's ids; the first waits for `answer`, a call of "fails" raises."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.answer = asyncio.Event()
+
+    async def release(self, request_ids: list[str]) -> None:
+        self.calls.append(list(request_ids))
+        if len(self.calls) == 1:
+            await self.answer.wait()
+        if "fails" in request_ids:
+            raise ConnectionError("router unreachable")
+
+
+def test_requests_that_end_while_a_release_is_on_its_way_go_together_in_the_next():
+    """Each release is a Serve call to the router: ends that come while one is on its way wait
+    and go in one call, each request released once; a failed call does not stop later ones."""
+    async def go():
+        router = _ReleasingRouter()
+        ingress = Ingress(AppConfig(), LocalHandle(router), LocalReplicaSet([]))
+
+        async def until(n: int) -> None:
+            while len(router.calls) < n or ingress._background:
+                await asyncio.sleep(0.001)
+
+        ingress.release_later("a")
+        while not router.calls:
+            await asyncio.sleep(0.001)
+        for request_id in ("b", "c", "fails"):  # each in a pass of the loop of its own
+            ingress.release_later(request_id)
+            await asyncio.sleep(0.001)
+        router.answer.set()
+        await until(2)
+        ingress.release_later("d")
+        await until(3)
+        return router.calls
+
+    assert run(go()) == [["a"], ["b", "c", "fails"], ["d"]]
