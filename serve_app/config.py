@@ -109,7 +109,9 @@ class EngineReplicaConfig(_Strict):
     stream_flush_interval_s: float = Field(
         0.05, ge=0, description="Coalesce token deltas into one message per interval per stream.")
     stats_report_interval_s: float = Field(
-        0.25, gt=0, description="How often a replica checks its load and reports it if it changed.")
+        0.25, gt=0, description="How often a replica checks its load and reports it if it changed; a request's "
+                                "end has it check at once, but never within stream_flush_interval_s (the "
+                                "engine's counts change no more often) of its last check.")
     stats_heartbeat_s: float = Field(
         1.0, gt=0, description="A replica reports at least this often, changed or not.")
 
