@@ -64,7 +64,8 @@ def engine_ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
 
 
 def router_deployment_options(config: AppConfig) -> dict[str, Any]:
-    # admit() calls wait inside the router while queued: Serve must never queue them itself.
+    # admit_many() calls stay open inside the router while their requests are queued: Serve must
+    # never queue them itself.
     max_ongoing = 4 * config.router.max_queued_requests + 4096
     return dict(
         name="Router",

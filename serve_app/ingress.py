@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 from engine.errors import InvalidRequestError
 from engine.heap import collect_young_less_often
 from engine.tokenization import check_token_ids, render_chat
+from serve_app.admit_batches import AdmissionBatches
 from serve_app.auth import Authorizer, resolve_priority
 from serve_app.batch_tokenizer import BatchTokenizer
 from serve_app.channels import ReplicaChannels
@@ -72,6 +73,7 @@ class Ingress:
         # benchmarks/serve_hops.py measures it at about half the CPU per message.
         rpc = {"_by_reference": False} if config.ingress.grpc_transport else {}
         self.router = router.options(**rpc)
+        self.admissions = AdmissionBatches(router.options(stream=True, **rpc), self.release_later, self._in_background)
         self.replicas = replicas
         self.replica_streams = replicas.options(stream=True, **rpc)
         self.channels = (ReplicaChannels(self.replica_streams, config.ingress.replica_accept_timeout_s)

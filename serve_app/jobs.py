@@ -28,7 +28,7 @@ from serve_app.call_ids import own_serve_request_id
 from serve_app.channels import Channel, ReplicaChannels
 from serve_app.config import AppConfig
 from serve_app.formatting import Formatter
-from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
+from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest, ModelInfo, StreamChunk
 from serve_app.protocol import SSE_DONE, APIError, sse_event
 
 logger = logging.getLogger("cbserve.ingress")
@@ -47,8 +47,8 @@ class _Method(Protocol):
     def remote(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-class RouterCalls(Protocol):
-    admit: _Method  # AdmitRequest -> AdmitResult
+class Admissions(Protocol):
+    async def admit(self, request: AdmitRequest) -> AdmitResult: ...
 
 
 class ReplicaStreams(Protocol):
@@ -56,11 +56,12 @@ class ReplicaStreams(Protocol):
 
 
 class JobHost(Protocol):
-    """What a job's flow needs of the ingress that runs it: the router and replicas as Serve
-    handles (or serve_app.local's shims), the replicas' stream channels (None: none), the replica
-    accept timeout, and fire-and-forget router calls that outlive the job (releases batched)."""
+    """What a job's flow needs of the ingress that runs it: admission at the router (batched,
+    serve_app.admit_batches), the replicas as a Serve handle (or serve_app.local's shim), the
+    replicas' stream channels (None: none), the replica accept timeout, and fire-and-forget
+    router calls that outlive the job (releases batched)."""
     config: AppConfig
-    router: RouterCalls
+    admissions: Admissions
     replica_streams: ReplicaStreams
     channels: ReplicaChannels | None
 
@@ -158,7 +159,7 @@ class JobStream:
 
     async def _admit(self) -> None:
         own_serve_request_id()
-        result = await self.ingress.router.admit.remote(self.job.admit)
+        result = await self.ingress.admissions.admit(self.job.admit)
         if result.error is not None:
             raise APIError.from_info(result.error)
         self._admitted = True

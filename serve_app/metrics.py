@@ -68,7 +68,7 @@ class RouterMetrics:
             "cbserve_router_queue_depth", "Requests in the admission queue.", ("priority",)
         )
         self.admission_wait = hist(
-            "cbserve_router_admission_wait_s", "Time from admit() to dispatch.", ("priority",)
+            "cbserve_router_admission_wait_s", "Time from arrival at the router to dispatch.", ("priority",)
         )
         self.rejections = counter(
             "cbserve_router_rejections", "Requests refused by the router.", ("reason",)

@@ -1,8 +1,9 @@
 """Global admission: one queue ordered by policy, dispatch to the replica with headroom.
 
-Owns: the Router deployment's flow: `admit()` waits in the AdmissionQueue (serve_app.admission)
-until the ReplicaPool (serve_app.replica_pool) has a replica with headroom and names it; bounds
-(-> 429 + Retry-After); 503 when no replica is live. Does not own: tokens. The router is off the
+Owns: the Router deployment's flow: each request of an `admit_many()` call (an ingress's batch,
+serve_app.admit_batches) waits in the AdmissionQueue (serve_app.admission) until the ReplicaPool
+(serve_app.replica_pool) has a replica with headroom and names it; bounds (-> 429 +
+Retry-After); 503 when no replica is live. Does not own: tokens. The router is off the
 token path: the ingress streams from the named replica directly and calls `release()`.
 
 Invariants (checked by tests):
@@ -22,12 +23,13 @@ Invariants (checked by tests):
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
-from serve_app.admission import AdmissionQueue
+from serve_app.admission import AdmissionQueue, QueueEntry
 from serve_app.config import RouterConfig
 from serve_app.messages import AdmitRequest, AdmitResult, ErrorInfo, ReplicaStats
 from serve_app.metrics import RouterMetrics
@@ -56,8 +58,61 @@ class Router:
 
     # ------------------------------------------------------------ deployment methods
 
-    async def admit(self, request: AdmitRequest) -> AdmitResult:
+    async def admit_many(self, requests: list[AdmitRequest]) -> AsyncIterator[list[tuple[str, AdmitResult]]]:
+        """Admissions asked together (an ingress's that came while its previous batch was on its
+        way: each call costs the router and the ingress a Serve message, and a burst's requests
+        come together). The first message answers at once (an empty list too: the ingress's
+        acknowledgement that every request is queued here); then each later message holds the
+        results that came at one moment, until every request has one. A request released while
+        queued (its client left) gets none. A call that ends first withdraws the ones it holds."""
         self._maybe_start_ticker()
+        answers: list[tuple[str, AdmitResult]] = []
+        waiting: dict[str, QueueEntry] = {}
+        for request in requests:
+            queued = self._enqueue(request)
+            if isinstance(queued, AdmitResult):
+                answers.append((request.request_id, queued))
+            else:
+                waiting[request.request_id] = queued
+        self._dispatch()
+        resolved: list[str] = []
+        came = asyncio.Event()
+
+        def on_result(request_id: str, _: asyncio.Future) -> None:
+            resolved.append(request_id)
+            came.set()
+
+        for request_id, entry in waiting.items():
+            assert entry.future is not None
+            if entry.future.done():
+                resolved.append(request_id)
+            else:
+                entry.future.add_done_callback(functools.partial(on_result, request_id))
+        first = True
+        try:
+            while True:
+                for request_id in resolved:
+                    future = waiting.pop(request_id).future
+                    assert future is not None
+                    if not future.cancelled():  # cancelled: released while queued
+                        answers.append((request_id, future.result()))
+                resolved.clear()
+                if answers or first:
+                    yield answers
+                    answers, first = [], False
+                if not waiting:
+                    return
+                while not resolved:
+                    came.clear()
+                    await came.wait()
+        finally:
+            for entry in waiting.values():
+                self._withdraw(entry)
+            if waiting:
+                self._dispatch()
+
+    def _enqueue(self, request: AdmitRequest) -> QueueEntry | AdmitResult:
+        """The request queued with a future for its result, or its refusal (429) if it cannot be."""
         if not self.queue.can_accept(request):
             self.metrics.rejections.inc(tags={"reason": "queue_full"})
             retry = self.retry_after_s()
@@ -69,21 +124,28 @@ class Router:
         entry = self.queue.push(request, self._clock())
         entry.future = asyncio.get_running_loop().create_future()
         self.metrics.record_depth(request.priority, self.queue.depth_by_priority[request.priority])
-        self._dispatch()
-        try:
-            return await entry.future
-        except asyncio.CancelledError:
-            if self.queue.remove(request.request_id) is not None:
-                self.metrics.record_depth(request.priority, self.queue.depth_by_priority[request.priority])
-            elif entry.future.done() and not entry.future.cancelled():
-                self.pool.release(request.request_id)
-            raise
+        return entry
+
+    def _withdraw(self, entry: QueueEntry) -> None:
+        """A request whose caller is gone: out of the queue, or released if it was admitted."""
+        request = entry.request
+        if self.queue.remove(request.request_id) is not None:
+            self.metrics.record_depth(request.priority, self.queue.depth_by_priority[request.priority])
+        elif entry.future is not None and entry.future.done() and not entry.future.cancelled():
+            self.pool.release(request.request_id)
 
     async def release(self, request_ids: list[str]) -> None:
         """Requests that ended at an ingress, those that ended together in one call (each call
-        costs the router and the ingress a Serve message, and a burst's requests end together)."""
+        costs the router and the ingress a Serve message, and a burst's requests end together),
+        or whose clients left while they were queued here: those leave the queue unanswered."""
         for request_id in request_ids:
-            self.pool.release(request_id)
+            entry = self.queue.remove(request_id)
+            if entry is None:
+                self.pool.release(request_id)
+                continue
+            self.metrics.record_depth(entry.request.priority, self.queue.depth_by_priority[entry.request.priority])
+            if entry.future is not None:
+                entry.future.cancel()
         self._dispatch()
 
     async def report(self, stats: ReplicaStats) -> None:
@@ -96,6 +158,10 @@ class Router:
         reporting comes back with its next report."""
         self.pool.remove(replica_id)
         self._dispatch()
+
+    def num_queued_admissions(self) -> int:
+        """Requests waiting in the queue for an engine to have room."""
+        return len(self.queue)
 
     async def num_ready_replicas(self) -> int:
         """Replicas whose engine takes requests now (the ingress's readiness)."""

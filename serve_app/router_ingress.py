@@ -37,5 +37,4 @@ class RouterIngress(Ingress):
         await self.admission.report(stats)
 
     def num_queued_admissions(self) -> int:
-        """Requests waiting in the router's queue for an engine to have room."""
-        return len(self.admission.queue)
+        return self.admission.num_queued_admissions()

@@ -224,9 +224,37 @@ async def aging(stack: Stack) -> None:
     assert max(early_done) < starved_done < min(late_done)
 
 
+async def clients_leave_while_queued(stack: Stack) -> None:
+    """1. one occupied replica; three requests queue at the router.
+    2. the clients of two of them leave before their answer (they close their connections): the
+       router's queue holds only the third.
+    3. once the replica frees up, the third completes in full; of the three only it reached the
+       engine, which ends idle.
+    Needs a front door that cancels a request whose client left before its response began
+    (Serve's): the in-process stack's uvicorn does not, so this runs through Serve only."""
+    before = await _received(stack)
+    async with _client(stack) as client:
+        streams, waiting = await _occupy(client, stack, 1)
+        queued = [_spawn(client, f"q{i}", 3) for i in range(3)]
+        await _queued(stack, 3)
+        for leaving in queued[:2]:
+            leaving.cancel()
+        await asyncio.gather(*queued[:2], return_exceptions=True)
+        await _queued(stack, 1)
+        await _release(streams)
+        await asyncio.gather(*waiting, queued[2])
+        assert await _received(stack) - before == 2 + 1  # the two occupying ones and the one left
+
+        async def idle() -> bool:
+            return all(s.num_running == 0 and s.num_waiting == 0 for s in await stack.replica_stats())
+
+        await _until(idle, "the engine to end idle", 5)
+
+
 SCENARIOS = {
     "queue_full_429": Scenario(_config("fcfs", max_queued_requests=3), queue_full),
     "priority_classes": Scenario(_config("priority", num_replicas=2), priority_classes),
     "sjf": Scenario(_config("sjf"), sjf),
     "aging": Scenario(_config("priority", aging_rate=AGING_RATE, priority_range=[0, STARVED_PRIORITY]), aging),
 }
+LEAVING = Scenario(_config("fcfs"), clients_leave_while_queued)  # through Serve only (its docstring)

@@ -113,6 +113,15 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+async def admit_alone(router: Any, request: Any) -> Any:
+    """One request's admission asked of a Router as a batch of its own: its AdmitResult."""
+    async with contextlib.aclosing(router.admit_many([request])) as batches:
+        async for answers in batches:
+            if answers:
+                return answers[0][1]
+    raise AssertionError(f"the router never answered {request.request_id}")
+
+
 def sse_events(body: str) -> list[Any]:
     """Parses an SSE body into JSON payloads (and the literal '[DONE]')."""
     events = []

@@ -9,18 +9,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from admission_scenarios import ENGINE, SCENARIOS, Stack
+from admission_scenarios import ENGINE, LEAVING, SCENARIOS, Scenario, Stack
 from conftest import fake_serve_app, merge
 
 pytestmark = pytest.mark.slow
-
-
-def _router_actor(app: str):
-    import ray
-
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"{app}#Router#" in a["name"]]
-    assert len(names) == 1, names
-    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
 
 # where the queue lives: the split graph's Router deployment, its ingress, or (one engine replica,
@@ -32,13 +24,9 @@ CASES = [(name, graph) for graph in GRAPHS for name, scenario in SCENARIOS.items
          if graph != "colocated" or scenario.config["engine"]["num_replicas"] == 1]
 
 
-@pytest.mark.parametrize("name,graph", CASES)
-def test_admission_scenario_through_serve(serve_cluster, name, graph):
-    import ray
+def _through_serve(serve_cluster: dict, scenario: Scenario, app: str, graph: str) -> None:
     from ray import serve
 
-    scenario = SCENARIOS[name]
-    app = f"adm-{name.replace('_', '-')}-{graph}"
     with fake_serve_app(serve_cluster, app, merge(scenario.config, GRAPHS[graph]), **ENGINE) as url:
         if graph == "colocated":
             engine = serve.get_deployment_handle("EngineIngress", app_name=app)
@@ -60,16 +48,22 @@ def test_admission_scenario_through_serve(serve_cluster, name, graph):
             async def routing_counters():
                 return await asyncio.to_thread(lambda: replicas.broadcast("routing_counters").results())
 
-            if graph == "ingress":
-                ingress = serve.get_deployment_handle("Ingress", app_name=app)
+            queue = serve.get_deployment_handle("Ingress" if graph == "ingress" else "Router", app_name=app)
 
-                async def num_queued():
-                    return await ingress.num_queued_admissions.remote()
-            else:
-                router = _router_actor(app)
-
-                async def num_queued():
-                    # with every replica occupied, the calls the Router actor holds are queued admit()s
-                    return await asyncio.to_thread(ray.get, router.get_num_ongoing_requests.remote())
+            async def num_queued():
+                return await queue.num_queued_admissions.remote()
 
         asyncio.run(scenario.run(Stack(url, replica_stats, routing_counters, num_queued)))
+
+
+@pytest.mark.parametrize("name,graph", CASES)
+def test_admission_scenario_through_serve(serve_cluster, name, graph):
+    _through_serve(serve_cluster, SCENARIOS[name], f"adm-{name.replace('_', '-')}-{graph}", graph)
+
+
+@pytest.mark.parametrize("graph", ["router", "ingress"])
+def test_clients_that_leave_while_queued_at_the_router_are_withdrawn(serve_cluster, graph):
+    """admission_scenarios.clients_leave_while_queued: the ingress withdraws their admissions from
+    the Router deployment by a release after their batch reached it, or from the router in its
+    own process."""
+    _through_serve(serve_cluster, LEAVING, f"adm-leaving-{graph}", graph)

@@ -182,7 +182,7 @@ def test_a_request_on_a_channel_fails_when_its_own_call_fails():
     async def go():
         streams = SimpleNamespace(generate=_Remote(dies), channel=_Remote(channel))
         reported = []
-        ingress = SimpleNamespace(config=AppConfig(), router=SimpleNamespace(admit=_Remote(admit)),
+        ingress = SimpleNamespace(config=AppConfig(), admissions=SimpleNamespace(admit=admit),
                                   replica_streams=streams, channels=ReplicaChannels(streams, 5.0),
                                   call_router_later=lambda method, arg: reported.append((method, arg)),
                                   release_later=lambda request_id: reported.append(("release", request_id)))

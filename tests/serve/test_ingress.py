@@ -604,7 +604,7 @@ def test_a_replica_that_never_acknowledges_is_a_503_not_a_hang():
     reported = []
     ingress = SimpleNamespace(
         config=AppConfig.model_validate({"ingress": {"replica_accept_timeout_s": 0.2}}),
-        router=SimpleNamespace(admit=Remote(admit)),
+        admissions=SimpleNamespace(admit=admit),
         replica_streams=SimpleNamespace(generate=Remote(lambda request, replica_hint, channel: never_answers())),
         channels=None,
         call_router_later=lambda method, arg: reported.append((method, arg)),

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from admission_scenarios import ENGINE, SCENARIOS, Stack
-from conftest import merge, run, served_local_stack
+from conftest import admit_alone, merge, run, served_local_stack
 from fake_engine import FakeAsyncEngine
 
 from serve_app.admission import AdmissionQueue
@@ -179,17 +179,17 @@ def test_router_queue_full_429_with_retry_after_and_cancel_removes():
     async def go():
         router = Router(RouterConfig(max_queued_requests=1, max_waiting_per_replica=1))
         await router.report(stats("r0", waiting=1, running=4))  # no headroom
-        waiting = asyncio.ensure_future(router.admit(req("a")))
+        waiting = asyncio.ensure_future(admit_alone(router, req("a")))
         await asyncio.sleep(0)
         assert len(router.queue) == 1
-        refused = await router.admit(req("b"))
+        refused = await admit_alone(router, req("b"))
         assert refused.replica_id is None and refused.error.status == 429
         assert refused.error.retry_after_s >= 1
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         assert len(router.queue) == 0
         await router.report(stats("r0", running=4))
-        assert (await router.admit(req("c"))).replica_id == "r0"
+        assert (await admit_alone(router, req("c"))).replica_id == "r0"
         router._tick_task.cancel()
 
     run(go())
@@ -198,7 +198,7 @@ def test_router_queue_full_429_with_retry_after_and_cancel_removes():
 def test_router_no_replica_503():
     async def go():
         router = Router(RouterConfig(no_replica_timeout_s=0.2))
-        result = await asyncio.wait_for(router.admit(req("a")), timeout=5)
+        result = await asyncio.wait_for(admit_alone(router, req("a")), timeout=5)
         assert result.error.status == 503
         router._tick_task.cancel()
 
@@ -219,7 +219,7 @@ def test_the_router_ticks_ten_times_a_second_while_requests_wait_and_once_a_seco
         await asyncio.sleep(2.05)
         idle = ticks
         await router.report(stats("r0", waiting=1, running=4))  # no headroom: the request waits
-        waiting = asyncio.ensure_future(router.admit(req("a")))
+        waiting = asyncio.ensure_future(admit_alone(router, req("a")))
         await asyncio.sleep(2.05)  # the idle pause under way, then a tick every 0.1 s
         busy = ticks - idle
         waiting.cancel()

@@ -7,7 +7,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import local_stack, run
+from conftest import admit_alone, local_stack, run
 from fake_engine import FakeTokenizer
 
 from engine.config import EngineConfig
@@ -63,7 +63,7 @@ def test_a_requests_aged_rank_is_continuous_from_router_to_engine(tiny_llama):
         clock = _Clock(100.0)
         router = Router(RouterConfig(policy="priority", aging_rate=1.0), clock=clock)
         router._tick_task.cancel()
-        waiting = asyncio.ensure_future(router.admit(AdmitRequest("old", 9, 4, 4)))
+        waiting = asyncio.ensure_future(admit_alone(router, AdmitRequest("old", 9, 4, 4)))
         await asyncio.sleep(0)
         clock.now += 4.0
         await router.report(ReplicaStats("r0", True, 0, 0, 1, 64, 64, 0.0, 0, 16, (), (), 0.0))
