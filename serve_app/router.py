@@ -126,12 +126,18 @@ class Router:
         self.metrics.record_depth(request.priority, self.queue.depth_by_priority[request.priority])
         return entry
 
+    def _dequeue(self, request_id: str) -> QueueEntry | None:
+        entry = self.queue.remove(request_id)
+        if entry is not None:
+            self.metrics.record_depth(entry.request.priority, self.queue.depth_by_priority[entry.request.priority])
+        return entry
+
     def _withdraw(self, entry: QueueEntry) -> None:
         """A request whose caller is gone: out of the queue, or released if it was admitted."""
         request = entry.request
-        if self.queue.remove(request.request_id) is not None:
-            self.metrics.record_depth(request.priority, self.queue.depth_by_priority[request.priority])
-        elif entry.future is not None and entry.future.done() and not entry.future.cancelled():
+        if self._dequeue(request.request_id) is not None:
+            return
+        if entry.future is not None and entry.future.done() and not entry.future.cancelled():
             self.pool.release(request.request_id)
 
     async def release(self, request_ids: list[str]) -> None:
@@ -139,12 +145,10 @@ class Router:
         costs the router and the ingress a Serve message, and a burst's requests end together),
         or whose clients left while they were queued here: those leave the queue unanswered."""
         for request_id in request_ids:
-            entry = self.queue.remove(request_id)
+            entry = self._dequeue(request_id)
             if entry is None:
                 self.pool.release(request_id)
-                continue
-            self.metrics.record_depth(entry.request.priority, self.queue.depth_by_priority[entry.request.priority])
-            if entry.future is not None:
+            elif entry.future is not None:
                 entry.future.cancel()
         self._dispatch()
 
@@ -188,8 +192,7 @@ class Router:
             if replica_id is None:
                 return
             request = entry.request
-            self.queue.remove(request.request_id)
-            self.metrics.record_depth(request.priority, self.queue.depth_by_priority[request.priority])
+            self._dequeue(request.request_id)
             if entry.future is None or entry.future.done():
                 continue  # the caller went away
             self.pool.assign(replica_id, request, now)
@@ -215,8 +218,7 @@ class Router:
 
     def _fail_all(self, error: ErrorInfo) -> None:
         for entry in self.queue.entries():
-            self.queue.remove(entry.request.request_id)
-            self.metrics.record_depth(entry.request.priority, self.queue.depth_by_priority[entry.request.priority])
+            self._dequeue(entry.request.request_id)
             if entry.future is not None and not entry.future.done():
                 self.metrics.rejections.inc(tags={"reason": "no_replica"})
                 entry.future.set_result(AdmitResult(None, error))
