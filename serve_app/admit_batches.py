@@ -1,16 +1,17 @@
-"""`AdmissionBatches`: an ingress's admissions, asked of the router in batches (Router.admit_many).
+"""`AdmissionBatches`: an ingress's admissions at the router, asked and released in batches
+(Router.admit_many, Router.release).
 
 Each call to the Router deployment costs the ingress and the router a Serve message each way,
-and the router is one process for the whole fleet. A burst's requests arrive together: the ones
-that arrive while a batch is on its way to the router go together in the next, and the results
-that come at one moment come back in one message.
+and the router is one process for the whole fleet. A burst's requests arrive together and end
+together: the ones that arrive while an admission call is on its way go together in the next,
+the results that come at one moment come back in one message, and the requests that end while a
+release call is on its way are released together in the next.
 
-Owns: the batches' flow, handing each result to the request that waits for it, and withdrawing
-the admission of a request whose wait is cancelled (its client left). Not yet sent, it is
-dropped; sent, it is released (Router.release takes it out of the queue, or frees its admission)
-once the router has acknowledged its batch, so the release cannot reach the router before the
-request does. Does not own: the router's queue, or the releases' batching (the ingress's
-`release_later`).
+Owns: the admissions' and releases' calls, handing each result to the request that waits for it,
+and withdrawing the admission of a request whose wait is cancelled (its client left). Not yet
+sent, it is dropped; sent, it is released (Router.release takes it out of the queue, or frees its
+admission) once the router has acknowledged its batch, so the release cannot reach the router
+before the request does. Does not own: the router's queue.
 """
 
 from __future__ import annotations
@@ -42,17 +43,17 @@ class _Waiter:
 
 
 class AdmissionBatches:
-    """`router_streams`: the router's handle with streaming on (or serve_app.local's shim);
-    `release_later`: releases an admission at the router; `in_background`: runs a coroutine to
-    its end whatever happens to the request that started it."""
+    """`router`: the router's handle (or serve_app.local's shim); `in_background`: runs a
+    coroutine to its end whatever happens to the request that started it."""
 
-    def __init__(self, router_streams: Any, release_later: Callable[[str], None],
-                 in_background: Callable[[Coroutine], None]):
-        self._router = router_streams
-        self._release_later, self._in_background = release_later, in_background
+    def __init__(self, router: Any, in_background: Callable[[Coroutine], None]):
+        self._router, self._router_streams = router, router.options(stream=True)
+        self._in_background = in_background
         self._unsent: dict[str, AdmitRequest] = {}
         self._waiters: dict[str, _Waiter] = {}
         self._sending = False
+        self._ended: list[str] = []  # admitted requests that ended, not yet released at the router
+        self._releasing = False
 
     async def admit(self, request: AdmitRequest) -> AdmitResult:
         """The router's answer: the replica to stream from, or a refusal."""
@@ -70,13 +71,32 @@ class AdmissionBatches:
         finally:
             del self._waiters[request_id]
 
+    def release_later(self, request_id: str) -> None:
+        """Releases an admission at the router: the requests that end while a release call is on
+        its way go together in the next."""
+        self._ended.append(request_id)
+        if not self._releasing:
+            self._releasing = True
+            self._in_background(self._send_releases())
+
+    async def _send_releases(self) -> None:
+        try:
+            while self._ended:
+                request_ids, self._ended = self._ended, []
+                try:
+                    await self._router.release.remote(request_ids)
+                except Exception:
+                    logger.warning("router.release of %d requests failed", len(request_ids), exc_info=True)
+        finally:
+            self._releasing = False
+
     def _withdraw(self, request_id: str, waiter: _Waiter) -> None:
         if waiter.batch is None:
             del self._unsent[request_id]
         elif not waiter.batch.acknowledged:
             waiter.batch.withdrawn.append(request_id)
         elif waiter.future.cancelled() or waiter.future.result().replica_id is not None:
-            self._release_later(request_id)  # queued at the router, or admitted as its client left
+            self.release_later(request_id)  # queued at the router, or admitted as its client left
 
     async def _send(self) -> None:
         own_serve_request_id()  # not the id of the request being served when the batch began
@@ -87,7 +107,7 @@ class AdmissionBatches:
                 for request in requests:
                     self._waiters[request.request_id].batch = batch
                 request_ids = [request.request_id for request in requests]
-                stream = self._router.admit_many.remote(requests)
+                stream = self._router_streams.admit_many.remote(requests)
                 try:
                     answers = await stream.__anext__()
                 except Exception as e:
@@ -98,7 +118,7 @@ class AdmissionBatches:
                 for request_id in batch.withdrawn:
                     result = answered.get(request_id)
                     if result is None or result.replica_id is not None:
-                        self._release_later(request_id)
+                        self.release_later(request_id)
                 self._deliver(answers)
                 if len(answered) < len(requests):
                     self._in_background(self._read(stream, request_ids))

@@ -73,7 +73,7 @@ class Ingress:
         # benchmarks/serve_hops.py measures it at about half the CPU per message.
         rpc = {"_by_reference": False} if config.ingress.grpc_transport else {}
         self.router = router.options(**rpc)
-        self.admissions = AdmissionBatches(router.options(stream=True, **rpc), self.release_later, self._in_background)
+        self.admissions = AdmissionBatches(self.router, self._in_background)
         self.replicas = replicas
         self.replica_streams = replicas.options(stream=True, **rpc)
         self.channels = (ReplicaChannels(self.replica_streams, config.ingress.replica_accept_timeout_s)
@@ -84,8 +84,6 @@ class Ingress:
         self._tokens: BatchTokenizer | None = None  # the model's tokenizer, off the event loop
         self._info_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
-        self._ended: list[str] = []  # admitted requests that ended, not yet released at the router
-        self._releasing = False
         self._created = int(time.time())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -146,25 +144,6 @@ class Ingress:
                 logger.warning("router.%s(%s) failed", method, arg, exc_info=True)
 
         self._in_background(_call())
-
-    def release_later(self, request_id: str) -> None:
-        """Releases an ended request's admission: the requests that end while a release call is
-        on its way go together in the next (Router.release)."""
-        self._ended.append(request_id)
-        if not self._releasing:
-            self._releasing = True
-            self._in_background(self._send_releases())
-
-    async def _send_releases(self) -> None:
-        try:
-            while self._ended:
-                request_ids, self._ended = self._ended, []
-                try:
-                    await self.router.release.remote(request_ids)
-                except Exception:
-                    logger.warning("router.release of %d requests failed", len(request_ids), exc_info=True)
-        finally:
-            self._releasing = False
 
     def _in_background(self, call: Any) -> None:
         """Runs `call` to its end whatever happens to the request that started it."""

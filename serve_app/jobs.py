@@ -50,24 +50,24 @@ class _Method(Protocol):
 class Admissions(Protocol):
     async def admit(self, request: AdmitRequest) -> AdmitResult: ...
 
+    def release_later(self, request_id: str) -> None: ...
+
 
 class ReplicaStreams(Protocol):
     generate: _Method  # (EngineRequest, replica_hint=, channel=) -> a stream of StreamChunk
 
 
 class JobHost(Protocol):
-    """What a job's flow needs of the ingress that runs it: admission at the router (batched,
-    serve_app.admit_batches), the replicas as a Serve handle (or serve_app.local's shim), the
-    replicas' stream channels (None: none), the replica accept timeout, and fire-and-forget
-    router calls that outlive the job (releases batched)."""
+    """What a job's flow needs of the ingress that runs it: admission and release at the router
+    (batched, serve_app.admit_batches), the replicas as a Serve handle (or serve_app.local's
+    shim), the replicas' stream channels (None: none), the replica accept timeout, and
+    fire-and-forget router calls that outlive the job."""
     config: AppConfig
     admissions: Admissions
     replica_streams: ReplicaStreams
     channels: ReplicaChannels | None
 
     def call_router_later(self, method: str, arg: str | None) -> None: ...
-
-    def release_later(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class JobStream:
             self._gen = None
         if self._admitted:
             self._admitted = False
-            self.ingress.release_later(self.job.admit.request_id)
+            self.ingress.admissions.release_later(self.job.admit.request_id)
 
 
 async def respond(ingress: JobHost, jobs: list[Job], fmt: Formatter, stream: bool):

@@ -32,12 +32,17 @@ def room(replica_id: str = "r0", free_slots: int = 1) -> ReplicaStats:
 
 class _HeldRouter:
     """The real Router behind a batch call that is on its way until `arrive` is set; records each
-    batch's request ids."""
+    batch's request ids and each released one."""
 
     def __init__(self, router: Router):
         self.router = router
         self.batches: list[list[str]] = []
+        self.released: list[str] = []
         self.arrive = asyncio.Event()
+
+    async def release(self, request_ids: list[str]) -> None:
+        self.released.extend(request_ids)
+        await self.router.release(request_ids)
 
     async def admit_many(self, requests: list[AdmitRequest]):
         self.batches.append([r.request_id for r in requests])
@@ -48,19 +53,16 @@ class _HeldRouter:
 
 
 class _Ingress:
-    """What AdmissionBatches needs of the ingress: releases (recorded, then sent to the router)
-    and background tasks."""
+    """AdmissionBatches as an ingress holds it, calling `target` in-process."""
 
-    def __init__(self, router: Router, target) -> None:
-        self.router = router
-        self.released: list[str] = []
+    def __init__(self, target) -> None:
+        self.target = target
         self.tasks: set[asyncio.Task] = set()
-        self.admissions = AdmissionBatches(LocalHandle(target).options(stream=True), self.release_later,
-                                           self.in_background)
+        self.admissions = AdmissionBatches(LocalHandle(target), self.in_background)
 
-    def release_later(self, request_id: str) -> None:
-        self.released.append(request_id)
-        self.in_background(self.router.release([request_id]))
+    @property
+    def released(self) -> list[str]:
+        return self.target.released
 
     def in_background(self, call) -> None:
         task = asyncio.ensure_future(call)
@@ -92,7 +94,7 @@ def test_admissions_that_arrive_while_a_batch_is_on_its_way_go_together_in_the_n
         router = _router()
         await router.report(room(free_slots=2))
         held = _HeldRouter(router)
-        ingress = _Ingress(router, held)
+        ingress = _Ingress(held)
         a = ingress.admit("a")
         await _settle()
         b, c, d = (ingress.admit(rid) for rid in "bcd")
@@ -115,7 +117,7 @@ def test_a_wait_cancelled_before_its_batch_is_sent_never_reaches_the_router():
         router = _router()
         await router.report(full())
         held = _HeldRouter(router)
-        ingress = _Ingress(router, held)
+        ingress = _Ingress(held)
         ingress.admit("a")
         await _settle()
         b = ingress.admit("b")
@@ -139,7 +141,7 @@ def test_a_wait_cancelled_after_its_batch_is_sent_is_withdrawn_from_the_routers_
         router = _router()
         await router.report(full())
         held = _HeldRouter(router)
-        ingress = _Ingress(router, held)
+        ingress = _Ingress(held)
         a, b = ingress.admit("a"), ingress.admit("b")
         await _settle()
         if acknowledged:
@@ -168,7 +170,7 @@ def test_a_wait_cancelled_while_its_admission_is_on_its_way_back_is_released_onc
         await router.report(full())
         held = _HeldRouter(router)
         held.arrive.set()
-        ingress = _Ingress(router, held)
+        ingress = _Ingress(held)
         a = ingress.admit("a")
         await _settle()
         await router.report(room())  # dispatched: the answer is on its way
@@ -185,7 +187,7 @@ def test_a_refusal_answers_at_once_and_a_withdrawn_refusal_is_not_released():
         router = _router(max_queued_requests=1)
         await router.report(full())
         held = _HeldRouter(router)
-        ingress = _Ingress(router, held)
+        ingress = _Ingress(held)
         a, b, c = ingress.admit("a"), ingress.admit("b"), ingress.admit("c")
         await _settle()
         c.cancel()
@@ -199,13 +201,14 @@ def test_a_refusal_answers_at_once_and_a_withdrawn_refusal_is_not_released():
 
 def test_a_batch_whose_call_fails_answers_each_of_its_requests_with_a_503():
     class _Unreachable:
+        released: list[str] = []
+
         async def admit_many(self, requests):
             raise ConnectionError("router unreachable")
             yield
 
     async def go():
-        router = _router()
-        ingress = _Ingress(router, _Unreachable())
+        ingress = _Ingress(_Unreachable())
         waits = [ingress.admit(rid) for rid in "ab"]
         for wait in waits:
             with pytest.raises(APIError) as failed:

@@ -182,10 +182,10 @@ def test_a_request_on_a_channel_fails_when_its_own_call_fails():
     async def go():
         streams = SimpleNamespace(generate=_Remote(dies), channel=_Remote(channel))
         reported = []
-        ingress = SimpleNamespace(config=AppConfig(), admissions=SimpleNamespace(admit=admit),
-                                  replica_streams=streams, channels=ReplicaChannels(streams, 5.0),
-                                  call_router_later=lambda method, arg: reported.append((method, arg)),
-                                  release_later=lambda request_id: reported.append(("release", request_id)))
+        admissions = SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid)))
+        ingress = SimpleNamespace(config=AppConfig(), admissions=admissions, replica_streams=streams,
+                                  channels=ReplicaChannels(streams, 5.0),
+                                  call_router_later=lambda method, arg: reported.append((method, arg)))
         ingress.channels.get("r")
         await asyncio.sleep(0.01)  # the channel opens
         job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)

@@ -604,11 +604,10 @@ def test_a_replica_that_never_acknowledges_is_a_503_not_a_hang():
     reported = []
     ingress = SimpleNamespace(
         config=AppConfig.model_validate({"ingress": {"replica_accept_timeout_s": 0.2}}),
-        admissions=SimpleNamespace(admit=admit),
+        admissions=SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid))),
         replica_streams=SimpleNamespace(generate=Remote(lambda request, replica_hint, channel: never_answers())),
         channels=None,
-        call_router_later=lambda method, arg: reported.append((method, arg)),
-        release_later=lambda request_id: reported.append(("release", request_id)))
+        call_router_later=lambda method, arg: reported.append((method, arg)))
     job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
 
     async def go():
@@ -650,15 +649,15 @@ def test_requests_that_end_while_a_release_is_on_its_way_go_together_in_the_next
             while len(router.calls) < n or ingress._background:
                 await asyncio.sleep(0.001)
 
-        ingress.release_later("a")
+        ingress.admissions.release_later("a")
         while not router.calls:
             await asyncio.sleep(0.001)
         for request_id in ("b", "c", "fails"):  # each in a pass of the loop of its own
-            ingress.release_later(request_id)
+            ingress.admissions.release_later(request_id)
             await asyncio.sleep(0.001)
         router.answer.set()
         await until(2)
-        ingress.release_later("d")
+        ingress.admissions.release_later("d")
         await until(3)
         return router.calls
 
