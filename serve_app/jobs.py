@@ -116,8 +116,8 @@ class JobStream:
         self.ingress, self.job, self._out = ingress, job, out
         self._gen: Any = None
         self._channel: Channel | None = None  # the replica's channel this job's chunks come over
-        self._chunks: asyncio.Queue | None = None  # with a channel: StreamChunk, APIError, None at the call's end
-        self._call_reader: asyncio.Task | None = None  # with a channel: reads the job's own call
+        self._chunks: asyncio.Queue | None = None  # from the channel: StreamChunk, or APIError if it ended
+        self._call_ended: asyncio.Task | None = None  # with a channel: watches the job's own call
         self._admitted = False
         self._replica_id: str | None = None
         self.started: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -136,7 +136,7 @@ class JobStream:
                     self.started.set_result(None)
                 self._out.put_nowait((self.job, chunk))
                 if chunk.finished:
-                    await (self._call_reader if self._call_reader is not None else self._next())  # the call ends
+                    await (self._call_ended if self._call_ended is not None else self._next())  # the call ends
                     self._out.put_nowait((self.job, None))
                     return
                 chunk = await self._next()
@@ -171,8 +171,6 @@ class JobStream:
             self._chunks = self._channel.register(request.request_id)
         self._gen = self.ingress.replica_streams.generate.remote(
             request, replica_hint=result.replica_id, channel=self._channel.id if self._channel else None)
-        if self._chunks is not None:
-            self._call_reader = asyncio.ensure_future(self._read_call())
         await self._accepted()
 
     async def _accepted(self) -> None:
@@ -191,30 +189,30 @@ class JobStream:
                            "service_unavailable") from None
         if chunk is None or not chunk.accepted:
             raise APIError(503, "replica stream ended before accepting the request", "service_unavailable")
+        if chunk.on_channel:
+            self._call_ended = asyncio.ensure_future(self._watch_call())
+        else:  # the replica has no such channel (it ended, or the call went elsewhere): chunks come here
+            self._leave_channel()
 
-    async def _read_call(self) -> None:
-        """The job's own call, beside its channel. On the channel's replica the call carries
-        nothing and ends after the job's last chunk; a call that reached a replica without that
-        channel (it ended there, or the call went elsewhere) carries the job's chunks itself, and
-        they join the channel's on the job's queue; a call that fails fails the job."""
+    async def _watch_call(self) -> None:
+        """The job's own call, while its chunks come over the channel: it ends after the last
+        chunk; if it fails first (the replica died), the job fails."""
         assert self._chunks is not None
         try:
-            while (chunk := await self._next_on_call()) is not None:
-                self._leave_channel()  # a failing channel must not fail a job it does not carry
-                self._chunks.put_nowait(chunk)
-            if self._channel is None:  # the call carried the chunks: their end is its end
-                self._chunks.put_nowait(None)
+            while await self._next_on_call() is not None:
+                pass
         except APIError as e:
             self._chunks.put_nowait(e)
 
     def _leave_channel(self) -> None:
         if self._channel is not None:
             self._channel.unregister(self.job.admit.request_id)
-            self._channel = None
+            self._channel = self._chunks = None
 
     async def _next(self) -> StreamChunk | None:
-        if self._chunks is None:
+        if self._call_ended is None:
             return await self._next_on_call()
+        assert self._chunks is not None
         item = await self._chunks.get()
         if isinstance(item, APIError):
             raise item
@@ -233,9 +231,9 @@ class JobStream:
             raise APIError(503, f"engine replica failed: {type(e).__name__}", "service_unavailable") from None
 
     def close(self) -> None:
-        if self._call_reader is not None:
-            self._call_reader.cancel()
-            self._call_reader = None
+        if self._call_ended is not None:
+            self._call_ended.cancel()
+            self._call_ended = None
         self._leave_channel()
         if self._gen is not None:
             cancel = getattr(self._gen, "cancel", None)

@@ -157,12 +157,10 @@ class EngineReplica:
 
     async def generate(self, request: EngineRequest, replica_hint: str | None = None, channel: str | None = None
                        ) -> AsyncIterator[StreamChunk]:
-        """Streams the request's acknowledgement, then its coalesced deltas; an error ends the
-        stream as a chunk with `error`. `replica_hint` is read by the pinning request router in
-        the caller. With the id of a `channel` open here, the acknowledgement and the chunks go
-        there, batched with the others ready at once, and this call carries nothing: it ends
-        with the request (Serve still counts, cancels and pins it, and tells the caller itself
-        that the call was accepted)."""
+        """Streams the request's coalesced deltas; an error ends the stream as a chunk with
+        `error`. `replica_hint` is read by the pinning request router in the caller. With the
+        id of a `channel` open here, the chunks go there and this call only acknowledges and
+        ends with the request (Serve still counts, cancels and pins it)."""
         self._maybe_start_reporting()
         self._num_received += 1
         self._unreported[request.request_id] = None
@@ -172,10 +170,8 @@ class EngineReplica:
         outbox = self._outboxes.get(channel) if channel is not None else None
         if outbox is not None:
             outbox.num_live += 1
-            outbox.put(request.request_id, StreamChunk(accepted=True))
         try:
-            if outbox is None:
-                yield StreamChunk(accepted=True)
+            yield StreamChunk(accepted=True, on_channel=outbox is not None)
             async with contextlib.aclosing(self._outcome(request)) as chunks:
                 async for chunk in chunks:
                     if outbox is None:

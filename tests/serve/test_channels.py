@@ -12,7 +12,6 @@ from fake_engine import FakeAsyncEngine
 
 import serve_app.channels as channels_module
 import serve_app.replica as replica_module
-from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from serve_app.channels import ReplicaChannels
 from serve_app.config import AppConfig, EngineReplicaConfig
@@ -31,26 +30,25 @@ def request(rid: str, max_tokens: int = 12) -> EngineRequest:
     return EngineRequest(rid, [11, len(rid)], SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
-def test_a_channel_carries_its_requests_acknowledgements_and_chunks_batched_and_their_calls_nothing():
+def test_a_channel_carries_its_requests_chunks_batched_and_their_calls_only_acknowledge():
     async def go():
         replica = make_replica(step_delay_s=0.005)
         channel = replica.channel("ingress-1")
         assert await channel.__anext__() == "r"  # the replica names itself first
         calls = [replica.generate(request(f"q{i}"), channel="ingress-1") for i in range(4)]
-        ends = asyncio.gather(*(drain(call) for call in calls))  # as Serve drives the calls
-        first = await channel.__anext__()
-        assert [(rid, chunk.accepted, chunk.outputs) for rid, chunk in first] == [
-            (f"q{i}", True, []) for i in range(4)]  # the four acknowledgements in one message
+        for call in calls:
+            accepted = await call.__anext__()
+            assert accepted.accepted and accepted.on_channel
+        ends = asyncio.gather(*(drain(call) for call in calls))
         texts: dict[str, str] = {}
         messages = finished = 0
         while finished < 4:
             batch = await channel.__anext__()
             messages += 1
             for request_id, chunk in batch:
-                assert not chunk.accepted
                 texts[request_id] = texts.get(request_id, "") + "".join(o.text for o in chunk.outputs)
                 finished += chunk.finished
-        assert await ends == [[], [], [], []]  # nothing on the requests' own calls
+        assert await ends == [[], [], [], []]  # no chunk on the requests' own calls
         assert texts == {f"q{i}": greedy_text([11, 2], 12) for i in range(4)}
         assert messages <= 14  # 4 requests x 12 tokens, one step's chunks a message
         await channel.aclose()
@@ -63,7 +61,7 @@ def test_a_request_naming_no_open_channel_streams_on_its_own_call():
     async def go():
         replica = make_replica()
         chunks = [c async for c in replica.generate(request("q"), channel="gone")]
-        assert chunks[0].accepted and not chunks[0].outputs
+        assert chunks[0].accepted and not chunks[0].on_channel
         assert "".join(o.text for c in chunks[1:] for o in c.outputs) == greedy_text([11, 1], 12)
 
     run(go())
@@ -77,29 +75,29 @@ def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
         replica = make_replica(step_delay_s=0.04)  # steps slower than the idle window
         channel = replica.channel("c")
         await channel.__anext__()
-        call = asyncio.ensure_future(drain(replica.generate(request("slow", max_tokens=6), channel="c")))
+        call = replica.generate(request("slow", max_tokens=6), channel="c")
+        assert (await call.__anext__()).on_channel
+        rest = asyncio.ensure_future(drain(call))  # as Serve drives the call
         batches = [batch async for batch in channel]  # ends by itself, after the request and the window
-        assert await call == []
-        chunks = [chunk for batch in batches for _, chunk in batch]
-        assert chunks[0].accepted and chunks[-1].finished and sum(c.finished for c in chunks) == 1
+        assert await rest == []
+        assert sum(chunk.finished for batch in batches for _, chunk in batch) == 1
         assert replica._outboxes == {}
 
     run(go())
 
 
-def test_a_request_left_after_its_acknowledgement_does_not_hold_its_channel_open(monkeypatch):
+def test_a_request_left_at_its_acknowledgement_does_not_hold_its_channel_open(monkeypatch):
     monkeypatch.setattr(replica_module, "CHANNEL_IDLE_S", 0.05)
 
     async def go():
-        replica = make_replica(step_delay_s=0.01)
+        replica = make_replica()
         channel = replica.channel("c")
         await channel.__anext__()
-        call = asyncio.ensure_future(drain(replica.generate(request("left", max_tokens=200), channel="c")))
-        assert (await channel.__anext__())[0][1].accepted
-        call.cancel()  # the caller went away (Serve cancels the call)
-        rest = await asyncio.wait_for(drain(channel), 5)
-        assert not any(chunk.finished for batch in rest for _, chunk in batch)
-        assert replica._outboxes == {} and replica.engine.aborted == ["left"]
+        call = replica.generate(request("left"), channel="c")
+        assert (await call.__anext__()).on_channel
+        await call.aclose()  # the caller went away before the request ran
+        assert await asyncio.wait_for(drain(channel), 5) == []
+        assert replica._outboxes == {}
 
     run(go())
 
@@ -167,48 +165,31 @@ def test_a_channel_that_breaks_fails_its_requests_with_a_503_and_aborts_them(mon
     run(go())
 
 
-def job_host(streams, channels: ReplicaChannels, reported: list) -> SimpleNamespace:
-    """The ingress as a job sees it, admitting every request to replica r."""
-    async def admit(admit_request):
-        return AdmitResult("r")
-
-    admissions = SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid)))
-    return SimpleNamespace(config=AppConfig(), admissions=admissions, replica_streams=streams, channels=channels,
-                           call_router_later=lambda method, arg: reported.append((method, arg)))
-
-
-async def opened(channels: ReplicaChannels, replica_id: str) -> None:
-    for _ in range(100):
-        if channels.get(replica_id):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the channel did not open")
-
-
 def test_a_request_on_a_channel_fails_when_its_own_call_fails():
     """The replica died mid-request: its call fails, the channel stays silent; the job gets a 503
     and the replica is reported lost."""
-    called = asyncio.Event()
+    async def admit(admit_request):
+        return AdmitResult("r")
 
     async def channel(channel_id, replica_hint):
         yield replica_hint
-        await called.wait()
-        yield [("j", StreamChunk(accepted=True))]
         await asyncio.Event().wait()
 
     async def dies(request, replica_hint, channel):
-        called.set()
-        await asyncio.sleep(0.05)  # after the acknowledgement went over the channel
+        yield StreamChunk(accepted=True, on_channel=True)
         raise ConnectionError("replica died")
-        yield  # the replica's call is an async generator
 
     async def go():
         streams = SimpleNamespace(generate=_Remote(dies), channel=_Remote(channel))
-        channels = ReplicaChannels(streams, 5.0)
-        await opened(channels, "r")
-        reported: list = []
+        reported = []
+        admissions = SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid)))
+        ingress = SimpleNamespace(config=AppConfig(), admissions=admissions, replica_streams=streams,
+                                  channels=ReplicaChannels(streams, 5.0),
+                                  call_router_later=lambda method, arg: reported.append((method, arg)))
+        ingress.channels.get("r")
+        await asyncio.sleep(0.01)  # the channel opens
         job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
-        stream = JobStream(job_host(streams, channels, reported), job, asyncio.Queue())
+        stream = JobStream(ingress, job, asyncio.Queue())
         await asyncio.wait_for(stream.run(), 5)
         assert stream.started.exception().status == 503
         assert ("remove_replica", "r") in reported and ("release", "j") in reported
@@ -253,7 +234,7 @@ def test_a_call_that_lands_on_another_replica_streams_on_its_own_call():
                 break
             await asyncio.sleep(0.01)
         chunks = await drain(replicas[1].generate(request("q"), channel=channels.get("r").id))
-        assert chunks[0].accepted and chunks[-1].finished  # all on the call itself
+        assert not chunks[0].on_channel and chunks[-1].finished
 
     run(go())
 
@@ -278,56 +259,5 @@ def test_a_channel_whose_replica_never_answers_is_given_up_and_tried_again_later
         assert channels.get("r") is None
         await asyncio.sleep(0.01)
         assert len(opened) == 2
-
-    run(go())
-
-
-def test_a_job_whose_call_lands_beside_its_channel_streams_on_the_call_and_outlives_the_channel():
-    """The job registered on replica r's channel, but its call reached r1 (a stale view): its
-    chunks come over the call, and r's channel failing meanwhile does not fail it."""
-    async def go():
-        replicas = [make_replica(), make_replica(step_delay_s=0.01)]
-        replicas[1].replica_id = "r1"
-        streams = LocalReplicaSet(replicas).options(stream=True)
-        channels = ReplicaChannels(streams, 5.0)
-        await opened(channels, "r")
-        to_r1 = SimpleNamespace(generate=SimpleNamespace(
-            remote=lambda req, replica_hint, channel: streams.generate.remote(req, replica_hint="r1", channel=channel)))
-        reported: list = []
-        out: asyncio.Queue = asyncio.Queue()
-        job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
-        stream = JobStream(job_host(to_r1, channels, reported), job, out)
-        task = asyncio.ensure_future(stream.run())
-        await asyncio.wait_for(stream.started, 5)
-        channels._channels["r"]._reader.cancel()  # r's channel ends mid-job
-        await asyncio.wait_for(task, 5)
-        items = [out.get_nowait()[1] for _ in range(out.qsize())]
-        assert items[-1] is None and items[-2].finished
-        assert "".join(o.text for chunk in items[:-1] for o in chunk.outputs) == greedy_text([11, 1], 12)
-        assert reported == [("release", "j")] and replicas[1].engine.finished == ["j"]
-
-    run(go())
-
-
-def test_a_job_whose_call_ends_unfinished_beside_its_channel_gets_a_503():
-    async def channel(channel_id, replica_hint):
-        yield replica_hint
-        await asyncio.Event().wait()
-
-    async def stops_early(request, replica_hint, channel):  # no such channel there: all on the call
-        yield StreamChunk(accepted=True)
-        yield StreamChunk(outputs=[CompletionOutput(0, "a", [7])])
-
-    async def go():
-        streams = SimpleNamespace(generate=_Remote(stops_early), channel=_Remote(channel))
-        channels = ReplicaChannels(streams, 5.0)
-        await opened(channels, "r")
-        reported: list = []
-        out: asyncio.Queue = asyncio.Queue()
-        job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
-        await asyncio.wait_for(JobStream(job_host(streams, channels, reported), job, out).run(), 5)
-        (_, chunk), (_, error) = out.get_nowait(), out.get_nowait()
-        assert chunk.outputs[0].text == "a" and error.status == 503 and "without finishing" in error.message
-        assert reported == [("release", "j")]
 
     run(go())
