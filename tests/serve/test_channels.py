@@ -12,6 +12,7 @@ from fake_engine import FakeAsyncEngine
 
 import serve_app.channels as channels_module
 import serve_app.replica as replica_module
+from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from serve_app.channels import ReplicaChannels
 from serve_app.config import AppConfig, EngineReplicaConfig
@@ -165,12 +166,27 @@ def test_a_channel_that_breaks_fails_its_requests_with_a_503_and_aborts_them(mon
     run(go())
 
 
-def test_a_request_on_a_channel_fails_when_its_own_call_fails():
-    """The replica died mid-request: its call fails, the channel stays silent; the job gets a 503
-    and the replica is reported lost."""
+def job_host(streams, channels: ReplicaChannels, reported: list) -> SimpleNamespace:
+    """The ingress as a job sees it, admitting every request to replica r."""
     async def admit(admit_request):
         return AdmitResult("r")
 
+    admissions = SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid)))
+    return SimpleNamespace(config=AppConfig(), admissions=admissions, replica_streams=streams, channels=channels,
+                           call_router_later=lambda method, arg: reported.append((method, arg)))
+
+
+async def until_open(channels: ReplicaChannels, replica_id: str) -> None:
+    for _ in range(100):
+        if channels.get(replica_id):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the channel did not open")
+
+
+def test_a_request_on_a_channel_fails_when_its_own_call_fails():
+    """The replica died mid-request: its call fails, the channel stays silent; the job gets a 503
+    and the replica is reported lost."""
     async def channel(channel_id, replica_hint):
         yield replica_hint
         await asyncio.Event().wait()
@@ -181,15 +197,11 @@ def test_a_request_on_a_channel_fails_when_its_own_call_fails():
 
     async def go():
         streams = SimpleNamespace(generate=_Remote(dies), channel=_Remote(channel))
-        reported = []
-        admissions = SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid)))
-        ingress = SimpleNamespace(config=AppConfig(), admissions=admissions, replica_streams=streams,
-                                  channels=ReplicaChannels(streams, 5.0),
-                                  call_router_later=lambda method, arg: reported.append((method, arg)))
-        ingress.channels.get("r")
-        await asyncio.sleep(0.01)  # the channel opens
+        channels = ReplicaChannels(streams, 5.0)
+        await until_open(channels, "r")
+        reported: list = []
         job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
-        stream = JobStream(ingress, job, asyncio.Queue())
+        stream = JobStream(job_host(streams, channels, reported), job, asyncio.Queue())
         await asyncio.wait_for(stream.run(), 5)
         assert stream.started.exception().status == 503
         assert ("remove_replica", "r") in reported and ("release", "j") in reported
@@ -259,5 +271,56 @@ def test_a_channel_whose_replica_never_answers_is_given_up_and_tried_again_later
         assert channels.get("r") is None
         await asyncio.sleep(0.01)
         assert len(opened) == 2
+
+    run(go())
+
+
+def test_a_job_whose_call_lands_beside_its_channel_streams_on_the_call_and_outlives_the_channel():
+    """The job registered on replica r's channel, but its call reached r1 (a stale view): its
+    chunks come over the call, and r's channel failing meanwhile does not fail it."""
+    async def go():
+        replicas = [make_replica(), make_replica(step_delay_s=0.01)]
+        replicas[1].replica_id = "r1"
+        streams = LocalReplicaSet(replicas).options(stream=True)
+        channels = ReplicaChannels(streams, 5.0)
+        await until_open(channels, "r")
+        to_r1 = SimpleNamespace(generate=SimpleNamespace(
+            remote=lambda req, replica_hint, channel: streams.generate.remote(req, replica_hint="r1", channel=channel)))
+        reported: list = []
+        out: asyncio.Queue = asyncio.Queue()
+        job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
+        stream = JobStream(job_host(to_r1, channels, reported), job, out)
+        task = asyncio.ensure_future(stream.run())
+        await asyncio.wait_for(stream.started, 5)
+        channels._channels["r"]._reader.cancel()  # r's channel ends mid-job
+        await asyncio.wait_for(task, 5)
+        items = [out.get_nowait()[1] for _ in range(out.qsize())]
+        assert items[-1] is None and items[-2].finished
+        assert "".join(o.text for chunk in items[:-1] for o in chunk.outputs) == greedy_text([11, 1], 12)
+        assert reported == [("release", "j")] and replicas[1].engine.finished == ["j"]
+
+    run(go())
+
+
+def test_a_job_whose_call_ends_unfinished_beside_its_channel_gets_a_503():
+    async def channel(channel_id, replica_hint):
+        yield replica_hint
+        await asyncio.Event().wait()
+
+    async def stops_early(request, replica_hint, channel):  # no such channel there: all on the call
+        yield StreamChunk(accepted=True)
+        yield StreamChunk(outputs=[CompletionOutput(0, "a", [7])])
+
+    async def go():
+        streams = SimpleNamespace(generate=_Remote(stops_early), channel=_Remote(channel))
+        channels = ReplicaChannels(streams, 5.0)
+        await until_open(channels, "r")
+        reported: list = []
+        out: asyncio.Queue = asyncio.Queue()
+        job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
+        await asyncio.wait_for(JobStream(job_host(streams, channels, reported), job, out).run(), 5)
+        (_, chunk), (_, error) = out.get_nowait(), out.get_nowait()
+        assert chunk.outputs[0].text == "a" and error.status == 503 and "without finishing" in error.message
+        assert reported == [("release", "j")]
 
     run(go())
