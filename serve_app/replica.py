@@ -160,7 +160,9 @@ class EngineReplica:
         """Streams the request's coalesced deltas; an error ends the stream as a chunk with
         `error`. `replica_hint` is read by the pinning request router in the caller. With the
         id of a `channel` open here, the chunks go there and this call only acknowledges and
-        ends with the request (Serve still counts, cancels and pins it)."""
+        ends with the request (Serve still counts, cancels and pins it). The acknowledgement stays
+        a message of this call: over Serve's gRPC transport a call that ends without one can reach
+        the caller without Serve's acceptance, and fails there (BENCHMARKS.md)."""
         self._maybe_start_reporting()
         self._num_received += 1
         self._unreported[request.request_id] = None
