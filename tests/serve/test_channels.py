@@ -240,11 +240,7 @@ def test_a_call_that_lands_on_another_replica_streams_on_its_own_call():
         replicas[1].replica_id = "r1"
         channels = ReplicaChannels(LocalReplicaSet(replicas).options(stream=True), 5.0)
         for rid in ("r", "r1"):
-            channels.get(rid)
-        for _ in range(100):
-            if channels.get("r") and channels.get("r1"):
-                break
-            await asyncio.sleep(0.01)
+            await until_open(channels, rid)
         chunks = await drain(replicas[1].generate(request("q"), channel=channels.get("r").id))
         assert not chunks[0].on_channel and chunks[-1].finished
 
