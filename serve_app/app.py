@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.client import EngineClient
+from serve_app.autoscaling import POLICY as AUTOSCALING_POLICY
 from serve_app.config import AppConfig
 from serve_app.draft import DRAFT_DEPLOYMENT, DraftModel
 from serve_app.engine_ingress import EngineIngress
@@ -46,7 +47,8 @@ def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
     if engine.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = engine.max_replicas_per_node
     if engine.autoscaling is not None:
-        options["autoscaling_config"] = engine.autoscaling.model_dump(exclude_none=True)
+        options["autoscaling_config"] = {**engine.autoscaling.model_dump(exclude_none=True),
+                                         "policy": {"policy_function": AUTOSCALING_POLICY}}
     else:
         options["num_replicas"] = engine.num_replicas
     return options

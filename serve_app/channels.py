@@ -3,9 +3,8 @@ request's chunks (EngineReplica.channel).
 
 Each Serve message costs both processes ~0.1 ms of CPU whatever it holds (BENCHMARKS.md), and
 the engine's steps make the chunks of many requests ready at once. Over a channel they travel
-as one message, where each request's own call would carry one each. The requests' own calls
-stay: they are what Serve routes, counts for autoscaling and cancels, and they acknowledge the
-request and end with it; only their chunks move.
+as one message, where each request's own call would carry one each. The requests go to the
+replica in batched calls (serve_app.submissions) that acknowledge them and end with them.
 
 Owns: opening a replica's channel on first use (in the background: requests sent before it is
 open stream over their own calls), handing each chunk to its request's queue, and failing the
@@ -29,8 +28,8 @@ RETRY_S = 1.0  # a replica whose channel could not open is not asked again soone
 
 
 class Channel:
-    """One replica's channel: `register` a request before sending it with `channel=` this
-    channel's id; its chunks, or an APIError if the channel ends first, arrive on the queue."""
+    """One replica's channel: `register` a request before submitting it naming this channel's
+    id; its chunks, or an APIError if the channel ends first, arrive on the queue."""
 
     def __init__(self, owner: ReplicaChannels, replica_id: str):
         self.owner, self.replica_id = owner, replica_id

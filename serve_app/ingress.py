@@ -53,6 +53,7 @@ from serve_app.protocol import (
     model_card,
 )
 from serve_app.shared_port import SharedPortServer
+from serve_app.submissions import Submissions
 
 logger = logging.getLogger("cbserve.ingress")
 _BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
@@ -76,8 +77,14 @@ class Ingress:
         self.admissions = AdmissionBatches(self.router, self._in_background)
         self.replicas = replicas
         self.replica_streams = replicas.options(stream=True, **rpc)
-        self.channels = (ReplicaChannels(self.replica_streams, config.ingress.replica_accept_timeout_s)
-                         if config.ingress.stream_channels else None)
+        self.channels: ReplicaChannels | None = None
+        self.submissions: Submissions | None = None
+        if config.ingress.stream_channels:
+            timeout_s = config.ingress.replica_accept_timeout_s
+            self.channels = ReplicaChannels(self.replica_streams, timeout_s)
+            self.submissions = Submissions(replicas.options(**rpc), self.replica_streams, timeout_s,
+                                           self._in_background,
+                                           lambda replica_id: self.call_router_later("remove_replica", replica_id))
         self.model_name = config.engine.model_name
         self.auth = Authorizer(config.ingress, config.router)
         self._model_info: ModelInfo | None = None

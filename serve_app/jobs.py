@@ -30,6 +30,7 @@ from serve_app.config import AppConfig
 from serve_app.formatting import Formatter
 from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest, ModelInfo, StreamChunk
 from serve_app.protocol import SSE_DONE, APIError, sse_event
+from serve_app.submissions import Submissions
 
 logger = logging.getLogger("cbserve.ingress")
 MAX_PREFIX_BLOCKS = 32  # the router's affinity key covers at most this many leading blocks
@@ -54,18 +55,19 @@ class Admissions(Protocol):
 
 
 class ReplicaStreams(Protocol):
-    generate: _Method  # (EngineRequest, replica_hint=, channel=) -> a stream of StreamChunk
+    generate: _Method  # (EngineRequest, replica_hint=) -> a stream of StreamChunk
 
 
 class JobHost(Protocol):
     """What a job's flow needs of the ingress that runs it: admission and release at the router
     (batched, serve_app.admit_batches), the replicas as a Serve handle (or serve_app.local's
-    shim), the replicas' stream channels (None: none), the replica accept timeout, and
-    fire-and-forget router calls that outlive the job."""
+    shim), the replicas' stream channels and the batches that submit requests beside them (None:
+    none), the replica accept timeout, and fire-and-forget router calls that outlive the job."""
     config: AppConfig
     admissions: Admissions
     replica_streams: ReplicaStreams
     channels: ReplicaChannels | None
+    submissions: Submissions | None
 
     def call_router_later(self, method: str, arg: str | None) -> None: ...
 
@@ -114,10 +116,13 @@ class JobStream:
 
     def __init__(self, ingress: JobHost, job: Job, out: asyncio.Queue):
         self.ingress, self.job, self._out = ingress, job, out
-        self._gen: Any = None
+        self._gen: Any = None  # the job's own call, when its replica's channel is not open
         self._channel: Channel | None = None  # the replica's channel this job's chunks come over
-        self._chunks: asyncio.Queue | None = None  # from the channel: StreamChunk, or APIError if it ended
-        self._call_ended: asyncio.Task | None = None  # with a channel: watches the job's own call
+        # Submitted beside a channel: its chunks, an APIError if the channel or the call failed, or
+        # None if the call ended without finishing it (serve_app.submissions)
+        self._chunks: asyncio.Queue | None = None
+        self._submitted = False
+        self._ended_at_replica = False  # its last chunk came: nothing to abort
         self._admitted = False
         self._replica_id: str | None = None
         self.started: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -130,13 +135,15 @@ class JobStream:
             await self._admit()
             chunk = await self._next()
             while chunk is not None:
+                self._ended_at_replica = chunk.finished
                 if chunk.error is not None:
                     raise APIError.from_info(chunk.error)
                 if not self.started.done():
                     self.started.set_result(None)
                 self._out.put_nowait((self.job, chunk))
                 if chunk.finished:
-                    await (self._call_ended if self._call_ended is not None else self._next())  # the call ends
+                    if self._gen is not None:
+                        await self._next()  # its call ends
                     self._out.put_nowait((self.job, None))
                     return
                 chunk = await self._next()
@@ -165,19 +172,24 @@ class JobStream:
         self._admitted = True
         self._replica_id = result.replica_id
         request = dataclasses.replace(self.job.engine_request, waited_s=result.queue_wait_s)
-        channels = self.ingress.channels
+        channels, submissions = self.ingress.channels, self.ingress.submissions
         self._channel = channels.get(result.replica_id) if channels is not None else None
         if self._channel is not None:
+            assert submissions is not None  # the ingress has both or neither
             self._chunks = self._channel.register(request.request_id)
-        self._gen = self.ingress.replica_streams.generate.remote(
-            request, replica_hint=result.replica_id, channel=self._channel.id if self._channel else None)
+            self._submitted = True
+            if not await submissions.submit(result.replica_id, self._channel.id, request, self._chunks):
+                self._channel.unregister(request.request_id)  # another replica has it: its chunks come on the call
+                self._channel = None
+            return
+        self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)
         await self._accepted()
 
     async def _accepted(self) -> None:
-        """Waits for the replica's acknowledgement. A call to a replica that died after the router
-        chose it waits in Serve's handle for a replica to exist, which may be never (its node is
-        gone and no other can host it): past the deadline the replica is reported lost and the
-        client gets a 503."""
+        """Waits for the replica's acknowledgement of the job's own call. A call to a replica that
+        died after the router chose it waits in Serve's handle for a replica to exist, which may be
+        never (its node is gone and no other can host it): past the deadline the replica is
+        reported lost and the client gets a 503."""
         timeout = self.ingress.config.ingress.replica_accept_timeout_s
         try:
             chunk = await asyncio.wait_for(self._next(), timeout)
@@ -189,30 +201,10 @@ class JobStream:
                            "service_unavailable") from None
         if chunk is None or not chunk.accepted:
             raise APIError(503, "replica stream ended before accepting the request", "service_unavailable")
-        if chunk.on_channel:
-            self._call_ended = asyncio.ensure_future(self._watch_call())
-        else:  # the replica has no such channel (it ended, or the call went elsewhere): chunks come here
-            self._leave_channel()
-
-    async def _watch_call(self) -> None:
-        """The job's own call, while its chunks come over the channel: it ends after the last
-        chunk; if it fails first (the replica died), the job fails."""
-        assert self._chunks is not None
-        try:
-            while await self._next_on_call() is not None:
-                pass
-        except APIError as e:
-            self._chunks.put_nowait(e)
-
-    def _leave_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.unregister(self.job.admit.request_id)
-            self._channel = self._chunks = None
 
     async def _next(self) -> StreamChunk | None:
-        if self._call_ended is None:
+        if self._chunks is None:
             return await self._next_on_call()
-        assert self._chunks is not None
         item = await self._chunks.get()
         if isinstance(item, APIError):
             raise item
@@ -231,10 +223,14 @@ class JobStream:
             raise APIError(503, f"engine replica failed: {type(e).__name__}", "service_unavailable") from None
 
     def close(self) -> None:
-        if self._call_ended is not None:
-            self._call_ended.cancel()
-            self._call_ended = None
-        self._leave_channel()
+        request_id = self.job.admit.request_id
+        if self._submitted:
+            self._submitted = False
+            assert self.ingress.submissions is not None
+            self.ingress.submissions.end(request_id, finished=self._ended_at_replica)
+        if self._channel is not None:
+            self._channel.unregister(request_id)
+            self._channel = None
         if self._gen is not None:
             cancel = getattr(self._gen, "cancel", None)
             if cancel is not None:

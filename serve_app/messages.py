@@ -52,7 +52,6 @@ class StreamChunk:
     finished: bool = False  # True on the last chunk of the request
     error: ErrorInfo | None = None  # set instead of outputs when the request failed
     accepted: bool = False  # the replica's first message: the call reached it (no outputs)
-    on_channel: bool = False  # with `accepted`: the request's chunks come over the caller's channel, not this call
     prompt_logprobs: list[tuple[int, dict[int, float] | None]] | None = None  # (token, logprobs), once, if asked
 
 

@@ -2,8 +2,9 @@
 
 Owns: building the engine through the EngineClient contract (`engine_cls` injectable, default
 engine.AsyncEngine), running an `EngineRequest` on it and streaming its coalesced chunks
-(serve_app.coalescer) on its own call or on its caller's channel (many requests' chunks a
-message; serve_app.channels is the caller's end), mapping engine errors to error chunks,
+(serve_app.coalescer) on its own call (`generate`), or requests sent together (`submit`, aborted
+by `abort`) on their caller's channel (many requests' chunks a message; serve_app.channels and
+serve_app.submissions are the caller's end), mapping engine errors to error chunks,
 telling Serve whether the engine can serve (`check_health`), and reporting its load to the
 router when it changes (and at least every `stats_heartbeat_s`), at most once per output
 interval of the engine (its counts change no more often). Does not own: HTTP,
@@ -24,6 +25,7 @@ from typing import Any
 from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.heap import collect_young_less_often
+from serve_app.autoscaling import LIVE_REQUESTS
 from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
 from serve_app.draft import draft_transport
@@ -37,7 +39,8 @@ CHANNEL_IDLE_S = 2.0  # a channel no request has used for this long ends: Serve'
 
 
 class _Outbox:
-    """A channel's chunks not yet sent, and how many requests send through it."""
+    """A channel's (or a `submit` call's) chunks not yet sent, and how many requests send
+    through it."""
 
     def __init__(self) -> None:
         self.items: list[tuple[str, StreamChunk]] = []
@@ -99,7 +102,8 @@ class EngineReplica:
         self._num_received = 0
         self._unreported: dict[str, None] = {}  # received, not yet listed in a load report (ordered set)
         self._ended: dict[str, None] = {}  # ended, not yet listed in a load report (ordered set)
-        self._live: set[str] = set()  # requests inside `generate`
+        self._live: set[str] = set()  # requests inside `generate`, or submitted and not ended
+        self._tasks: dict[str, asyncio.Task] = {}  # the submitted requests running, by id
         self._outboxes: dict[str, _Outbox] = {}  # by channel id: the callers' open channels
         self.num_misrouted = 0
         self._report_now: asyncio.Event | None = None
@@ -132,7 +136,7 @@ class EngineReplica:
 
     async def channel(self, channel_id: str, replica_hint: str | None = None
                       ) -> AsyncIterator[str | list[tuple[str, StreamChunk]]]:
-        """One caller's stream of many requests' chunks: a request generated with this
+        """One caller's stream of many requests' chunks: a request submitted naming this
         `channel_id` sends its chunks here, (request id, chunk) pairs batched with the others
         ready at the same moment, so each stream message costs one Serve message per caller,
         not one per request. The first message is this replica's id (the caller checks the
@@ -149,40 +153,103 @@ class EngineReplica:
                     continue
                 await asyncio.sleep(0)  # the streams woken by the same engine output put theirs first
                 outbox.ready.clear()
-                batch, outbox.items = outbox.items, []
-                yield batch
+                if outbox.items:
+                    batch, outbox.items = outbox.items, []
+                    yield batch
         finally:
             if self._outboxes.get(channel_id) is outbox:
                 del self._outboxes[channel_id]
 
-    async def generate(self, request: EngineRequest, replica_hint: str | None = None, channel: str | None = None
-                       ) -> AsyncIterator[StreamChunk]:
-        """Streams the request's coalesced deltas; an error ends the stream as a chunk with
-        `error`. `replica_hint` is read by the pinning request router in the caller. With the
-        id of a `channel` open here, the chunks go there and this call only acknowledges and
-        ends with the request (Serve still counts, cancels and pins it). The acknowledgement stays
-        a message of this call: over Serve's gRPC transport a call that ends without one can reach
-        the caller without Serve's acceptance, and fails there (BENCHMARKS.md)."""
-        self._maybe_start_reporting()
-        self._num_received += 1
-        self._unreported[request.request_id] = None
-        self._live.add(request.request_id)
-        if replica_hint is not None and replica_hint != self.replica_id:
-            self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
-        outbox = self._outboxes.get(channel) if channel is not None else None
-        if outbox is not None:
-            outbox.num_live += 1
+    async def generate(self, request: EngineRequest, replica_hint: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Streams the request's coalesced deltas after an acknowledgement; an error ends the
+        stream as a chunk with `error`. `replica_hint` is read by the pinning request router in
+        the caller. For a caller with no channel open here (serve_app.channels): `submit` sends
+        the rest."""
+        self._receive(request.request_id, replica_hint)
         try:
-            yield StreamChunk(accepted=True, on_channel=outbox is not None)
+            yield StreamChunk(accepted=True)
             async with contextlib.aclosing(self._outcome(request)) as chunks:
                 async for chunk in chunks:
-                    if outbox is None:
-                        yield chunk
-                    else:
-                        outbox.put(request.request_id, chunk)
+                    yield chunk
         finally:
-            if outbox is not None:
-                outbox.num_live -= 1
+            self._end(request.request_id)  # a call cancelled at its acknowledgement never entered `_outcome`
+
+    async def submit(self, requests: list[EngineRequest], channel: str, replica_hint: str | None = None
+                     ) -> AsyncIterator[bool | list[tuple[str, StreamChunk]]]:
+        """Requests one caller sent together, each run as a task of its own (serve_app.submissions:
+        a Serve call per request cost the caller and this process more than the rest of the
+        request's intake). The first message says whether their chunks go over the caller's
+        `channel` (True: it is open here); if not (the call reached another replica than the one
+        it names), they follow on this call, (request id, chunk) pairs batched as a channel's are.
+        The call ends once every request has, so Serve's drain waits for them; its cancellation
+        (the caller gone) aborts them, as `abort` does one by one."""
+        outbox = self._outboxes.get(channel)
+        on_channel = outbox is not None
+        if outbox is None:
+            outbox = _Outbox()
+        tasks = [self._start(request, replica_hint, outbox) for request in requests]
+        try:
+            yield on_channel
+            if on_channel:
+                await asyncio.wait(tasks)
+                return
+            while outbox.num_live or outbox.items:
+                await outbox.ready.wait()
+                await asyncio.sleep(0)  # the streams woken by the same engine output put theirs first
+                outbox.ready.clear()
+                if outbox.items:
+                    batch, outbox.items = outbox.items, []
+                    yield batch
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def abort(self, request_ids: list[str], replica_hint: str | None = None) -> None:
+        """Ends submitted requests whose clients left (the engine aborts each); ids not running
+        here (ended already, or never sent here) are ignored."""
+        for request_id in request_ids:
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (serve_app.autoscaling): the requests inside this
+        replica, which a batched `submit` call holds many of."""
+        return {LIVE_REQUESTS: len(self._live)}
+
+    def _receive(self, request_id: str, replica_hint: str | None) -> None:
+        self._maybe_start_reporting()
+        self._num_received += 1
+        self._unreported[request_id] = None
+        self._live.add(request_id)
+        if replica_hint is not None and replica_hint != self.replica_id:
+            self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
+
+    def _start(self, request: EngineRequest, replica_hint: str | None, outbox: _Outbox) -> asyncio.Task:
+        """The submitted request as a task putting its chunks in `outbox`."""
+        request_id = request.request_id
+        self._receive(request_id, replica_hint)
+        outbox.num_live += 1
+        task = self._tasks[request_id] = asyncio.ensure_future(self._put_chunks(request, outbox))
+
+        def ended(_: asyncio.Task) -> None:
+            self._tasks.pop(request_id, None)
+            self._end(request_id)  # a task cancelled before it ran never entered `_outcome`
+            outbox.num_live -= 1
+            outbox.ready.set()
+
+        task.add_done_callback(ended)
+        return task
+
+    async def _put_chunks(self, request: EngineRequest, outbox: _Outbox) -> None:
+        async with contextlib.aclosing(self._outcome(request)) as chunks:
+            async for chunk in chunks:
+                outbox.put(request.request_id, chunk)
+
+    def _end(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._live.discard(request_id)
+            self._ended[request_id] = None
 
     async def _outcome(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
         """The request's coalesced deltas from the engine; an error ends them as a chunk with
@@ -205,8 +272,7 @@ class EngineReplica:
                 logger.warning("request %s failed: %r", request.request_id, e)
             yield StreamChunk(error=error_info(e), finished=True)
         finally:
-            self._live.discard(request.request_id)
-            self._ended[request.request_id] = None
+            self._end(request.request_id)
             self.metrics.record_request(request.priority, coalescer.metrics, coalescer.num_messages,
                                         coalescer.num_output_tokens, len(request.prompt_token_ids))
             if coalescer.finished or failed:  # a client that left, or bad input, is no verdict on the service

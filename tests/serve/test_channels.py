@@ -1,6 +1,7 @@
-"""Stream channels (serve_app.channels, EngineReplica.channel): many requests' chunks in one
-message per caller, the requests' own calls only acknowledging and ending, and every way a
-channel can end failing only the requests on it, never hanging them."""
+"""Stream channels (serve_app.channels, EngineReplica.channel) and the batches that submit
+requests beside them (serve_app.submissions, EngineReplica.submit): many requests' chunks in one
+message per caller, many requests in one call that only acknowledges and ends, and every way a
+channel or a call can end failing only the requests on it, never hanging them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from serve_app.jobs import Job, JobStream
 from serve_app.local import LocalReplicaSet
 from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest, StreamChunk
 from serve_app.replica import EngineReplica
+from serve_app.submissions import Submissions
 
 
 def make_replica(**engine_opts) -> EngineReplica:
@@ -31,16 +33,15 @@ def request(rid: str, max_tokens: int = 12) -> EngineRequest:
     return EngineRequest(rid, [11, len(rid)], SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
-def test_a_channel_carries_its_requests_chunks_batched_and_their_calls_only_acknowledge():
+def test_a_channel_carries_its_requests_chunks_batched_and_their_call_only_acknowledges():
     async def go():
         replica = make_replica(step_delay_s=0.005)
         channel = replica.channel("ingress-1")
         assert await channel.__anext__() == "r"  # the replica names itself first
-        calls = [replica.generate(request(f"q{i}"), channel="ingress-1") for i in range(4)]
-        for call in calls:
-            accepted = await call.__anext__()
-            assert accepted.accepted and accepted.on_channel
-        ends = asyncio.gather(*(drain(call) for call in calls))
+        call = replica.submit([request(f"q{i}") for i in range(4)], "ingress-1")
+        assert await call.__anext__() is True  # on the channel
+        assert replica.record_autoscaling_stats() == {"live_requests": 4}
+        end = asyncio.ensure_future(drain(call))
         texts: dict[str, str] = {}
         messages = finished = 0
         while finished < 4:
@@ -49,21 +50,27 @@ def test_a_channel_carries_its_requests_chunks_batched_and_their_calls_only_ackn
             for request_id, chunk in batch:
                 texts[request_id] = texts.get(request_id, "") + "".join(o.text for o in chunk.outputs)
                 finished += chunk.finished
-        assert await ends == [[], [], [], []]  # no chunk on the requests' own calls
+        assert await end == []  # no chunk on the call, which ends with its requests
         assert texts == {f"q{i}": greedy_text([11, 2], 12) for i in range(4)}
         assert messages <= 14  # 4 requests x 12 tokens, one step's chunks a message
         await channel.aclose()
-        assert replica._outboxes == {}
+        assert replica._outboxes == {} and replica._tasks == {}
+        assert replica.record_autoscaling_stats() == {"live_requests": 0}
 
     run(go())
 
 
-def test_a_request_naming_no_open_channel_streams_on_its_own_call():
+def test_requests_submitted_naming_no_open_channel_stream_on_their_call():
     async def go():
         replica = make_replica()
-        chunks = [c async for c in replica.generate(request("q"), channel="gone")]
-        assert chunks[0].accepted and not chunks[0].on_channel
-        assert "".join(o.text for c in chunks[1:] for o in c.outputs) == greedy_text([11, 1], 12)
+        messages = [m async for m in replica.submit([request("q"), request("qq")], "gone")]
+        assert messages[0] is False
+        texts: dict[str, str] = {}
+        for request_id, chunk in (pair for batch in messages[1:] for pair in batch):
+            texts[request_id] = texts.get(request_id, "") + "".join(o.text for o in chunk.outputs)
+        assert texts == {"q": greedy_text([11, 1], 12), "qq": greedy_text([11, 2], 12)}
+        assert sum(chunk.finished for batch in messages[1:] for _, chunk in batch) == 2
+        assert replica._tasks == {} and replica._live == set()
 
     run(go())
 
@@ -76,8 +83,8 @@ def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
         replica = make_replica(step_delay_s=0.04)  # steps slower than the idle window
         channel = replica.channel("c")
         await channel.__anext__()
-        call = replica.generate(request("slow", max_tokens=6), channel="c")
-        assert (await call.__anext__()).on_channel
+        call = replica.submit([request("slow", max_tokens=6)], "c")
+        assert await call.__anext__() is True
         rest = asyncio.ensure_future(drain(call))  # as Serve drives the call
         batches = [batch async for batch in channel]  # ends by itself, after the request and the window
         assert await rest == []
@@ -87,27 +94,53 @@ def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
     run(go())
 
 
-def test_a_request_left_at_its_acknowledgement_does_not_hold_its_channel_open(monkeypatch):
+def test_a_call_left_at_its_acknowledgement_aborts_its_requests_and_does_not_hold_the_channel(monkeypatch):
     monkeypatch.setattr(replica_module, "CHANNEL_IDLE_S", 0.05)
 
     async def go():
-        replica = make_replica()
+        replica = make_replica(step_delay_s=0.01)
         channel = replica.channel("c")
         await channel.__anext__()
-        call = replica.generate(request("left"), channel="c")
-        assert (await call.__anext__()).on_channel
-        await call.aclose()  # the caller went away before the request ran
-        assert await asyncio.wait_for(drain(channel), 5) == []
-        assert replica._outboxes == {}
+        call = replica.submit([request("left", max_tokens=200), request("too", max_tokens=200)], "c")
+        assert await call.__anext__() is True
+        await asyncio.sleep(0.05)  # both running
+        await call.aclose()  # the caller went away (Serve cancels the call)
+        assert await asyncio.wait_for(drain(channel), 5) != []  # their chunks so far, then the idle end
+        assert sorted(replica.engine.aborted) == ["left", "too"] and not replica.engine._running
+        assert replica._outboxes == {} and replica._tasks == {} and replica._live == set()
 
     run(go())
 
 
-def test_requests_over_http_stream_over_the_channel_once_it_is_open(monkeypatch):
+def test_a_submitted_request_is_aborted_alone_and_the_call_ends_with_the_rest():
+    async def go():
+        replica = make_replica(step_delay_s=0.01)
+        channel = replica.channel("c")
+        await channel.__anext__()
+        call = replica.submit([request("stays", max_tokens=20), request("leaves", max_tokens=200)], "c")
+        assert await call.__anext__() is True
+        await asyncio.sleep(0.05)
+        replica.abort(["leaves", "unknown"])
+        assert await asyncio.wait_for(drain(call), 5) == []
+        assert replica.engine.aborted == ["leaves"] and replica.engine.finished == ["stays"]
+        await channel.aclose()
+
+    run(go())
+
+
+def test_requests_over_http_stream_over_the_channel_once_it_is_open_submitted_together(monkeypatch):
     put = []
     original = replica_module._Outbox.put
     monkeypatch.setattr(replica_module._Outbox, "put",
                         lambda self, rid, chunk: (put.append(rid), original(self, rid, chunk)))
+    submitted: list[list[str]] = []
+    submit = EngineReplica.submit
+
+    def counted(self, requests, channel, replica_hint=None):
+        submitted.append([r.request_id for r in requests])
+        return submit(self, requests, channel, replica_hint)
+
+    monkeypatch.setattr(EngineReplica, "submit", counted)
 
     async def go():
         async with local_stack(engine_cls=FakeAsyncEngine.with_options(step_delay_s=0.002)) as (client, router, reps):
@@ -122,6 +155,8 @@ def test_requests_over_http_stream_over_the_channel_once_it_is_open(monkeypatch)
             texts = {text_of(sse_events(r.text)) for r in [first, *responses]}
             assert len(texts) == 1 and texts.pop().count(" t") == 8  # the same as on the request's own call
             assert len(set(put)) == 6  # every later request's chunks went over the channel
+            assert sorted(rid for batch in submitted for rid in batch) == sorted(set(put))
+            assert len(submitted) <= 3  # those that came while a call was on its way went together
             assert released(router) and not reps[0].engine._running
 
     run(go())
@@ -166,14 +201,24 @@ def test_a_channel_that_breaks_fails_its_requests_with_a_503_and_aborts_them(mon
     run(go())
 
 
-def job_host(streams, channels: ReplicaChannels, reported: list) -> SimpleNamespace:
-    """The ingress as a job sees it, admitting every request to replica r."""
+def job_host(streams, channels: ReplicaChannels, reported: list, replicas=None, accept_timeout_s=5.0
+             ) -> SimpleNamespace:
+    """The ingress as a job sees it, admitting every request to replica r; `streams` and
+    `replicas` (default: `streams`) as the ingress's handles with streaming on and off."""
     async def admit(admit_request):
         return AdmitResult("r")
 
-    admissions = SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid)))
-    return SimpleNamespace(config=AppConfig(), admissions=admissions, replica_streams=streams, channels=channels,
-                           call_router_later=lambda method, arg: reported.append((method, arg)))
+    def lost(replica_id):
+        reported.append(("remove_replica", replica_id))
+
+    host = SimpleNamespace(
+        config=AppConfig(), admissions=SimpleNamespace(
+            admit=admit, release_later=lambda rid: reported.append(("release", rid))),
+        replica_streams=streams, channels=channels,
+        call_router_later=lambda method, arg: reported.append((method, arg)), background=set())
+    host.submissions = Submissions(replicas or streams, streams, accept_timeout_s,
+                                   lambda call: host.background.add(asyncio.ensure_future(call)), lost)
+    return host
 
 
 async def until_open(channels: ReplicaChannels, replica_id: str) -> None:
@@ -184,19 +229,20 @@ async def until_open(channels: ReplicaChannels, replica_id: str) -> None:
     raise AssertionError("the channel did not open")
 
 
-def test_a_request_on_a_channel_fails_when_its_own_call_fails():
+async def silent_channel(channel_id, replica_hint):
+    yield replica_hint
+    await asyncio.Event().wait()
+
+
+def test_a_request_on_a_channel_fails_when_its_call_fails():
     """The replica died mid-request: its call fails, the channel stays silent; the job gets a 503
     and the replica is reported lost."""
-    async def channel(channel_id, replica_hint):
-        yield replica_hint
-        await asyncio.Event().wait()
-
-    async def dies(request, replica_hint, channel):
-        yield StreamChunk(accepted=True, on_channel=True)
+    async def dies(requests, channel, replica_hint):
+        yield True
         raise ConnectionError("replica died")
 
     async def go():
-        streams = SimpleNamespace(generate=_Remote(dies), channel=_Remote(channel))
+        streams = SimpleNamespace(submit=_Remote(dies), channel=_Remote(silent_channel))
         channels = ReplicaChannels(streams, 5.0)
         await until_open(channels, "r")
         reported: list = []
@@ -205,6 +251,28 @@ def test_a_request_on_a_channel_fails_when_its_own_call_fails():
         await asyncio.wait_for(stream.run(), 5)
         assert stream.started.exception().status == 503
         assert ("remove_replica", "r") in reported and ("release", "j") in reported
+
+    run(go())
+
+
+def test_a_batch_not_acknowledged_in_time_fails_its_requests_and_reports_the_replica_lost():
+    async def never_answers(requests, channel, replica_hint):
+        await asyncio.Event().wait()
+        yield True
+
+    async def go():
+        streams = SimpleNamespace(submit=_Remote(never_answers), channel=_Remote(silent_channel))
+        channels = ReplicaChannels(streams, 5.0)
+        await until_open(channels, "r")
+        reported: list = []
+        host = job_host(streams, channels, reported, accept_timeout_s=0.1)
+        jobs = [Job(request(f"j{i}"), AdmitRequest(f"j{i}", 0, 2, 12), 0) for i in range(3)]
+        streams_ = [JobStream(host, job, asyncio.Queue()) for job in jobs]
+        await asyncio.wait_for(asyncio.gather(*(s.run() for s in streams_)), 5)
+        for s in streams_:
+            assert s.started.exception().status == 503 and "unreachable" in s.started.exception().message
+        assert ("remove_replica", "r") in reported
+        assert sorted(arg for what, arg in reported if what == "release") == ["j0", "j1", "j2"]
 
     run(go())
 
@@ -241,8 +309,8 @@ def test_a_call_that_lands_on_another_replica_streams_on_its_own_call():
         channels = ReplicaChannels(LocalReplicaSet(replicas).options(stream=True), 5.0)
         for rid in ("r", "r1"):
             await until_open(channels, rid)
-        chunks = await drain(replicas[1].generate(request("q"), channel=channels.get("r").id))
-        assert not chunks[0].on_channel and chunks[-1].finished
+        messages = await drain(replicas[1].submit([request("q")], channels.get("r").id))
+        assert messages[0] is False and messages[-1][-1][1].finished
 
     run(go())
 
@@ -280,8 +348,8 @@ def test_a_job_whose_call_lands_beside_its_channel_streams_on_the_call_and_outli
         streams = LocalReplicaSet(replicas).options(stream=True)
         channels = ReplicaChannels(streams, 5.0)
         await until_open(channels, "r")
-        to_r1 = SimpleNamespace(generate=SimpleNamespace(
-            remote=lambda req, replica_hint, channel: streams.generate.remote(req, replica_hint="r1", channel=channel)))
+        to_r1 = SimpleNamespace(submit=SimpleNamespace(
+            remote=lambda reqs, channel, replica_hint: streams.submit.remote(reqs, channel, replica_hint="r1")))
         reported: list = []
         out: asyncio.Queue = asyncio.Queue()
         job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
@@ -299,16 +367,12 @@ def test_a_job_whose_call_lands_beside_its_channel_streams_on_the_call_and_outli
 
 
 def test_a_job_whose_call_ends_unfinished_beside_its_channel_gets_a_503():
-    async def channel(channel_id, replica_hint):
-        yield replica_hint
-        await asyncio.Event().wait()
-
-    async def stops_early(request, replica_hint, channel):  # no such channel there: all on the call
-        yield StreamChunk(accepted=True)
-        yield StreamChunk(outputs=[CompletionOutput(0, "a", [7])])
+    async def stops_early(requests, channel, replica_hint):  # no such channel there: all on the call
+        yield False
+        yield [(requests[0].request_id, StreamChunk(outputs=[CompletionOutput(0, "a", [7])]))]
 
     async def go():
-        streams = SimpleNamespace(generate=_Remote(stops_early), channel=_Remote(channel))
+        streams = SimpleNamespace(submit=_Remote(stops_early), channel=_Remote(silent_channel))
         channels = ReplicaChannels(streams, 5.0)
         await until_open(channels, "r")
         reported: list = []

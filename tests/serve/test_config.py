@@ -50,9 +50,36 @@ def test_scaling_settings_reach_serve_under_its_names():
     opts = replica_deployment_options(cfg)
     assert opts["max_replicas_per_node"] == 1
     serve_cfg = AutoscalingConfig(**opts["autoscaling_config"])
-    assert set(opts["autoscaling_config"]) == set(AutoscalingSettings.model_fields)
+    assert set(opts["autoscaling_config"]) == set(AutoscalingSettings.model_fields) | {"policy"}
     for key, value in opts["autoscaling_config"].items():
-        assert getattr(serve_cfg, key) == value, key
+        if key != "policy":
+            assert getattr(serve_cfg, key) == value, key
+    assert serve_cfg.policy.policy_function == "serve_app.autoscaling:live_requests_policy"
+
+
+def test_engine_replicas_scale_on_the_requests_inside_them_not_on_serves_calls():
+    """A replica's one call may hold many requests (serve_app.submissions): Serve's rule on the
+    requests each replica reports, plus the calls queued at handles."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    from serve_app.autoscaling import live_requests_policy
+
+    def decision(live: dict[str, float] | None, ongoing_calls: float, queued: float, replicas: int = 2) -> float:
+        ctx = AutoscalingContext(
+            deployment_id=DeploymentID("EngineReplica", "app"), deployment_name="EngineReplica", app_name="app",
+            current_num_replicas=replicas, target_num_replicas=replicas, running_replicas=[],
+            total_num_requests=ongoing_calls + queued, total_queued_requests=queued,
+            aggregated_metrics={"live_requests": live} if live is not None else {}, raw_metrics={},
+            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
+            last_scale_up_time=None, last_scale_down_time=None, current_time=0.0,
+            config=AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=4))
+        return live_requests_policy(ctx)[0]
+
+    assert decision({"a": 10.0, "b": 6.0}, ongoing_calls=3, queued=4) == 5.0  # (16 + 4) / 4
+    assert decision({"a": 1.0, "b": 1.0}, ongoing_calls=3, queued=0) == 0.5
+    assert decision(None, ongoing_calls=12, queued=0) == 3.0  # before any report: Serve's count
+    assert decision(None, ongoing_calls=3, queued=0, replicas=0) == 0  # at zero: Serve's cold start decides
 
 
 @pytest.mark.parametrize("bad", [
