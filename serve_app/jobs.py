@@ -176,10 +176,11 @@ class JobStream:
         self._channel = channels.get(result.replica_id) if channels is not None else None
         if self._channel is not None:
             assert submissions is not None  # the ingress has both or neither
-            self._chunks = self._channel.register(request.request_id)
+            on_channel = self._channel.register(request.request_id)
             self._submitted = True
-            if not await submissions.submit(result.replica_id, self._channel.id, request, self._chunks):
-                self._channel.unregister(request.request_id)  # another replica has it: its chunks come on the call
+            self._chunks = await submissions.submit(result.replica_id, self._channel.id, request, on_channel)
+            if self._chunks is not on_channel:  # another replica has it: its chunks come on the call
+                self._channel.unregister(request.request_id)
                 self._channel = None
             return
         self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)

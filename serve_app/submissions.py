@@ -34,6 +34,7 @@ class _Batch:
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self.acknowledged = False
+        self.on_channel = False  # with `acknowledged`: its requests' chunks come over the channel
         self.withdrawn: list[str] = []  # ended before the replica acknowledged the batch
 
 
@@ -63,11 +64,12 @@ class Submissions:
 
     def submit(self, replica_id: str, channel_id: str, request: EngineRequest, queue: asyncio.Queue
                ) -> asyncio.Future:
-        """Sends `request` to the replica in its next batch. The future: True once the replica has
-        it and its chunks come over the channel `channel_id`, False if they come here (on
-        `queue`, as the channel's would: chunks, then None if the call ended without finishing
-        it), or a 503 (APIError). `queue` also gets a 503 if the call fails before the request
-        ends. Call `end` when the job is done with the request."""
+        """Sends `request` to the replica in its next batch. The future, once the replica has it:
+        the queue its chunks come on, `queue` (the channel `channel_id`'s) or, if they come on
+        the call instead, a queue of the call's own (chunks, then None if the call ended without
+        finishing it: the channel's end, which may come meanwhile, does not reach it); or a 503
+        (APIError). The queue also gets a 503 if the call fails before the request ends. Call
+        `end` when the job is done with the request."""
         entry = self._submitted[request.request_id] = _Submitted(replica_id, request, queue)
         unsent = self._unsent.get(replica_id)
         if unsent is None:
@@ -107,12 +109,14 @@ class Submissions:
                     _cancel(stream)
                     self._fail_unaccepted(replica_id, batch, e)
                     continue
-                batch.acknowledged = True
+                batch.acknowledged, batch.on_channel = True, on_channel
                 if batch.withdrawn:
                     self._abort_later(replica_id, batch.withdrawn)
                 for entry in entries:
+                    if not on_channel:
+                        entry.queue = asyncio.Queue()
                     if not entry.accepted.done():
-                        entry.accepted.set_result(on_channel)
+                        entry.accepted.set_result(entry.queue)
                 self._in_background(self._read(replica_id, stream, batch))
         finally:
             if self._unsent.get(replica_id) is unsent:
@@ -153,7 +157,7 @@ class Submissions:
             _cancel(stream)
         for request_id in batch.request_ids:
             entry = self._submitted.get(request_id)
-            if entry is not None and (end is not None or entry.accepted.result() is False):
+            if entry is not None and (end is not None or not batch.on_channel):
                 entry.queue.put_nowait(end)
 
     def _abort_later(self, replica_id: str, request_ids: list[str]) -> None:

@@ -384,3 +384,34 @@ def test_a_job_whose_call_ends_unfinished_beside_its_channel_gets_a_503():
         assert reported == [("release", "j")]
 
     run(go())
+
+
+def test_a_job_acknowledged_off_its_channel_as_the_channel_ends_streams_on_its_call():
+    """The replica's channel ended idle just before the job's batch reached it: the batch is
+    acknowledged off the channel, and the channel's end, which reaches the ingress meanwhile, does
+    not fail the job."""
+    ended = asyncio.Event()
+
+    async def ends_when_told(channel_id, replica_hint):
+        yield replica_hint
+        await ended.wait()
+
+    async def off_channel(requests, channel, replica_hint):
+        ended.set()  # the channel ends at the ingress while this call is acknowledged
+        yield False
+        await asyncio.sleep(0.05)
+        yield [(requests[0].request_id, StreamChunk(outputs=[CompletionOutput(0, "a", [7])], finished=True))]
+
+    async def go():
+        streams = SimpleNamespace(submit=_Remote(off_channel), channel=_Remote(ends_when_told))
+        channels = ReplicaChannels(streams, 5.0)
+        await until_open(channels, "r")
+        reported: list = []
+        out: asyncio.Queue = asyncio.Queue()
+        job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
+        await asyncio.wait_for(JobStream(job_host(streams, channels, reported), job, out).run(), 5)
+        (_, chunk), (_, end) = out.get_nowait(), out.get_nowait()
+        assert chunk.outputs[0].text == "a" and chunk.finished and end is None
+        assert reported == [("release", "j")] and "r" not in channels._channels
+
+    run(go())

@@ -70,20 +70,21 @@ def test_requests_that_come_while_a_call_is_on_its_way_go_together_and_ends_abor
         replicas, background, lost = _Replicas(), set(), []
         subs = Submissions(replicas, replicas, 5.0, lambda call: background.add(asyncio.ensure_future(call)),
                            lost.append)
-        a = subs.submit("r", "c", request("a"), asyncio.Queue())
+        queue = asyncio.Queue()
+        a = subs.submit("r", "c", request("a"), queue)
         await _passes()
         assert replicas.calls == [("submit", ["a"])]  # on its way, not acknowledged
         futures = {rid: subs.submit("r", "c", request(rid), asyncio.Queue()) for rid in "bcd"}
         subs.end("b", finished=False)  # its client left before it was sent: dropped
         replicas.ack(0).set()
-        assert await a is True
+        assert await a is queue  # on the channel: its chunks come on the channel's queue
         await _passes()
         assert replicas.calls[1:] == [("submit", ["c", "d"])]
         subs.end("c", finished=False)  # sent, not acknowledged: aborted once it is
         await _passes()
         assert len(replicas.calls) == 2
         replicas.ack(1).set()
-        assert await futures["d"] is True
+        assert isinstance(await futures["d"], asyncio.Queue)
         await _passes()
         assert replicas.calls[2:] == [("abort", ["c"])]
         subs.end("a", finished=True)  # ended at the replica: nothing to abort
