@@ -51,6 +51,14 @@ class _Outbox:
         self.items.append((request_id, chunk))
         self.ready.set()
 
+    async def take(self) -> list[tuple[str, StreamChunk]]:
+        """Once `ready`: the chunks put so far, after the other streams woken by the same engine
+        output have put theirs."""
+        await asyncio.sleep(0)
+        self.ready.clear()
+        batch, self.items = self.items, []
+        return batch
+
 
 def _serve_replica_id() -> str | None:
     try:
@@ -151,10 +159,7 @@ class EngineReplica:
                     if outbox.num_live == 0:
                         return
                     continue
-                await asyncio.sleep(0)  # the streams woken by the same engine output put theirs first
-                outbox.ready.clear()
-                if outbox.items:
-                    batch, outbox.items = outbox.items, []
+                if batch := await outbox.take():
                     yield batch
         finally:
             if self._outboxes.get(channel_id) is outbox:
@@ -180,9 +185,10 @@ class EngineReplica:
         a Serve call per request cost the caller and this process more than the rest of the
         request's intake). The first message says whether their chunks go over the caller's
         `channel` (True: it is open here); if not (the call reached another replica than the one
-        it names), they follow on this call, (request id, chunk) pairs batched as a channel's are.
-        The call ends once every request has, so Serve's drain waits for them; its cancellation
-        (the caller gone) aborts them, as `abort` does one by one."""
+        it names, or the channel has just ended idle), they follow on this call, (request id,
+        chunk) pairs batched as a channel's are. The call ends once every request has, so Serve's
+        drain waits for them; its cancellation (the caller gone) aborts them, as `abort` does one
+        by one."""
         outbox = self._outboxes.get(channel)
         on_channel = outbox is not None
         if outbox is None:
@@ -195,10 +201,7 @@ class EngineReplica:
                 return
             while outbox.num_live or outbox.items:
                 await outbox.ready.wait()
-                await asyncio.sleep(0)  # the streams woken by the same engine output put theirs first
-                outbox.ready.clear()
-                if outbox.items:
-                    batch, outbox.items = outbox.items, []
+                if batch := await outbox.take():
                     yield batch
         finally:
             for task in tasks:

@@ -94,15 +94,22 @@ def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
     run(go())
 
 
+async def submitted_on_channel(replica: EngineReplica, *requests: EngineRequest) -> tuple:
+    """Channel "c" opened at the replica and the requests submitted on it, acknowledged: (the
+    channel's stream, the submit call)."""
+    channel = replica.channel("c")
+    await channel.__anext__()
+    call = replica.submit(list(requests), "c")
+    assert await call.__anext__() is True
+    return channel, call
+
+
 def test_a_call_left_at_its_acknowledgement_aborts_its_requests_and_does_not_hold_the_channel(monkeypatch):
     monkeypatch.setattr(replica_module, "CHANNEL_IDLE_S", 0.05)
 
     async def go():
         replica = make_replica(step_delay_s=0.01)
-        channel = replica.channel("c")
-        await channel.__anext__()
-        call = replica.submit([request("left", max_tokens=200), request("too", max_tokens=200)], "c")
-        assert await call.__anext__() is True
+        channel, call = await submitted_on_channel(replica, request("left", 200), request("too", 200))
         await asyncio.sleep(0.05)  # both running
         await call.aclose()  # the caller went away (Serve cancels the call)
         assert await asyncio.wait_for(drain(channel), 5) != []  # their chunks so far, then the idle end
@@ -115,10 +122,7 @@ def test_a_call_left_at_its_acknowledgement_aborts_its_requests_and_does_not_hol
 def test_a_submitted_request_is_aborted_alone_and_the_call_ends_with_the_rest():
     async def go():
         replica = make_replica(step_delay_s=0.01)
-        channel = replica.channel("c")
-        await channel.__anext__()
-        call = replica.submit([request("stays", max_tokens=20), request("leaves", max_tokens=200)], "c")
-        assert await call.__anext__() is True
+        channel, call = await submitted_on_channel(replica, request("stays", 20), request("leaves", 200))
         await asyncio.sleep(0.05)
         replica.abort(["leaves", "unknown"])
         assert await asyncio.wait_for(drain(call), 5) == []
@@ -227,6 +231,18 @@ async def until_open(channels: ReplicaChannels, replica_id: str) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the channel did not open")
+
+
+async def job_beside_open_channel(streams) -> tuple[list, list, ReplicaChannels]:
+    """Job j run to its end, admitted to replica r once r's channel is open: what it put on its
+    queue (chunks, then None or an APIError), what it told the router, and the channels."""
+    channels = ReplicaChannels(streams, 5.0)
+    await until_open(channels, "r")
+    reported: list = []
+    out: asyncio.Queue = asyncio.Queue()
+    job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
+    await asyncio.wait_for(JobStream(job_host(streams, channels, reported), job, out).run(), 5)
+    return [out.get_nowait()[1] for _ in range(out.qsize())], reported, channels
 
 
 async def silent_channel(channel_id, replica_hint):
@@ -373,13 +389,7 @@ def test_a_job_whose_call_ends_unfinished_beside_its_channel_gets_a_503():
 
     async def go():
         streams = SimpleNamespace(submit=_Remote(stops_early), channel=_Remote(silent_channel))
-        channels = ReplicaChannels(streams, 5.0)
-        await until_open(channels, "r")
-        reported: list = []
-        out: asyncio.Queue = asyncio.Queue()
-        job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
-        await asyncio.wait_for(JobStream(job_host(streams, channels, reported), job, out).run(), 5)
-        (_, chunk), (_, error) = out.get_nowait(), out.get_nowait()
+        (chunk, error), reported, _ = await job_beside_open_channel(streams)
         assert chunk.outputs[0].text == "a" and error.status == 503 and "without finishing" in error.message
         assert reported == [("release", "j")]
 
@@ -404,13 +414,7 @@ def test_a_job_acknowledged_off_its_channel_as_the_channel_ends_streams_on_its_c
 
     async def go():
         streams = SimpleNamespace(submit=_Remote(off_channel), channel=_Remote(ends_when_told))
-        channels = ReplicaChannels(streams, 5.0)
-        await until_open(channels, "r")
-        reported: list = []
-        out: asyncio.Queue = asyncio.Queue()
-        job = Job(request("j"), AdmitRequest("j", 0, 2, 12), 0)
-        await asyncio.wait_for(JobStream(job_host(streams, channels, reported), job, out).run(), 5)
-        (_, chunk), (_, end) = out.get_nowait(), out.get_nowait()
+        (chunk, end), reported, channels = await job_beside_open_channel(streams)
         assert chunk.outputs[0].text == "a" and chunk.finished and end is None
         assert reported == [("release", "j")] and "r" not in channels._channels
 
