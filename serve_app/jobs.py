@@ -179,7 +179,7 @@ class JobStream:
             on_channel = self._channel.register(request.request_id)
             self._submitted = True
             self._chunks = await submissions.submit(result.replica_id, self._channel.id, request, on_channel)
-            if self._chunks is not on_channel:  # another replica has it: its chunks come on the call
+            if self._chunks is not on_channel:  # the replica had no such channel: its chunks come on the call
                 self._channel.unregister(request.request_id)
                 self._channel = None
             return

@@ -168,8 +168,7 @@ class EngineReplica:
     async def generate(self, request: EngineRequest, replica_hint: str | None = None) -> AsyncIterator[StreamChunk]:
         """Streams the request's coalesced deltas after an acknowledgement; an error ends the
         stream as a chunk with `error`. `replica_hint` is read by the pinning request router in
-        the caller. For a caller with no channel open here (serve_app.channels): `submit` sends
-        the rest."""
+        the caller. Callers with a channel open here (serve_app.channels) use `submit` instead."""
         self._receive(request.request_id, replica_hint)
         try:
             yield StreamChunk(accepted=True)
