@@ -7,7 +7,7 @@ as one message, where each request's own call would carry one each. The requests
 replica in batched calls (serve_app.submissions) that acknowledge them and end with them.
 
 Owns: opening a replica's channel on first use (in the background: requests sent before it is
-open stream over their own calls), handing each chunk to its request's queue, and failing the
+open stream on their batch's call), handing each chunk to its request's queue, and failing the
 requests on a channel that ends (a replica that died, or a call that broke) with a 503 on their
 queue. Does not own: the jobs' flow (jobs.py).
 """

@@ -216,9 +216,9 @@ class IngressConfig(_Strict):
     stream_channels: bool = Field(
         True, description="Each engine replica sends the chunks of all of an ingress's requests over one stream "
                           "(a channel), batched as the engine makes them ready, instead of one Serve message per "
-                          "request per chunk, and the requests go to it in batched calls that only acknowledge "
-                          "and end instead of a call each. Not used where the ingress runs the engine "
-                          "in-process (colocated).")
+                          "request per chunk, and the requests go to it in batched calls (which carry their "
+                          "chunks until the channel is open) instead of a call each. Not used where the "
+                          "ingress runs the engine in-process (colocated).")
     ignore_unknown_fields: bool = Field(
         False, description="Accept request fields this server does not know, logging their names, for clients "
                            "that send vendor fields; off: such a request gets a 400 naming the field.")

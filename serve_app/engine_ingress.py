@@ -26,7 +26,7 @@ class EngineIngress(RouterIngress):
     def __init__(self, config: AppConfig, engine_cls: type[EngineClient] | None = None, draft: Any = None):
         replicas: list[EngineReplica] = []
         super().__init__(config, LocalReplicaSet(replicas))
-        self.channels = self.submissions = None  # the replica is in-process: its calls cost no Serve messages
+        self.submissions = None  # the replica is in-process: its calls cost no Serve messages
         self.replica = EngineReplica(config.engine, LocalHandle(self.admission), engine_cls, metrics_enabled=True,
                                      slo=config.slo, draft=draft)
         replicas.append(self.replica)

@@ -77,12 +77,11 @@ class Ingress:
         self.admissions = AdmissionBatches(self.router, self._in_background)
         self.replicas = replicas
         self.replica_streams = replicas.options(stream=True, **rpc)
-        self.channels: ReplicaChannels | None = None
         self.submissions: Submissions | None = None
         if config.ingress.stream_channels:
             timeout_s = config.ingress.replica_accept_timeout_s
-            self.channels = ReplicaChannels(self.replica_streams, timeout_s)
-            self.submissions = Submissions(replicas.options(**rpc), self.replica_streams, timeout_s,
+            channels = ReplicaChannels(self.replica_streams, timeout_s)
+            self.submissions = Submissions(replicas.options(**rpc), self.replica_streams, channels, timeout_s,
                                            self._in_background,
                                            lambda replica_id: self.call_router_later("remove_replica", replica_id))
         self.model_name = config.engine.model_name

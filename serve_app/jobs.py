@@ -3,8 +3,8 @@ built from a validated request, admitted, streamed and answered.
 
 Owns: turning token ids into EngineRequest + AdmitRequest with the engine's own rules (token
 range, context length, SamplingParams, prefix block hashes), the per-job flow `admit at the
-router -> stream from the named replica (its chunks over the replica's channel when one is
-open, serve_app.channels) -> release`, and assembling the jobs' chunks into one
+router -> stream from the named replica (submitted in batches, its chunks over the replica's
+channel when one is open: serve_app.submissions) -> release`, and assembling the jobs' chunks into one
 JSON response or one SSE stream. Does not own: HTTP parsing or auth (ingress.py), wire shapes
 (protocol.py, formatting.py).
 """
@@ -25,7 +25,6 @@ from engine.kv_cache.hashing import extend_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
 from serve_app.call_ids import own_serve_request_id
-from serve_app.channels import Channel, ReplicaChannels
 from serve_app.config import AppConfig
 from serve_app.formatting import Formatter
 from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest, ModelInfo, StreamChunk
@@ -61,12 +60,12 @@ class ReplicaStreams(Protocol):
 class JobHost(Protocol):
     """What a job's flow needs of the ingress that runs it: admission and release at the router
     (batched, serve_app.admit_batches), the replicas as a Serve handle (or serve_app.local's
-    shim), the replicas' stream channels and the batches that submit requests beside them (None:
-    none), the replica accept timeout, and fire-and-forget router calls that outlive the job."""
+    shim), the batches that submit requests beside the replicas' stream channels (None: each
+    request a call of its own), the replica accept timeout, and fire-and-forget router calls
+    that outlive the job."""
     config: AppConfig
     admissions: Admissions
     replica_streams: ReplicaStreams
-    channels: ReplicaChannels | None
     submissions: Submissions | None
 
     def call_router_later(self, method: str, arg: str | None) -> None: ...
@@ -116,10 +115,9 @@ class JobStream:
 
     def __init__(self, ingress: JobHost, job: Job, out: asyncio.Queue):
         self.ingress, self.job, self._out = ingress, job, out
-        self._gen: Any = None  # the job's own call, when its replica's channel is not open
-        self._channel: Channel | None = None  # the replica's channel this job's chunks come over
-        # Submitted beside a channel: its chunks, an APIError if the channel or the call failed, or
-        # None if the call ended without finishing it (serve_app.submissions)
+        self._gen: Any = None  # the job's own call, where requests are not submitted in batches
+        # Submitted in a batch: its chunks, an APIError if the channel or the call failed, or None
+        # if the call ended without finishing it (serve_app.submissions)
         self._chunks: asyncio.Queue | None = None
         self._submitted = False
         self._ended_at_replica = False  # its last chunk came: nothing to abort
@@ -172,16 +170,10 @@ class JobStream:
         self._admitted = True
         self._replica_id = result.replica_id
         request = dataclasses.replace(self.job.engine_request, waited_s=result.queue_wait_s)
-        channels, submissions = self.ingress.channels, self.ingress.submissions
-        self._channel = channels.get(result.replica_id) if channels is not None else None
-        if self._channel is not None:
-            assert submissions is not None  # the ingress has both or neither
-            on_channel = self._channel.register(request.request_id)
+        submissions = self.ingress.submissions
+        if submissions is not None:
             self._submitted = True
-            self._chunks = await submissions.submit(result.replica_id, self._channel.id, request, on_channel)
-            if self._chunks is not on_channel:  # the replica had no such channel: its chunks come on the call
-                self._channel.unregister(request.request_id)
-                self._channel = None
+            self._chunks = await submissions.submit(result.replica_id, request)
             return
         self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)
         await self._accepted()
@@ -229,9 +221,6 @@ class JobStream:
             self._submitted = False
             assert self.ingress.submissions is not None
             self.ingress.submissions.end(request_id, finished=self._ended_at_replica)
-        if self._channel is not None:
-            self._channel.unregister(request_id)
-            self._channel = None
         if self._gen is not None:
             cancel = getattr(self._gen, "cancel", None)
             if cancel is not None:

@@ -168,7 +168,7 @@ class EngineReplica:
     async def generate(self, request: EngineRequest, replica_hint: str | None = None) -> AsyncIterator[StreamChunk]:
         """Streams the request's coalesced deltas after an acknowledgement; an error ends the
         stream as a chunk with `error`. `replica_hint` is read by the pinning request router in
-        the caller. Callers with a channel open here (serve_app.channels) use `submit` instead."""
+        the caller. Callers with stream channels (serve_app.submissions) use `submit` instead."""
         self._receive(request.request_id, replica_hint)
         try:
             yield StreamChunk(accepted=True)
@@ -178,13 +178,14 @@ class EngineReplica:
         finally:
             self._end(request.request_id)  # a call cancelled at its acknowledgement never entered `_outcome`
 
-    async def submit(self, requests: list[EngineRequest], channel: str, replica_hint: str | None = None
+    async def submit(self, requests: list[EngineRequest], channel: str | None, replica_hint: str | None = None
                      ) -> AsyncIterator[bool | list[tuple[str, StreamChunk]]]:
         """Requests one caller sent together, each run as a task of its own (serve_app.submissions:
         a Serve call per request cost the caller and this process more than the rest of the
         request's intake). The first message says whether their chunks go over the caller's
-        `channel` (True: it is open here); if not (the call reached another replica than the one
-        it names, or the channel has just ended idle), they follow on this call, (request id,
+        `channel` (True: it is open here); if not (None: the caller's is not open yet; or the call
+        reached another replica than the one it names, or the channel has just ended idle), they
+        follow on this call, (request id,
         chunk) pairs batched as a channel's are. The call ends once every request has, so Serve's
         drain waits for them; its cancellation (the caller gone) aborts them, as `abort` does one
         by one."""

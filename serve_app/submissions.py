@@ -5,15 +5,18 @@ A request's own streaming call to its replica cost the ingress about a third of 
 burst (Serve's routing, the gRPC send, reading the call's messages) and the replica a fifth
 (BENCHMARKS.md), though with a stream channel open (serve_app.channels) the call carries only an
 acknowledgement. The requests to one replica that come while a submit call to it is on its way
-go together in the next; their chunks come over the replica's channel.
+go together in the next; their chunks come over the replica's channel when it is open, else on
+their batch's call (a burst's first requests, which come while the channel opens).
 
-Owns: the submit calls per replica, each request's acknowledgement (whether its chunks come over
-the channel, or on the call: it reached another replica than the one named, which has no such
-channel), handing a call's own chunks to each request's queue, failing a batch's requests with a
-503 on their queue when its call fails (the replica died) or is not acknowledged in time, and
-aborting a request whose job ends before the request does (its client left): not yet sent, it is
-dropped; sent, it is aborted once its batch is acknowledged, so the abort cannot reach the
-replica before the request. Does not own: the channels, the jobs' flow (jobs.py).
+Owns: the submit calls per replica, registering a batch's requests on the replica's channel when
+it is open, each request's acknowledgement (whether its chunks come over the channel, or on the
+call: no channel was open, or the call reached another replica than the one named, or the
+channel had just ended there), handing a call's own chunks to each request's queue, failing a
+batch's requests with a 503 on their queue when its call fails (the replica died) or is not
+acknowledged in time, and aborting a request whose job ends before the request does (its client
+left): not yet sent, it is dropped; sent, it is aborted once its batch is acknowledged, so the
+abort cannot reach the replica before the request. Does not own: opening and reading the channels, the jobs' flow
+(jobs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from serve_app.call_ids import own_serve_request_id
+from serve_app.channels import Channel, ReplicaChannels
 from serve_app.messages import EngineRequest
 from serve_app.protocol import APIError
 
@@ -39,49 +43,59 @@ class _Batch:
 
 
 class _Submitted:
-    __slots__ = ("replica_id", "request", "queue", "accepted", "batch")
+    __slots__ = ("replica_id", "request", "queue", "channel", "accepted", "batch")
 
-    def __init__(self, replica_id: str, request: EngineRequest, queue: asyncio.Queue) -> None:
-        self.replica_id, self.request, self.queue = replica_id, request, queue
+    def __init__(self, replica_id: str, request: EngineRequest) -> None:
+        self.replica_id, self.request = replica_id, request
+        self.queue: asyncio.Queue | None = None  # its chunks', once sent
+        self.channel: Channel | None = None  # the channel it is registered on
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.batch: _Batch | None = None  # None until sent
+
+    def leave_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.unregister(self.request.request_id)
+            self.channel = None
 
 
 class Submissions:
     """`replicas`: the engine replicas' handle (or serve_app.local's shim), `replica_streams` the
-    same with streaming on; `accept_timeout_s`: a batch its replica has not acknowledged within
-    this fails; `in_background`: runs a coroutine to its end whatever happens to the request that
-    started it; `lost`: told the id of a replica whose call failed or went unanswered."""
+    same with streaming on; `channels`: this ingress's channels to them; `accept_timeout_s`: a
+    batch its replica has not acknowledged within this fails; `in_background`: runs a coroutine to
+    its end whatever happens to the request that started it; `lost`: told the id of a replica
+    whose call failed or went unanswered."""
 
-    def __init__(self, replicas: Any, replica_streams: Any, accept_timeout_s: float,
+    def __init__(self, replicas: Any, replica_streams: Any, channels: ReplicaChannels, accept_timeout_s: float,
                  in_background: Callable[[Coroutine], None], lost: Callable[[str], None]):
-        self._replicas, self._streams = replicas, replica_streams
+        self._replicas, self._streams, self._channels = replicas, replica_streams, channels
         self._accept_timeout_s = accept_timeout_s
         self._in_background, self._lost = in_background, lost
         self._submitted: dict[str, _Submitted] = {}  # by request id, until its job ends
         self._unsent: dict[str, dict[str, _Submitted]] = {}  # by replica id: its next batch
         self._aborts: dict[str, list[str]] = {}  # by replica id: requests to abort in its next call
 
-    def submit(self, replica_id: str, channel_id: str, request: EngineRequest, queue: asyncio.Queue
-               ) -> asyncio.Future:
+    def submit(self, replica_id: str, request: EngineRequest) -> asyncio.Future:
         """Sends `request` to the replica in its next batch. The future, once the replica has it:
-        the queue its chunks come on, `queue` (the channel `channel_id`'s) or, if they come on
-        the call instead, a queue of the call's own (chunks, then None if the call ended without
-        finishing it: the channel's end, which may come meanwhile, does not reach it); or a 503
-        (APIError). The queue also gets a 503 if the call fails before the request ends. Call
-        `end` when the job is done with the request."""
-        entry = self._submitted[request.request_id] = _Submitted(replica_id, request, queue)
+        the queue its chunks come on, the replica's channel's (chunks, then a 503 if the channel
+        ends first) or, if they come on the call instead, a queue of the call's own (chunks, then
+        None if the call ended without finishing it: a channel's end, which may come meanwhile,
+        does not reach it); or a 503 (APIError). The queue also gets a 503 if the call fails
+        before the request ends. Call `end` when the job is done with the request."""
+        entry = self._submitted[request.request_id] = _Submitted(replica_id, request)
         unsent = self._unsent.get(replica_id)
         if unsent is None:
             unsent = self._unsent[replica_id] = {}
-            self._in_background(self._send(replica_id, channel_id, unsent))
+            self._in_background(self._send(replica_id, unsent))
         unsent[request.request_id] = entry
         return entry.accepted
 
     def end(self, request_id: str, finished: bool) -> None:
         """The job is done with the request; one that did not finish at the replica is aborted."""
         entry = self._submitted.pop(request_id, None)
-        if entry is None or finished:
+        if entry is None:
+            return
+        entry.leave_channel()
+        if finished:
             return
         if entry.batch is None:
             del self._unsent[entry.replica_id][request_id]
@@ -90,7 +104,7 @@ class Submissions:
         else:
             entry.batch.withdrawn.append(request_id)
 
-    async def _send(self, replica_id: str, channel_id: str, unsent: dict[str, _Submitted]) -> None:
+    async def _send(self, replica_id: str, unsent: dict[str, _Submitted]) -> None:
         """Sends the replica's batches, each with the requests that came while the one before was
         on its way, until none is left."""
         try:
@@ -99,10 +113,13 @@ class Submissions:
                 entries = list(unsent.values())
                 unsent.clear()
                 batch = _Batch([entry.request.request_id for entry in entries])
+                channel = self._channels.get(replica_id)  # None while it opens (this starts it)
                 for entry in entries:
                     entry.batch = batch
-                stream = self._streams.submit.remote([entry.request for entry in entries], channel_id,
-                                                     replica_hint=replica_id)
+                    if channel is not None:
+                        entry.channel, entry.queue = channel, channel.register(entry.request.request_id)
+                stream = self._streams.submit.remote([entry.request for entry in entries],
+                                                     None if channel is None else channel.id, replica_hint=replica_id)
                 try:
                     on_channel = await asyncio.wait_for(stream.__anext__(), self._accept_timeout_s)
                 except Exception as e:
@@ -114,6 +131,7 @@ class Submissions:
                     self._abort_later(replica_id, batch.withdrawn)
                 for entry in entries:
                     if not on_channel:
+                        entry.leave_channel()
                         entry.queue = asyncio.Queue()
                     if not entry.accepted.done():
                         entry.accepted.set_result(entry.queue)

@@ -1,7 +1,8 @@
 """Stream channels (serve_app.channels, EngineReplica.channel) and the batches that submit
 requests beside them (serve_app.submissions, EngineReplica.submit): many requests' chunks in one
-message per caller, many requests in one call that only acknowledges and ends, and every way a
-channel or a call can end failing only the requests on it, never hanging them."""
+message per caller, many requests in one call that only acknowledges and ends (or carries their
+chunks while the channel opens), and every way a channel or a call can end failing only the
+requests on it, never hanging them."""
 
 from __future__ import annotations
 
@@ -132,16 +133,17 @@ def test_a_submitted_request_is_aborted_alone_and_the_call_ends_with_the_rest():
     run(go())
 
 
-def test_requests_over_http_stream_over_the_channel_once_it_is_open_submitted_together(monkeypatch):
+def test_requests_over_http_stream_on_their_call_until_the_channel_opens_then_over_it_submitted_together(
+        monkeypatch):
     put = []
     original = replica_module._Outbox.put
     monkeypatch.setattr(replica_module._Outbox, "put",
-                        lambda self, rid, chunk: (put.append(rid), original(self, rid, chunk)))
-    submitted: list[list[str]] = []
+                        lambda self, rid, chunk: (put.append((rid, self)), original(self, rid, chunk)))
+    submitted: list[tuple[list[str], str | None]] = []
     submit = EngineReplica.submit
 
     def counted(self, requests, channel, replica_hint=None):
-        submitted.append([r.request_id for r in requests])
+        submitted.append(([r.request_id for r in requests], channel))
         return submit(self, requests, channel, replica_hint)
 
     monkeypatch.setattr(EngineReplica, "submit", counted)
@@ -149,18 +151,25 @@ def test_requests_over_http_stream_over_the_channel_once_it_is_open_submitted_to
     async def go():
         async with local_stack(engine_cls=FakeAsyncEngine.with_options(step_delay_s=0.002)) as (client, router, reps):
             body = {"model": "fake", "prompt": [11, 12], "max_tokens": 8, "temperature": 0, "stream": True}
-            first = await client.post("/v1/completions", json=body)  # opens the channel, streams on its call
-            assert first.status_code == 200 and not put
+            first = await client.post("/v1/completions", json=body)  # opens the channel, streams on its batch's call
+            assert first.status_code == 200
+            [([first_id], first_channel)] = submitted
+            assert first_channel is None  # none open yet
             for _ in range(100):
                 if reps[0]._outboxes:
                     break
                 await asyncio.sleep(0.01)
+            [channel_outbox] = reps[0]._outboxes.values()
             responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
             texts = {text_of(sse_events(r.text)) for r in [first, *responses]}
-            assert len(texts) == 1 and texts.pop().count(" t") == 8  # the same as on the request's own call
-            assert len(set(put)) == 6  # every later request's chunks went over the channel
-            assert sorted(rid for batch in submitted for rid in batch) == sorted(set(put))
-            assert len(submitted) <= 3  # those that came while a call was on its way went together
+            assert len(texts) == 1 and texts.pop().count(" t") == 8  # the same on the call and on the channel
+            on_channel = {rid for rid, outbox in put if outbox is channel_outbox}
+            assert len(on_channel) == 6 and first_id not in on_channel  # every later request's chunks
+            assert {rid for rid, outbox in put if outbox is not channel_outbox} == {first_id}
+            later = submitted[1:]
+            assert sorted(rid for ids, _ in later for rid in ids) == sorted(on_channel)
+            assert all(channel is not None for _, channel in later)
+            assert len(later) <= 3  # those that came while a call was on its way went together
             assert released(router) and not reps[0].engine._running
 
     run(go())
@@ -218,9 +227,9 @@ def job_host(streams, channels: ReplicaChannels, reported: list, replicas=None, 
     host = SimpleNamespace(
         config=AppConfig(), admissions=SimpleNamespace(
             admit=admit, release_later=lambda rid: reported.append(("release", rid))),
-        replica_streams=streams, channels=channels,
+        replica_streams=streams,
         call_router_later=lambda method, arg: reported.append((method, arg)), background=set())
-    host.submissions = Submissions(replicas or streams, streams, accept_timeout_s,
+    host.submissions = Submissions(replicas or streams, streams, channels, accept_timeout_s,
                                    lambda call: host.background.add(asyncio.ensure_future(call)), lost)
     return host
 

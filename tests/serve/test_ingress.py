@@ -606,7 +606,7 @@ def test_a_replica_that_never_acknowledges_is_a_503_not_a_hang():
         config=AppConfig.model_validate({"ingress": {"replica_accept_timeout_s": 0.2}}),
         admissions=SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid))),
         replica_streams=SimpleNamespace(generate=Remote(lambda request, replica_hint: never_answers())),
-        channels=None, submissions=None,
+        submissions=None,
         call_router_later=lambda method, arg: reported.append((method, arg)))
     job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
 
