@@ -240,6 +240,7 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
             await stream_request(client, url, model, prompt_of(ids), 4, w, time.perf_counter(), extra)
             if not w.ok:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
+        await asyncio.sleep(args.idle_s)
 
         offsets = arrival_offsets(len(wl), args.rate, args.seed)
         results = [RequestResult(r.index, r.prompt_len, r.output_len, off,
@@ -766,6 +767,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='objectives per class, as the app config\'s `slo`: {"0": {"ttft_s": 1, "tpot_s": 0.2}}; '
                         "reports attainment and goodput per class"),
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up requests")
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="seconds idle between the warm-up and the timed run: a burst after a quiet spell "
+                        "(the engine replicas' stream channels end after 2 s idle)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--launch", action="store_true",
                    help="start serve_app in-process from --config, bench it, shut it down")
@@ -820,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "num_requests": len(wl), "rate": "inf" if math.isinf(args.rate) else args.rate,
         "seed": args.seed, "workload": wl.describe(), "text_prompts": args.text_prompts,
+        "warmup": args.warmup, "idle_s": args.idle_s,
         "launch": args.launch, "replica_omp_threads": args.replica_omp_threads,
         "config": args.config if args.launch or args.compare_offline else None,
         "engine_overrides": parse_engine_args(args.engine_arg),
