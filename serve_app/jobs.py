@@ -4,9 +4,9 @@ built from a validated request, admitted, streamed and answered.
 Owns: turning token ids into EngineRequest + AdmitRequest with the engine's own rules (token
 range, context length, SamplingParams, prefix block hashes), the per-job flow `admit at the
 router -> stream from the named replica (submitted in batches, its chunks over the replica's
-channel when one is open: serve_app.submissions) -> release`, and assembling the jobs' chunks into one
-JSON response or one SSE stream. Does not own: HTTP parsing or auth (ingress.py), wire shapes
-(protocol.py, formatting.py).
+channel when one is open: serve_app.submissions) -> release`, and assembling the jobs' chunks
+into one JSON response or one SSE stream. Does not own: HTTP parsing or auth (ingress.py), wire
+shapes (protocol.py, formatting.py).
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 Owns: building the engine through the EngineClient contract (`engine_cls` injectable, default
 engine.AsyncEngine), running an `EngineRequest` on it and streaming its coalesced chunks
 (serve_app.coalescer) on its own call (`generate`), or requests sent together (`submit`, aborted
-by `abort`) on their caller's channel (many requests' chunks a message; serve_app.channels and
-serve_app.submissions are the caller's end), mapping engine errors to error chunks,
-telling Serve whether the engine can serve (`check_health`), and reporting its load to the
-router when it changes (and at least every `stats_heartbeat_s`), at most once per output
-interval of the engine (its counts change no more often). Does not own: HTTP,
-admission, tokenization (the ingress sends token ids), sampling validation (the ingress built
-the SamplingParams).
+by `abort`) on their caller's channel, or on their call until the caller's channel is open (many
+requests' chunks a message either way; serve_app.channels and serve_app.submissions are the
+caller's end), mapping engine errors to error chunks, telling Serve whether the engine can serve
+(`check_health`), and reporting its load to the router when it changes (and at least every
+`stats_heartbeat_s`), at most once per output interval of the engine (its counts change no more
+often). Does not own: HTTP, admission, tokenization (the ingress sends token ids), sampling
+validation (the ingress built the SamplingParams).
 """
 
 from __future__ import annotations
@@ -185,10 +185,9 @@ class EngineReplica:
         request's intake). The first message says whether their chunks go over the caller's
         `channel` (True: it is open here); if not (None: the caller's is not open yet; or the call
         reached another replica than the one it names, or the channel has just ended idle), they
-        follow on this call, (request id,
-        chunk) pairs batched as a channel's are. The call ends once every request has, so Serve's
-        drain waits for them; its cancellation (the caller gone) aborts them, as `abort` does one
-        by one."""
+        follow on this call, (request id, chunk) pairs batched as a channel's are. The call ends
+        once every request has, so Serve's drain waits for them; its cancellation (the caller
+        gone) aborts them, as `abort` does one by one."""
         outbox = self._outboxes.get(channel)
         on_channel = outbox is not None
         if outbox is None:
