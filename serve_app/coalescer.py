@@ -30,33 +30,38 @@ class StreamCoalescer:
 
     async def coalesce(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[StreamChunk]:
         """Yields merged deltas: on the first token, then when `interval_s` has passed since the
-        last chunk, and with the final output. A pending read is raced against the flush
-        deadline, so buffered tokens never wait on a slow step longer than the interval.
-        Leaving early closes `stream` (which aborts the request in the engine)."""
+        last chunk, and with the final output. While tokens are held, the next read is raced
+        against the flush deadline, so they never wait on a slow step longer than the interval;
+        with none held it is awaited directly (no task and no wait: most reads, the engine's
+        own outputs coming once an interval). Leaving early closes `stream` (which aborts the
+        request in the engine)."""
         iterator = stream.__aiter__()
-        pending: asyncio.Future | None = None
+        pending: asyncio.Future | None = None  # a read raced against a deadline that came first
         buffer: dict[int, CompletionOutput] = {}
         num_prompt, last_flush, finished = 0, -math.inf, False
         try:
             while not finished:
-                if pending is None:
-                    pending = asyncio.ensure_future(iterator.__anext__())
-                timeout = max(0.0, last_flush + self.interval_s - self.clock()) if buffer else None
-                done, _ = await asyncio.wait({pending}, timeout=timeout)
-                if done:
-                    fut, pending = pending, None
-                    try:
-                        output = fut.result()
-                    except StopAsyncIteration:
-                        break
-                    self.metrics, num_prompt = output.metrics, len(output.prompt_token_ids)
-                    if output.prompt_logprobs is not None:
-                        self._prompt_logprobs = list(zip(output.prompt_token_ids, output.prompt_logprobs))
-                    merge_deltas(buffer, output.outputs)
-                    finished = self.finished = output.finished
-                    if not finished and self.clock() - last_flush < self.interval_s:
+                if buffer:
+                    if pending is None:
+                        pending = asyncio.ensure_future(iterator.__anext__())
+                    timeout = max(0.0, last_flush + self.interval_s - self.clock())
+                    done, _ = await asyncio.wait({pending}, timeout=timeout)
+                    if not done:  # the deadline: flush what is held
+                        last_flush = self.clock()
+                        yield self._chunk(buffer, num_prompt, False)
+                        buffer = {}
                         continue
-                if buffer or finished:
+                try:
+                    output = await (iterator.__anext__() if pending is None else pending)
+                except StopAsyncIteration:
+                    break
+                pending = None
+                self.metrics, num_prompt = output.metrics, len(output.prompt_token_ids)
+                if output.prompt_logprobs is not None:
+                    self._prompt_logprobs = list(zip(output.prompt_token_ids, output.prompt_logprobs))
+                merge_deltas(buffer, output.outputs)
+                finished = self.finished = output.finished
+                if finished or self.clock() - last_flush >= self.interval_s:
                     last_flush = self.clock()
                     yield self._chunk(buffer, num_prompt, finished)
                     buffer = {}

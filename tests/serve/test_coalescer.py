@@ -94,3 +94,27 @@ def test_a_stream_that_ends_unfinished_gets_a_final_chunk():
 def test_engine_errors_reach_the_caller():
     with pytest.raises(RequestFailedError, match="boom"):
         run(_collect(StreamCoalescer(0.05), Source(5, 0.001, fail_at=3)))
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 1.0])  # the read awaited directly; raced against a held flush
+def test_a_consumer_cancelled_while_waiting_on_the_engine_closes_its_stream(interval_s):
+    async def go():
+        source = Source(100, 0.02)
+        chunks = []
+
+        async def consume():
+            async for chunk in StreamCoalescer(interval_s).coalesce(source()):
+                chunks.append(chunk)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.07)  # the first token sent, the next outputs read (and held, with an interval)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return source, chunks
+
+    source, chunks = run(go())
+    assert source.closed and chunks[0].outputs[0].text == " w0"
+    if interval_s:
+        assert len(chunks) == 1  # only the first token sent, the rest held
+    else:
+        assert len(chunks) >= 2  # every output read sent
