@@ -15,8 +15,8 @@ channel had just ended there), handing a call's own chunks to each request's que
 batch's requests with a 503 on their queue when its call fails (the replica died) or is not
 acknowledged in time, and aborting a request whose job ends before the request does (its client
 left): not yet sent, it is dropped; sent, it is aborted once its batch is acknowledged, so the
-abort cannot reach the replica before the request. Does not own: opening and reading the channels, the jobs' flow
-(jobs.py).
+abort cannot reach the replica before the request. Does not own: opening and reading the
+channels, the jobs' flow (jobs.py).
 """
 
 from __future__ import annotations
