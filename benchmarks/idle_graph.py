@@ -97,12 +97,12 @@ def http_decode(base_url: str, model: str, prompt: list[int], output_len: int) -
     """ms per token of one streamed completion, as the client sees it."""
     import asyncio
 
-    import httpx
+    import aiohttp
 
     async def one() -> serve_bench.RequestResult:
         res = serve_bench.RequestResult(0, len(prompt), output_len, 0.0)
-        async with httpx.AsyncClient(timeout=300) as client:
-            await serve_bench.stream_request(client, base_url + "/completions", model, prompt, output_len, res,
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            await serve_bench.stream_request(session, base_url + "/completions", model, prompt, output_len, res,
                                              time.perf_counter(), {})
         return res
 

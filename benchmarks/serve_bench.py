@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -137,7 +137,19 @@ def _usage_tokens(usage: dict[str, Any] | None) -> tuple[int | None, int | None]
     return usage.get("prompt_tokens"), usage.get("completion_tokens")
 
 
-async def stream_request(client, url: str, model: str | None, prompt: Any, max_tokens: int,
+async def _sse_data(response) -> AsyncIterator[str]:
+    """The `data:` payloads of an SSE body, as they arrive (split here, not by aiohttp's line
+    reader, which refuses lines longer than its buffer: an event with logprobs can be)."""
+    pending = b""
+    async for piece in response.content.iter_any():
+        lines = (pending + piece).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+
+
+async def stream_request(session, url: str, model: str | None, prompt: Any, max_tokens: int,
                          res: RequestResult, t_start: float, extra: dict[str, Any]) -> None:
     body: dict[str, Any] = {
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
@@ -152,16 +164,13 @@ async def stream_request(client, url: str, model: str | None, prompt: Any, max_t
     usage = None
     done = False
     try:
-        async with client.stream("POST", url, json=body) as r:
-            res.status = r.status_code
-            if r.status_code != 200:
-                text = (await r.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {r.status_code}: {text[:300]}"
+        async with session.post(url, json=body) as r:
+            res.status = r.status
+            if r.status != 200:
+                text = (await r.read()).decode("utf-8", "replace")
+                res.error = f"HTTP {r.status}: {text[:300]}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in _sse_data(r):
                 if data == "[DONE]":
                     done = True
                     break
@@ -199,11 +208,11 @@ async def stream_request(client, url: str, model: str | None, prompt: Any, max_t
     res.ok = True
 
 
-async def _resolve_model(client, base_url: str) -> str | None:
+async def _resolve_model(session, base_url: str) -> str | None:
     try:
-        r = await client.get(base_url.rstrip("/") + "/models")
-        r.raise_for_status()
-        data = r.json().get("data") or []
+        async with session.get(base_url.rstrip("/") + "/models") as r:
+            r.raise_for_status()
+            data = (await r.json()).get("data") or []
         return data[0]["id"] if data else None
     except Exception as e:
         log(f"could not list models ({e!r}); sending no `model`")
@@ -214,19 +223,22 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
                    prompter: TextPrompter | None, on_timed_start: Callable[[], None] | None = None
                    ) -> tuple[list[RequestResult], float, str | None]:
     """Warm-up, then the timed replay (`on_timed_start` called between them). Returns
-    (results, wall seconds, model)."""
-    import httpx
+    (results, wall seconds, model).
+
+    The client is aiohttp, whose HTTP parser is C: httpx's pure-Python one took ~1.4 ms of this
+    process's CPU a request and spread a burst of 256 over ~0.35 s before the server saw it
+    (BENCHMARKS.md), a delay the server's figures then carried."""
+    import aiohttp
 
     cap = args.max_concurrency or len(wl)
-    limits = httpx.Limits(max_connections=cap + 4, max_keepalive_connections=cap + 4)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     extra = json.loads(args.extra_body) if args.extra_body else {}
     url = base_url.rstrip("/") + "/completions"
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-        # Always asked, so the client's first connection (httpx imports its socket layer then,
-        # ~75 ms) is made here and not in the first timed request.
-        listed = await _resolve_model(client, base_url)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=args.request_timeout)
+    connector = aiohttp.TCPConnector(limit=cap + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+        # Always asked, so the client's first connection is made here and not in the first timed request.
+        listed = await _resolve_model(session, base_url)
         if model is None:
             model = listed
             log(f"model: {model!r}")
@@ -237,7 +249,7 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
         # warm-up (not timed): distinct prompts, so prefix caching cannot help the measured run
         for i, ids in enumerate(warmup_prompts(args.warmup)):
             w = RequestResult(-1 - i, len(ids), 4, 0.0)
-            await stream_request(client, url, model, prompt_of(ids), 4, w, time.perf_counter(), extra)
+            await stream_request(session, url, model, prompt_of(ids), 4, w, time.perf_counter(), extra)
             if not w.ok:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
         await asyncio.sleep(args.idle_s)
@@ -257,8 +269,8 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
                 await asyncio.sleep(delay)
             body = extra if res.priority is None else extra | {"priority": res.priority}
             async with sem:
-                await stream_request(client, url, model, prompt_of(req.prompt_token_ids),
-                                   req.output_len, res, t_start, body)
+                await stream_request(session, url, model, prompt_of(req.prompt_token_ids),
+                                     req.output_len, res, t_start, body)
 
         await asyncio.gather(*(launch(r, res) for r, res in zip(wl.requests, results)))
         wall = time.perf_counter() - t_start
