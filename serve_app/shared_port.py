@@ -1,7 +1,7 @@
 """One HTTP port served by every ingress replica of a node: each binds it with SO_REUSEPORT and the
 kernel spreads new connections over the replicas listening.
 
-A burst's intake is the ingress's Python, ~2 ms a request in one process on a GPU host
+A burst's intake is the ingress's Python, about a millisecond of one process's CPU a request
 (BENCHMARKS.md), so taking it in faster needs more ingress processes. Serve's direct ingress gives
 each ingress replica a port of its own, which no client spreads over; Serve's proxy spreads
 requests over the replicas but puts a process of its own and a hop before each; Ray's HAProxy
