@@ -6,7 +6,8 @@
 #                                               # (cuda_engine.py: graphs on and off)
 #   bash benchmarks/gpu_sitting.sh serve OUT    # configs/serve-gpu.yaml on the SmolLM2-shaped model, a burst of 256
 #                                               # with one ingress replica and with four on the shared port,
-#                                               # each against the offline engine
+#                                               # each against the offline engine; the benchmark client's own
+#                                               # cost on the host's CPU (http_clients.py)
 #
 # A task's device time (15 minutes, the machine's start included) fits one part a sitting: the engine part first.
 # Run from the repository root. GPU_PY: a python whose torch is a CUDA build (default python3, a GPU image's).
@@ -80,6 +81,7 @@ EOF
             --compare-offline --num-requests 256 --json "$work/serve_ingress$replicas.json"
     done
     rm -rf "$work/model"
+    run http_clients 60 $py benchmarks/http_clients.py --requests 256 --repeats 5 --json "$work/http_clients_256.json"
     ;;
 *)
     echo "unknown part: $part (engine or serve)" >&2
