@@ -225,9 +225,10 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
     """Warm-up, then the timed replay (`on_timed_start` called between them). Returns
     (results, wall seconds, model).
 
-    The client is aiohttp, whose HTTP parser is C: httpx's pure-Python one took ~1.4 ms of this
-    process's CPU a request and spread a burst of 256 over ~0.35 s before the server saw it
-    (BENCHMARKS.md), a delay the server's figures then carried."""
+    The client is aiohttp: httpx's connection pool walks every connection at each request's start
+    and end, which in a burst of 256 took 7.5 ms of this process's CPU a request, and the server
+    saw none of them before a quarter of a second (benchmarks/http_clients.py), a delay the
+    server's figures then carried."""
     import aiohttp
 
     cap = args.max_concurrency or len(wl)
