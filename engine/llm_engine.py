@@ -276,6 +276,5 @@ class LLMEngine:
         num_tokens = out.total_num_scheduled_tokens
         self.scheduler.observe_step(num_tokens, t3 - t0 - result.draft_seconds, result.draft_passes,
                                     result.draft_seconds, num_drafting, result.draft_catch_up_tokens)
-        self._last_step = StepStats(len(out.scheduled), num_tokens, t3 - t0,
-                                    scheduling + (t3 - t2), self._last_step.num_steps + 1)
+        self._last_step = self._last_step.after(len(out.scheduled), num_tokens, t3 - t0, scheduling + (t3 - t2))
         return compiled + events

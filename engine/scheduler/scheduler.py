@@ -568,6 +568,8 @@ class Scheduler:
             prefix_cache_hit_rate=c.num_prefix_hit_tokens / max(c.num_prefix_query_tokens, 1),
             batch_size=step.batch_size, batch_tokens=step.batch_tokens, step_latency_s=step.step_latency_s,
             scheduler_overhead_s=step.scheduler_overhead_s, num_steps=step.num_steps,
+            num_decode_only_steps=step.num_decode_only_steps, decode_only_steps_s=step.decode_only_steps_s,
+            mixed_steps_s=step.mixed_steps_s,
             num_queued_tokens=self.waiting.num_tokens,
             num_preemptions_swap=c.num_preemptions_swap, num_preemptions_recompute=c.num_preemptions_recompute,
             num_blocks_swapped_out=c.num_blocks_swapped_out, num_blocks_swapped_in=c.num_blocks_swapped_in,

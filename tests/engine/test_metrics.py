@@ -24,7 +24,7 @@ class _Steps:
     def step(self, token: int = 5):
         out = self.sched.schedule()
         self.sched.update_from_output(out, sampled(out, token))
-        self.last = StepStats(len(out.scheduled), out.total_num_scheduled_tokens, 0.0, 0.0, self.last.num_steps + 1)
+        self.last = self.last.after(len(out.scheduled), out.total_num_scheduled_tokens, 1.0, 0.0)
         self.sched.kv.check_integrity()
         return self.snapshot()
 
@@ -59,6 +59,7 @@ def test_stats_follow_a_known_workload_step_by_step():
     s = stats.step()
     assert _queue_shape(s) == (1, 1, 0, 2, 2) and reqs[1].is_finished
     assert s.kv_usage == pytest.approx(3 / 64) and (s.num_prompt_tokens, s.num_generation_tokens) == (16, 4)
+    assert (s.num_decode_only_steps, s.decode_only_steps_s, s.mixed_steps_s) == (1, 1.0, 1.0)  # each step 1 s
 
     s = stats.step()
     assert _queue_shape(s) == (0, 1, 0, 2, 10) and reqs[0].is_finished
@@ -67,6 +68,7 @@ def test_stats_follow_a_known_workload_step_by_step():
     s = stats.step()
     assert _queue_shape(s) == (0, 0, 0, 1, 1) and s.kv_usage == 0.0 and s.num_free_blocks == 64
     assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps) == (25, 7, 4)
+    assert (s.num_decode_only_steps, s.decode_only_steps_s, s.mixed_steps_s) == (2, 2.0, 2.0)  # steps 2 and 4
     assert s.prefix_cache_hit_rate == 0.0 and s.num_preemptions_swap == s.num_preemptions_recompute == 0
 
 
@@ -141,6 +143,8 @@ def test_engine_stats_and_request_timings_on_the_tiny_model(tiny_llama):
     assert s.num_free_blocks == 64 - (5 + 3) and s.kv_usage == pytest.approx(8 / 64)
     assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_queued_tokens) == (32, 2, 16)
     assert 0 <= s.scheduler_overhead_s <= s.step_latency_s
+    assert (s.num_decode_only_steps, s.decode_only_steps_s, s.mixed_steps_s) == (0, 0.0, s.step_latency_s)
+    latencies = [s.step_latency_s]
     while True:
         for out in outputs:
             tokens[out.request_id] += out.outputs[0].token_ids
@@ -149,11 +153,15 @@ def test_engine_stats_and_request_timings_on_the_tiny_model(tiny_llama):
         if not engine.has_unfinished_requests():
             break
         outputs = engine.step()
+        latencies.append(engine.get_stats().step_latency_s)
 
     s = engine.get_stats()
     assert (s.num_waiting, s.num_running, s.num_swapped, s.kv_usage) == (0, 0, 0, 0.0)
     assert (s.num_prompt_tokens, s.num_generation_tokens) == (sum(lens), 4 * len(lens))
     assert s.num_steps == 4 + 4  # r0, r1 together in 4 steps, then r2 alone in 4 (one per output)
+    assert s.num_decode_only_steps == 3 + 3  # each group's steps after its prefill
+    mixed = latencies[0] + latencies[4]  # the two prefills
+    assert s.mixed_steps_s == pytest.approx(mixed) and s.decode_only_steps_s == pytest.approx(sum(latencies) - mixed)
     assert s.prefix_cache_hit_rate == 0.0 and s.batch_size == 1 and s.batch_tokens == 1
     for rid in "012":
         m, out = finals[rid].metrics, finals[rid]
