@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import multiprocessing
@@ -43,6 +44,7 @@ import random
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -658,6 +660,46 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
         ray.shutdown()
 
 
+STEP_FIGURES = ("num_steps", "num_decode_only_steps", "decode_only_steps_s", "mixed_steps_s")
+
+
+def step_figures(stats: list[Any]) -> dict[str, float]:
+    """Engines' step counts and times so far (EngineStats: decode-only steps, on CUDA those its
+    decode graphs run, and the others), summed."""
+    return {name: sum(getattr(s, name) for s in stats) for name in STEP_FIGURES}
+
+
+def steps_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in STEP_FIGURES}
+
+
+@functools.cache
+def _handle_loop() -> asyncio.AbstractEventLoop:
+    """An event loop running on a thread of its own for this process's Serve handles: the caller
+    may be on a loop, where Serve's handles do not block, and with Serve's router on the caller's
+    loop (`make serve`'s setting) a handle needs a loop that outlives each call."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="serve-handles", daemon=True).start()
+    return loop
+
+
+def served_step_figures(cfg: Any, app: str = "cbserve") -> dict[str, float]:
+    """`step_figures` of every engine replica of the app."""
+    from ray import serve
+
+    async def ask() -> list[Any]:
+        handle = serve.get_deployment_handle("EngineIngress" if cfg.colocated else "EngineReplica", app)
+        return await handle.broadcast("engine_stats").results_async()
+
+    return step_figures(asyncio.run_coroutine_threadsafe(ask(), _handle_loop()).result())
+
+
+def steps_line(steps: dict[str, float]) -> str:
+    mixed = steps["num_steps"] - steps["num_decode_only_steps"]
+    return (f"{steps['num_steps']:.0f} steps: {steps['num_decode_only_steps']:.0f} decode-only in "
+            f"{steps['decode_only_steps_s']:.2f} s, {mixed:.0f} others in {steps['mixed_steps_s']:.2f} s")
+
+
 # --------------------------------------------------------------------------------------------- #
 # --compare-offline                                                                              #
 # --------------------------------------------------------------------------------------------- #
@@ -723,11 +765,13 @@ def run_offline_here(wl: Workload, model: str | None, engine_args: dict[str, Any
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl.output_lens]
     prompts = [list(p) for p in wl.prompts]
     wave = offline_wave(len(prompts), max_concurrency, llm.engine.config.scheduler.max_num_seqs)
+    steps0 = step_figures([llm.engine.get_stats()])
     t0, cpu0 = time.perf_counter(), time.process_time()
     outs = []
     for i in range(0, len(prompts), wave):
         outs += llm.generate(prompts[i:i + wave], params[i:i + wave], use_tqdm=False)
     wall, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+    steps = steps_between(steps0, step_figures([llm.engine.get_stats()]))
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     mism = [i for i, (o, n) in enumerate(zip(outs, wl.output_lens))
             if len(o.outputs[0].token_ids) != n]
@@ -735,7 +779,7 @@ def run_offline_here(wl: Workload, model: str | None, engine_args: dict[str, Any
     return {"wall_s": wall, "cpu_s": cpu_s, "torch_num_threads": torch.get_num_threads(),
             "output_tokens": out_tokens, "output_tps": out_tokens / wall,
             "total_tps": (out_tokens + wl.num_prompt_tokens) / wall,
-            "output_len_mismatches": mism, "engine_args": engine_args, "model": model,
+            "output_len_mismatches": mism, "engine_args": engine_args, "model": model, "engine_steps": steps,
             "ttft_s": _pcts([o.metrics.ttft for o in outs if o.metrics.ttft is not None]),
             "tpot_s": _pcts([t for o in outs
                              if (t := o.metrics.time_per_output_token(len(o.outputs[0].token_ids))) is not None])}
@@ -852,10 +896,16 @@ def main(argv: list[str] | None = None) -> int:
                           args.front_door) as (base, cfg):
             model = args.model or cfg.engine.model_name
             cpu0: dict[str, float] = {}  # after the warm-up: first requests' one-time costs are not the serving cost
-            results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter,
-                                                        lambda: cpu0.update(cpu_snapshot())))
+            steps0: dict[str, float] = {}
+
+            def timed_start() -> None:
+                steps0.update(served_step_figures(cfg))
+                cpu0.update(cpu_snapshot())
+
+            results, wall, model = asyncio.run(run_http(args, wl, base, model, prompter, timed_start))
             cpu1 = cpu_snapshot()
             extra["cpu_s_during_run"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+            extra["engine_steps_during_run"] = steps_between(steps0, served_step_figures(cfg))
             meta["base_url"] = base
             if args.offline_beside_app:
                 log("offline LLM on the same workload, beside the idle app ...")
@@ -881,6 +931,10 @@ def main(argv: list[str] | None = None) -> int:
         if extra.get("cpu_s_during_run"):
             print("\nCPU during the HTTP run:\n" + cost_table(extra["cpu_s_during_run"], summary["output_tokens"],
                                                               summary["num_ok"], offline))
+        if extra.get("engine_steps_during_run"):
+            print("\nThe served engine's steps during the HTTP run: " + steps_line(extra["engine_steps_during_run"]))
+        if offline and offline.get("engine_steps"):
+            print("The offline engine's steps: " + steps_line(offline["engine_steps"]))
         beside = extra.get("offline_beside_app")
         if beside:
             print(offline_beside_table(summary, beside, offline))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.client import EngineClient
+from engine.metrics import EngineStats
 from serve_app.config import AppConfig
 from serve_app.local import LocalHandle, LocalReplicaSet
 from serve_app.messages import ReplicaStats
@@ -42,6 +43,9 @@ class EngineIngress(RouterIngress):
 
     def routing_counters(self) -> dict[str, int]:
         return self.replica.routing_counters()
+
+    def engine_stats(self) -> EngineStats:
+        return self.replica.engine_stats()
 
     def __del__(self) -> None:
         """Serve calls this when it stops the replica: the engine stops with it."""

@@ -25,6 +25,7 @@ from typing import Any
 from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.heap import collect_young_less_often
+from engine.metrics import EngineStats
 from serve_app.autoscaling import LIVE_REQUESTS
 from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
@@ -292,6 +293,10 @@ class EngineReplica:
 
     def routing_counters(self) -> dict[str, int]:
         return {"received": self._num_received, "misrouted": self.num_misrouted}
+
+    def engine_stats(self) -> EngineStats:
+        """The engine's latest snapshot (its step counts and times for benchmarks/serve_bench.py)."""
+        return self.engine.stats()
 
     async def check_health(self) -> None:
         """Serve's health check: raises (so Serve replaces this replica) once the engine is dead

@@ -29,3 +29,8 @@ def test_the_offline_run_with_a_full_batch_in_flight_generates_every_token(tmp_p
                                           threads=1, max_concurrency=2)
     assert result["output_len_mismatches"] == []
     assert result["output_tokens"] == workload.num_output_tokens
+    steps = result["engine_steps"]  # the timed run's alone: the warm-up's are left out
+    mixed = steps["num_steps"] - steps["num_decode_only_steps"]
+    assert 3 <= mixed and steps["num_decode_only_steps"] > 0  # a step prefills at most two of the six prompts
+    assert steps["num_steps"] <= workload.num_output_tokens  # two rows a step: fewer steps than tokens
+    assert steps["decode_only_steps_s"] > 0 and steps["mixed_steps_s"] > 0

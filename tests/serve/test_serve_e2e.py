@@ -9,13 +9,20 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import app_url, fake_serve_app, greedy_text, metrics_of_every_node
 from fake_engine import FakeTokenizer
+
+from serve_app.config import AppConfig
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+from benchmarks import serve_bench  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -144,18 +151,20 @@ def test_fake_app_replica_killed_midstream_gets_error_event_then_served(fake_app
 # ------------------------------------------------------------ the real engine, tiny model
 
 
+def _real_config(model: str) -> AppConfig:
+    return AppConfig.model_validate({
+        "engine": {"model": model, "served_model_name": "tiny", "num_replicas": 1,
+                   "num_cpus": 0.5, "engine_args": {"max_num_seqs": 8, "seed": 0}},
+    })
+
+
 @pytest.fixture(scope="session")
 def real_app(serve_cluster, tiny_llama_words):
     from ray import serve
 
     from serve_app.app import build_app
-    from serve_app.config import AppConfig
 
-    cfg = AppConfig.model_validate({
-        "engine": {"model": tiny_llama_words, "served_model_name": "tiny", "num_replicas": 1,
-                   "num_cpus": 0.5, "engine_args": {"max_num_seqs": 8, "seed": 0}},
-    })
-    serve.run(build_app(cfg), name="real", route_prefix="/real")
+    serve.run(build_app(_real_config(tiny_llama_words)), name="real", route_prefix="/real")
     return app_url(serve_cluster, "real")
 
 
@@ -201,6 +210,24 @@ def test_real_chat_equals_offline_chat(real_app, offline_llm):
         model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
         extra_body={"ignore_eos": True}) if ch.choices]
     assert "".join(parts) == want
+
+
+def test_the_served_engines_steps_are_counted_by_kind(real_app, tiny_llama_words):
+    """One request alone: its prompt's step, then a decode-only step a token, as serve_bench reads
+    them from every engine replica of the app (`engine_stats`)."""
+    cfg = _real_config(tiny_llama_words)
+    before = serve_bench.served_step_figures(cfg, app="real")
+    client = openai.OpenAI(base_url=real_app + "/v1", api_key="none")
+    client.completions.create(model="tiny", prompt="the cat sat on", max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10  # the engine's snapshot comes with its outputs, once an interval
+    while True:
+        steps = serve_bench.steps_between(before, serve_bench.served_step_figures(cfg, app="real"))
+        if steps["num_steps"] >= 12 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (steps["num_steps"], steps["num_decode_only_steps"]) == (12, 11)
+    assert steps["decode_only_steps_s"] > 0 and steps["mixed_steps_s"] > 0
 
 
 def test_real_n_seed_stop_and_errors(real_app, offline_llm):
