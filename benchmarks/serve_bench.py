@@ -664,8 +664,8 @@ STEP_FIGURES = ("num_steps", "num_decode_only_steps", "decode_only_steps_s", "mi
 
 
 def step_figures(stats: list[Any]) -> dict[str, float]:
-    """Engines' step counts and times so far (EngineStats: decode-only steps, on CUDA those its
-    decode graphs run, and the others), summed."""
+    """Engines' step counts and times so far (EngineStats: decode-only steps, which CUDA runs in
+    its decode graphs, and the others), summed."""
     return {name: sum(getattr(s, name) for s in stats) for name in STEP_FIGURES}
 
 

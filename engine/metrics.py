@@ -25,9 +25,9 @@ class ModelReport:
 class StepStats:
     """The latest step's figures, and the steps' so far, kept by the engine that timed them.
 
-    A decode-only step computes one token a request: no prefill chunk, no drafts. On CUDA those
-    are the steps its decode graphs run; a step with a prefill chunk runs eagerly, so where a
-    served engine's time goes against an offline one's shows in the two kinds' counts and times."""
+    A decode-only step computes one token a request: no prefill chunk, no drafts. On CUDA such
+    steps run in its decode graphs and a step with a prefill chunk runs eagerly, so where a served
+    engine's time goes against an offline one's shows in the two kinds' counts and times."""
     batch_size: int = 0  # requests in the step
     batch_tokens: int = 0  # tokens in the step
     step_latency_s: float = 0.0  # wall
