@@ -660,7 +660,7 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
         ray.shutdown()
 
 
-STEP_FIGURES = ("num_steps", "num_decode_only_steps", "decode_only_steps_s", "mixed_steps_s")
+STEP_FIGURES = ("num_steps", "num_decode_only_steps", "decode_only_rows", "decode_only_steps_s", "mixed_steps_s")
 
 
 def step_figures(stats: list[Any]) -> dict[str, float]:
@@ -695,8 +695,11 @@ def served_step_figures(cfg: Any, app: str = "cbserve") -> dict[str, float]:
 
 
 def steps_line(steps: dict[str, float]) -> str:
-    mixed = steps["num_steps"] - steps["num_decode_only_steps"]
-    return (f"{steps['num_steps']:.0f} steps: {steps['num_decode_only_steps']:.0f} decode-only in "
+    decode_only = steps["num_decode_only_steps"]
+    mixed = steps["num_steps"] - decode_only
+    each = (f" ({steps['decode_only_rows'] / decode_only:.1f} rows, "
+            f"{1e3 * steps['decode_only_steps_s'] / decode_only:.2f} ms each)") if decode_only else ""
+    return (f"{steps['num_steps']:.0f} steps: {decode_only:.0f} decode-only{each} in "
             f"{steps['decode_only_steps_s']:.2f} s, {mixed:.0f} others in {steps['mixed_steps_s']:.2f} s")
 
 

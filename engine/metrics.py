@@ -27,13 +27,15 @@ class StepStats:
 
     A decode-only step computes one token a request: no prefill chunk, no drafts. On CUDA such
     steps run in its decode graphs and a step with a prefill chunk runs eagerly, so where a served
-    engine's time goes against an offline one's shows in the two kinds' counts and times."""
+    engine's time goes against an offline one's shows in the two kinds' counts and times, and in
+    the rows its decode-only steps carried."""
     batch_size: int = 0  # requests in the step
     batch_tokens: int = 0  # tokens in the step
     step_latency_s: float = 0.0  # wall
     scheduler_overhead_s: float = 0.0  # schedule + update, wall
     num_steps: int = 0  # steps so far
     num_decode_only_steps: int = 0  # of them, decode-only
+    decode_only_rows: int = 0  # their requests, summed
     decode_only_steps_s: float = 0.0  # their wall time
     mixed_steps_s: float = 0.0  # the other steps' wall time
 
@@ -43,6 +45,7 @@ class StepStats:
         decode_only = batch_tokens == batch_size  # each request computes at least one token
         return StepStats(batch_size, batch_tokens, step_latency_s, scheduler_overhead_s, self.num_steps + 1,
                          self.num_decode_only_steps + decode_only,
+                         self.decode_only_rows + batch_size * decode_only,
                          self.decode_only_steps_s + step_latency_s * decode_only,
                          self.mixed_steps_s + step_latency_s * (not decode_only))
 
@@ -63,6 +66,7 @@ class EngineStats:
     scheduler_overhead_s: float  # last step: schedule + update, wall
     num_steps: int
     num_decode_only_steps: int  # of them, steps that computed one token a request (StepStats)
+    decode_only_rows: int  # their requests, summed, cumulative
     decode_only_steps_s: float  # their wall time, cumulative
     mixed_steps_s: float  # the other steps' (a prefill chunk or drafts in them), cumulative
     num_queued_tokens: int  # tokens of waiting requests

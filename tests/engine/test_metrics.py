@@ -60,6 +60,7 @@ def test_stats_follow_a_known_workload_step_by_step():
     assert _queue_shape(s) == (1, 1, 0, 2, 2) and reqs[1].is_finished
     assert s.kv_usage == pytest.approx(3 / 64) and (s.num_prompt_tokens, s.num_generation_tokens) == (16, 4)
     assert (s.num_decode_only_steps, s.decode_only_steps_s, s.mixed_steps_s) == (1, 1.0, 1.0)  # each step 1 s
+    assert s.decode_only_rows == 2
 
     s = stats.step()
     assert _queue_shape(s) == (0, 1, 0, 2, 10) and reqs[0].is_finished
@@ -69,6 +70,7 @@ def test_stats_follow_a_known_workload_step_by_step():
     assert _queue_shape(s) == (0, 0, 0, 1, 1) and s.kv_usage == 0.0 and s.num_free_blocks == 64
     assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps) == (25, 7, 4)
     assert (s.num_decode_only_steps, s.decode_only_steps_s, s.mixed_steps_s) == (2, 2.0, 2.0)  # steps 2 and 4
+    assert s.decode_only_rows == 2 + 1
     assert s.prefix_cache_hit_rate == 0.0 and s.num_preemptions_swap == s.num_preemptions_recompute == 0
 
 
@@ -143,7 +145,8 @@ def test_engine_stats_and_request_timings_on_the_tiny_model(tiny_llama):
     assert s.num_free_blocks == 64 - (5 + 3) and s.kv_usage == pytest.approx(8 / 64)
     assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_queued_tokens) == (32, 2, 16)
     assert 0 <= s.scheduler_overhead_s <= s.step_latency_s
-    assert (s.num_decode_only_steps, s.decode_only_steps_s, s.mixed_steps_s) == (0, 0.0, s.step_latency_s)
+    assert (s.num_decode_only_steps, s.decode_only_rows, s.decode_only_steps_s, s.mixed_steps_s) == (
+        0, 0, 0.0, s.step_latency_s)
     latencies = [s.step_latency_s]
     while True:
         for out in outputs:
@@ -160,6 +163,7 @@ def test_engine_stats_and_request_timings_on_the_tiny_model(tiny_llama):
     assert (s.num_prompt_tokens, s.num_generation_tokens) == (sum(lens), 4 * len(lens))
     assert s.num_steps == 4 + 4  # r0, r1 together in 4 steps, then r2 alone in 4 (one per output)
     assert s.num_decode_only_steps == 3 + 3  # each group's steps after its prefill
+    assert s.decode_only_rows == 3 * 2 + 3 * 1
     mixed = latencies[0] + latencies[4]  # the two prefills
     assert s.mixed_steps_s == pytest.approx(mixed) and s.decode_only_steps_s == pytest.approx(sum(latencies) - mixed)
     assert s.prefix_cache_hit_rate == 0.0 and s.batch_size == 1 and s.batch_tokens == 1

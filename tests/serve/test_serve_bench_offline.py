@@ -32,5 +32,15 @@ def test_the_offline_run_with_a_full_batch_in_flight_generates_every_token(tmp_p
     steps = result["engine_steps"]  # the timed run's alone: the warm-up's are left out
     mixed = steps["num_steps"] - steps["num_decode_only_steps"]
     assert 3 <= mixed and steps["num_decode_only_steps"] > 0  # a step prefills at most two of the six prompts
+    assert steps["num_decode_only_steps"] <= steps["decode_only_rows"] <= 2 * steps["num_decode_only_steps"]
     assert steps["num_steps"] <= workload.num_output_tokens  # two rows a step: fewer steps than tokens
     assert steps["decode_only_steps_s"] > 0 and steps["mixed_steps_s"] > 0
+
+
+def test_the_steps_line_gives_a_decode_only_steps_mean_rows_and_time():
+    steps = dict(num_steps=12, num_decode_only_steps=10, decode_only_rows=25, decode_only_steps_s=0.05,
+                 mixed_steps_s=0.02)
+    assert serve_bench.steps_line(steps) == ("12 steps: 10 decode-only (2.5 rows, 5.00 ms each) in 0.05 s, "
+                                             "2 others in 0.02 s")
+    prefill_only = dict(steps, num_steps=2, num_decode_only_steps=0, decode_only_rows=0, decode_only_steps_s=0.0)
+    assert serve_bench.steps_line(prefill_only) == "2 steps: 0 decode-only in 0.00 s, 2 others in 0.02 s"

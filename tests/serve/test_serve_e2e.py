@@ -226,7 +226,7 @@ def test_the_served_engines_steps_are_counted_by_kind(real_app, tiny_llama_words
         if steps["num_steps"] >= 12 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert (steps["num_steps"], steps["num_decode_only_steps"]) == (12, 11)
+    assert (steps["num_steps"], steps["num_decode_only_steps"], steps["decode_only_rows"]) == (12, 11, 11)
     assert steps["decode_only_steps_s"] > 0 and steps["mixed_steps_s"] > 0
 
 
