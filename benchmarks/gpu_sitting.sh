@@ -7,8 +7,9 @@
 #   bash benchmarks/gpu_sitting.sh serve OUT    # configs/serve-gpu.yaml on the SmolLM2-shaped model, a burst of 256
 #                                               # with one ingress replica and with four on the shared port,
 #                                               # each against the offline engine (both engines' steps by kind:
-#                                               # decode-only, in graphs, with their rows, and the others); the benchmark
-#                                               # client's own cost on the host's CPU (http_clients.py)
+#                                               # decode-only, in graphs, with their rows, the others, and
+#                                               # those launched ahead); the benchmark client's own cost on the
+#                                               # host's CPU (http_clients.py)
 #
 # A task's device time (15 minutes, the machine's start included) fits one part a sitting: the engine part first.
 # Run from the repository root. GPU_PY: a python whose torch is a CUDA build (default python3, a GPU image's).

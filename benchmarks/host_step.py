@@ -114,7 +114,7 @@ def measure(eng: LLMEngine, flush_interval_s: float, steps: int, prefill: int = 
         return [AddRequest(f"arrival-{n}", random_prompt(prefill, TINY["vocab_size"], seed=n), ARRIVAL)]
 
     loop = StepLoop(eng, emit, flush_interval_s)
-    steps_ahead = eng.num_steps_ahead
+    steps_ahead = eng.get_stats().num_steps_ahead
     pauses = GCPauses()
     gc.callbacks.append(pauses)
     try:
@@ -134,7 +134,7 @@ def measure(eng: LLMEngine, flush_interval_s: float, steps: int, prefill: int = 
     for generation, seconds in sorted(pauses.seconds.items()):
         ms[f"gc gen{generation}"] = seconds / steps * 1e3
     ms["bytes sent"] = sent[0] / steps
-    ms["steps launched ahead"] = (eng.num_steps_ahead - steps_ahead) / steps
+    ms["steps launched ahead"] = (eng.get_stats().num_steps_ahead - steps_ahead) / steps
     return ms
 
 

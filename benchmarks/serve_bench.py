@@ -660,12 +660,13 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
         ray.shutdown()
 
 
-STEP_FIGURES = ("num_steps", "num_decode_only_steps", "decode_only_rows", "decode_only_steps_s", "mixed_steps_s")
+STEP_FIGURES = ("num_steps", "num_decode_only_steps", "decode_only_rows", "decode_only_steps_s", "mixed_steps_s",
+                "num_steps_ahead")
 
 
 def step_figures(stats: list[Any]) -> dict[str, float]:
     """Engines' step counts and times so far (EngineStats: decode-only steps, which CUDA runs in
-    its decode graphs, and the others), summed."""
+    its decode graphs, their rows, the others, and the steps launched ahead), summed."""
     return {name: sum(getattr(s, name) for s in stats) for name in STEP_FIGURES}
 
 
@@ -700,7 +701,8 @@ def steps_line(steps: dict[str, float]) -> str:
     each = (f" ({steps['decode_only_rows'] / decode_only:.1f} rows, "
             f"{1e3 * steps['decode_only_steps_s'] / decode_only:.2f} ms each)") if decode_only else ""
     return (f"{steps['num_steps']:.0f} steps: {decode_only:.0f} decode-only{each} in "
-            f"{steps['decode_only_steps_s']:.2f} s, {mixed:.0f} others in {steps['mixed_steps_s']:.2f} s")
+            f"{steps['decode_only_steps_s']:.2f} s, {mixed:.0f} others in {steps['mixed_steps_s']:.2f} s; "
+            f"{steps['num_steps_ahead']:.0f} launched ahead")
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -106,7 +106,6 @@ class LLMEngine:
         async_scheduling = config.scheduler.async_scheduling
         self.runs_ahead = device.type == "cuda" if async_scheduling is None else async_scheduling
         self._ahead: LaunchedStep | None = None  # the step launched before the last one was collected
-        self.num_steps_ahead = 0  # steps launched before the step before them was collected
         freeze_startup_heap()
 
     def _graph_settings(self, device: torch.device) -> GraphSettings | None:
@@ -262,7 +261,6 @@ class LLMEngine:
             scheduling += time.perf_counter() - t1
             if ahead is not None:
                 self._ahead = self.runner.launch(ahead, previous=launched)
-                self.num_steps_ahead += 1
         result = self.runner.collect(launched)
         t2 = time.perf_counter()
         update = self.scheduler.update_from_output(out, result)
@@ -276,5 +274,6 @@ class LLMEngine:
         num_tokens = out.total_num_scheduled_tokens
         self.scheduler.observe_step(num_tokens, t3 - t0 - result.draft_seconds, result.draft_passes,
                                     result.draft_seconds, num_drafting, result.draft_catch_up_tokens)
-        self._last_step = self._last_step.after(len(out.scheduled), num_tokens, t3 - t0, scheduling + (t3 - t2))
+        self._last_step = self._last_step.after(len(out.scheduled), num_tokens, t3 - t0, scheduling + (t3 - t2),
+                                                launched_next=self._ahead is not None)
         return compiled + events

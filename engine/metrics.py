@@ -27,8 +27,9 @@ class StepStats:
 
     A decode-only step computes one token a request: no prefill chunk, no drafts. On CUDA such
     steps run in its decode graphs and a step with a prefill chunk runs eagerly, so where a served
-    engine's time goes against an offline one's shows in the two kinds' counts and times, and in
-    the rows its decode-only steps carried."""
+    engine's time goes against an offline one's shows in the two kinds' counts and times, in
+    the rows its decode-only steps carried, and in how many steps ran ahead (async scheduling:
+    only a steady batch of decodes does, and an arrival stops it)."""
     batch_size: int = 0  # requests in the step
     batch_tokens: int = 0  # tokens in the step
     step_latency_s: float = 0.0  # wall
@@ -38,16 +39,18 @@ class StepStats:
     decode_only_rows: int = 0  # their requests, summed
     decode_only_steps_s: float = 0.0  # their wall time
     mixed_steps_s: float = 0.0  # the other steps' wall time
+    num_steps_ahead: int = 0  # steps launched before the step before them was collected
 
     def after(self, batch_size: int, batch_tokens: int, step_latency_s: float,
-              scheduler_overhead_s: float) -> StepStats:
-        """These figures once one more step has run."""
+              scheduler_overhead_s: float, launched_next: bool = False) -> StepStats:
+        """These figures once one more step has run; `launched_next`: it launched the next one ahead."""
         decode_only = batch_tokens == batch_size  # each request computes at least one token
         return StepStats(batch_size, batch_tokens, step_latency_s, scheduler_overhead_s, self.num_steps + 1,
                          self.num_decode_only_steps + decode_only,
                          self.decode_only_rows + batch_size * decode_only,
                          self.decode_only_steps_s + step_latency_s * decode_only,
-                         self.mixed_steps_s + step_latency_s * (not decode_only))
+                         self.mixed_steps_s + step_latency_s * (not decode_only),
+                         self.num_steps_ahead + launched_next)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,7 @@ class EngineStats:
     decode_only_rows: int  # their requests, summed, cumulative
     decode_only_steps_s: float  # their wall time, cumulative
     mixed_steps_s: float  # the other steps' (a prefill chunk or drafts in them), cumulative
+    num_steps_ahead: int  # steps launched before the step before them was collected (async scheduling)
     num_queued_tokens: int  # tokens of waiting requests
     num_preemptions_swap: int
     num_preemptions_recompute: int

@@ -570,6 +570,7 @@ class Scheduler:
             scheduler_overhead_s=step.scheduler_overhead_s, num_steps=step.num_steps,
             num_decode_only_steps=step.num_decode_only_steps, decode_only_rows=step.decode_only_rows,
             decode_only_steps_s=step.decode_only_steps_s, mixed_steps_s=step.mixed_steps_s,
+            num_steps_ahead=step.num_steps_ahead,
             num_queued_tokens=self.waiting.num_tokens,
             num_preemptions_swap=c.num_preemptions_swap, num_preemptions_recompute=c.num_preemptions_recompute,
             num_blocks_swapped_out=c.num_blocks_swapped_out, num_blocks_swapped_in=c.num_blocks_swapped_in,

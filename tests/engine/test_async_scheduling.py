@@ -65,7 +65,8 @@ def test_greedy_decodes_run_ahead_and_equal_transformers(tiny_llama, prompts, ex
     assert [_tokens(deltas[str(i)]) for i in range(len(prompts))] == [e[:n] for e, n in zip(expected, lengths)]
     assert all(sum(out.finished for out in deltas[str(i)]) == 1 and deltas[str(i)][-1].finished
                for i in range(len(prompts)))
-    assert engine.num_steps_ahead > MAX_NEW // 2
+    stats = engine.get_stats()
+    assert MAX_NEW // 2 < stats.num_steps_ahead <= stats.num_decode_only_steps  # only decodes run ahead
     _assert_no_block_held(engine)
 
 
@@ -81,7 +82,7 @@ def test_a_request_that_stops_while_its_next_step_is_in_flight_ends_at_its_stop(
         assert deltas[str(i)][-1].outputs[0].finish_reason == "stop"
         assert sum(out.finished for out in deltas[str(i)]) == 1
     # the others' steps go on running ahead across each stop: every decode step after the first
-    assert engine.num_steps_ahead >= max(e.index(s) for e, s in zip(expected, stops)) - 1
+    assert engine.get_stats().num_steps_ahead >= max(e.index(s) for e, s in zip(expected, stops)) - 1
     _assert_no_block_held(engine)
 
 
@@ -92,7 +93,7 @@ def test_seeded_sampling_and_logprobs_are_those_of_the_synchronous_engine(tiny_l
         llm = LLM(tiny_llama, async_scheduling=async_scheduling)
         runs[async_scheduling] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         _assert_no_block_held(llm.engine)
-    assert llm.engine.num_steps_ahead > 0
+    assert llm.engine.get_stats().num_steps_ahead > 0
     for sync, ahead in zip(runs[False], runs[True]):
         assert ahead.token_ids == sync.token_ids
         assert [list(lp) for lp in ahead.logprobs] == [list(lp) for lp in sync.logprobs]
@@ -106,7 +107,7 @@ def test_an_abort_while_a_step_is_in_flight_ends_that_request_alone(tiny_llama, 
     for i, prompt in enumerate(prompts[:3]):
         engine.add_request(str(i), prompt, greedy)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(3)}
-    while engine.num_steps_ahead < 3:
+    while engine.get_stats().num_steps_ahead < 3:
         for out in engine.step():
             tokens[out.request_id] += out.outputs[0].token_ids
     final = engine.abort_request("1")
@@ -128,16 +129,16 @@ def test_an_arrival_waits_for_the_step_in_flight_and_then_joins(tiny_llama, prom
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     engine.add_request("0", prompts[0], greedy)
     tokens: dict[str, list[int]] = {"0": [], "1": []}
-    while engine.num_steps_ahead < 3:
+    while engine.get_stats().num_steps_ahead < 3:
         for out in engine.step():
             tokens[out.request_id] += out.outputs[0].token_ids
     engine.add_request("1", prompts[1], greedy)
-    ahead_at_arrival = engine.num_steps_ahead
+    ahead_at_arrival = engine.get_stats().num_steps_ahead
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id] += out.outputs[0].token_ids
     assert tokens == {"0": expected[0], "1": expected[1]}
-    assert engine.num_steps_ahead > ahead_at_arrival
+    assert engine.get_stats().num_steps_ahead > ahead_at_arrival
     _assert_no_block_held(engine)
 
 
@@ -151,7 +152,7 @@ def test_requests_whose_sampling_reads_their_output_never_run_ahead(tiny_llama, 
     for async_scheduling in (False, True):
         llm = LLM(tiny_llama, async_scheduling=async_scheduling)
         outputs[async_scheduling] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.num_steps_ahead == 0
+    assert llm.engine.get_stats().num_steps_ahead == 0
     assert outputs[True] == outputs[False]
 
 
@@ -169,7 +170,7 @@ def test_a_stop_string_found_after_the_step_ahead_launched_ends_the_request_ther
         runs[async_scheduling] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
                                   for o in llm.generate(prompts, params, use_tqdm=False)]
         _assert_no_block_held(llm.engine)
-    assert llm.engine.num_steps_ahead > 0
+    assert llm.engine.get_stats().num_steps_ahead > 0
     assert runs[True] == runs[False]
     assert all(reason == "stop" and len(tokens) < MAX_NEW for _, tokens, reason in runs[True])
 
@@ -188,12 +189,12 @@ def test_samples_forked_from_a_one_token_prompt_equal_the_synchronous_engines(ti
         engine.add_request("b", prompts[1], greedy)
         for _ in range(4):
             _collect_samples(engine.step(), samples)
-        ahead_before = engine.num_steps_ahead
+        ahead_before = engine.get_stats().num_steps_ahead
         engine.add_request("n3", [42], forked)
         while engine.has_unfinished_requests():
             _collect_samples(engine.step(), samples)
         _assert_no_block_held(engine)
-    assert engine.num_steps_ahead > ahead_before > 0
+    assert engine.get_stats().num_steps_ahead > ahead_before > 0
     assert sorted(runs[True]) == sorted(runs[False]) and len(runs[True]) == 5
     assert runs[True] == runs[False]
 
@@ -204,7 +205,7 @@ def test_a_step_that_fails_with_a_step_in_flight_fails_every_request_and_the_eng
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     for i, prompt in enumerate(prompts[:3]):
         engine.add_request(str(i), prompt, greedy)
-    while engine.num_steps_ahead < 2:
+    while engine.get_stats().num_steps_ahead < 2:
         engine.step()
     monkeypatch.setattr(engine.runner, "collect", lambda step: (_ for _ in ()).throw(RuntimeError("device lost")))
     with pytest.raises(RuntimeError, match="device lost"):
@@ -237,7 +238,7 @@ def test_a_full_batch_runs_ahead_with_requests_queued_behind_it_unless_priority_
                            for i, p in enumerate(prompts)})
     assert [_tokens(deltas[str(i)]) for i in range(len(prompts))] == expected
     assert any(ahead_with_queue) == (policy != "priority")
-    assert engine.num_steps_ahead > 0
+    assert engine.get_stats().num_steps_ahead > 0
     _assert_no_block_held(engine)
 
 

@@ -70,7 +70,7 @@ def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch, where):
     assert "injected fault" in str(errors["bad"])
     assert {rid: tokens[rid] for rid in MATES} == reference
     assert engine.get_stats().num_failed_requests == failed_before + 1
-    assert (engine.num_steps_ahead > 0) == engine.runs_ahead
+    assert (engine.get_stats().num_steps_ahead > 0) == engine.runs_ahead
     monkeypatch.undo()
     assert _run(engine, {"after": (PROMPTS["a"], GREEDY)})[0]["after"] == reference["a"]
 

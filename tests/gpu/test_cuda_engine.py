@@ -179,7 +179,7 @@ def test_async_scheduling_on_and_off_give_the_same_tokens(model_dir, prompts, dt
     for async_scheduling in (False, True):
         llm = engine(async_scheduling)
         runs[async_scheduling] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert (llm.engine.num_steps_ahead > 0) == async_scheduling
+        assert (llm.engine.get_stats().num_steps_ahead > 0) == async_scheduling
         assert (_graph_replays(llm) > 0) != eager
         _check_pool(llm, {})
     assert runs[True] == runs[False]

@@ -109,7 +109,7 @@ class FakeAsyncEngine(EngineClient):
             kv_usage=used / self.num_blocks, prefix_cache_hit_rate=0.0, batch_size=len(self._running),
             batch_tokens=len(self._running), step_latency_s=self.step_delay_s, scheduler_overhead_s=0.0,
             num_steps=0, num_decode_only_steps=0, decode_only_rows=0, decode_only_steps_s=0.0, mixed_steps_s=0.0,
-            num_queued_tokens=0,
+            num_steps_ahead=0, num_queued_tokens=0,
             num_preemptions_swap=0, num_preemptions_recompute=0,
             num_blocks_swapped_out=0, num_blocks_swapped_in=0, num_recomputed_tokens=0, num_prompt_tokens=0,
             num_generation_tokens=0, num_failed_requests=0)
