@@ -68,7 +68,10 @@ def test_a_stream_cut_before_its_end_is_an_error():
     async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        # `connection: close`: the client must not reuse this connection for its next request (it
+        # lists the models first), or that request could meet the closed socket instead of this reply
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+                     b"connection: close\r\n\r\n"
                      + b"%x\r\n" % len(event) + event + b"\r\n0\r\n\r\n")
         await writer.drain()
         writer.close()
