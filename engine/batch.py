@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # the rows' owners, named in annotations only
+if TYPE_CHECKING:  # the rows' owners and the cache's groups, named in annotations only
     from engine.drafts import SampledDraft
+    from engine.kv_cache.layout import KVLayout
     from engine.request import Request
 
 
@@ -43,14 +44,22 @@ _TYPECODES = {torch.int32: "i", torch.long: "q"}
 
 
 @dataclass(slots=True)
+class GroupTables:
+    """One KV group's view of the step (engine/kv_cache/layout.py): where its layers write each
+    token's keys and values, and what each sequence's queries read."""
+    window: int | None  # the group's sliding window (None: full attention)
+    slot_mapping: torch.Tensor  # (T,) KV slot (block_id * block_size + offset) each token writes
+    block_tables: list[list[int]]  # (B, *) the group's blocks of each sequence's request (NULL_BLOCK: dropped)
+
+
+@dataclass(slots=True)
 class ModelInputs:
     input_ids: torch.Tensor  # (T,) token ids of every scheduled token, request after request
     positions: torch.Tensor  # (T,) position of each token in its request
-    slot_mapping: torch.Tensor  # (T,) KV slot (block_id * block_size + offset) each token writes
+    kv_groups: list[GroupTables]  # per KV group: its slots and block tables
     query_start_loc: list[int]  # (B + 1,) token offsets of each sequence (a request or a row) in the batch
     seq_lens: list[int]  # (B,) context length of each sequence after this step
     start_positions: list[int]  # (B,) tokens already cached before this step
-    block_tables: list[list[int]]  # (B, *) blocks of each sequence's request
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
     sample_indices: torch.Tensor  # (R,) flat index of each token whose logits are sampled
@@ -64,14 +73,17 @@ class ModelInputs:
 
     @classmethod
     def one_sequence(cls, token_ids: torch.Tensor, start: int, num_blocks: int, block_size: int,
-                     sample_indices: torch.Tensor) -> ModelInputs:
-        """A chunk of one sequence, its tokens at positions start.., over a scratch cache whose blocks
-        0..num_blocks-1 hold it in order (slot = position): quality scoring, the serving mix's
-        timings and the GPU memory profile run the model so, outside the scheduler."""
+                     sample_indices: torch.Tensor, layout: KVLayout) -> ModelInputs:
+        """A chunk of one sequence, its tokens at positions start.., over a scratch cache of
+        layout.num_groups * num_blocks blocks where group g's blocks g * num_blocks.. hold it in
+        order (KVLayout.scratch_tables): quality scoring, the serving mix's timings and the GPU
+        memory profile run the model so, outside the scheduler."""
         n = token_ids.shape[0]
         positions = torch.arange(start, start + n, device=token_ids.device)
-        return cls(token_ids, positions, positions.clone(), [0, n], [start + n], [start], [list(range(num_blocks))],
-                   0, block_size, sample_indices, [], [], [])
+        groups = [GroupTables(window, positions + table[0] * block_size, [table])
+                  for window, table in zip(layout.windows, layout.scratch_tables(num_blocks))]
+        return cls(token_ids, positions, groups, [0, n], [start + n], [start], 0, block_size, sample_indices, [], [],
+                   [])
 
 
 class WithDrafts:

@@ -6,7 +6,7 @@ block-quantized weights (Q8_0, Q4_1) for decode-sized batches, `block_quant_gemm
 `vector_gemm` (AVX512-VNNI/BF16, AVX-512, AVX2) for larger ones, and `kernel_activations` gives
 the fp32 GEMM fallback's activations (the fused prologue and the rounding) as the kernels compute
 them (engine/models/linear.py); `DecodeStack` runs a decode step through all of a block-quantized
-model's layers in one call (engine/models/llama.py), and `rope_write_kv` RoPE with the KV write
+model's layers in one call (engine/models/decoder.py), and `rope_write_kv` RoPE with the KV write
 for it and for the layers' own path. They
 are compiled for this CPU's features, -march=native (torch's cpp_extension and ninja, about two
 minutes on 2 cores).

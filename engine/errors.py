@@ -26,3 +26,8 @@ class RequestFailedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine's step loop is gone; the request cannot run on it."""
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint the engine cannot serve (no native family, and its modeling code cannot take
+    the paged attention), said at load time with the reason."""

@@ -83,16 +83,18 @@ class LLMEngine:
             figures = {}  # not measured: the check off, a 16-bit dtype, or fp32 weights through an fp16 cache
         self.model_report = ModelReport(loaded.quantization, str(loaded.dtype).removeprefix("torch."),
                                         str(kv_dtype).removeprefix("torch."), config.model.device,
-                                        loaded.weight_bytes_per_token, **figures)
+                                        loaded.weight_bytes_per_token, model.architecture, model.model_path,
+                                        **figures)
         block_bytes = kv_block_bytes(model, cache.block_size, kv_dtype)
-        backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.head_dim ** -0.5,
+        backend = select_backend(config.model.attention_backend, device, loaded.dtype, model.attention,
                                  self.max_model_len)
         graphs = self._graph_settings(device)
         num_blocks = cache.num_blocks or self._pool_blocks(backend, device, kv_dtype, block_bytes, graphs)
         # the host pool holds swapped-out blocks: none under recompute-only preemption
         swaps = config.scheduler.preemption_mode != "recompute"
         num_host_blocks = cache.swap_space_bytes // block_bytes if swaps else 0
-        self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching,
+                                 model.kv_layout)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
                                    PreemptionCosts(block_bytes), clock, config.speculative)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
@@ -120,7 +122,8 @@ class LLMEngine:
         """KV blocks in kv_cache_memory_bytes, or on CUDA by default in what gpu_memory_utilization
         leaves; never more than max_num_seqs requests of max_model_len tokens can fill."""
         cache, scheduler = self.config.cache, self.config.scheduler
-        useful_blocks = -(-scheduler.max_num_seqs * self.max_model_len // cache.block_size)
+        useful_blocks = scheduler.max_num_seqs * self.loaded.model.kv_layout.peak_blocks(
+            self.max_model_len, cache.block_size, scheduler.max_num_batched_tokens)
         if cache.kv_cache_memory_bytes is None and device.type == "cuda":
             num_tokens = min(scheduler.max_num_batched_tokens, self.max_model_len)
             peak = peak_step_bytes(self.loaded.model, backend, device, kv_dtype, cache.block_size, num_tokens,

@@ -17,6 +17,8 @@ class ModelReport:
     kv_cache_dtype: str
     device: str
     weight_bytes_per_token: int  # matmul weights one decode step reads
+    architecture: str  # the checkpoint's transformers class (LlamaForCausalLM, ...)
+    model_path: str  # "native" (a family of engine/models/families.py) or "transformers" (its own modeling code)
     top1_agreement: float | None = None  # against fp32 (engine/quality.py), 1 for fp32; None: not measured
     perplexity_increase: float | None = None
 

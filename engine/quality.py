@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention.base import scratch_cache
 from engine.attention.selector import select_backend
 from engine.batch import ModelInputs
 
@@ -39,11 +40,10 @@ class WindowRunner:
     def __init__(self, model: torch.nn.Module, window: int = WINDOW, block_size: int = 16,
                  kv_cache_dtype: torch.dtype = torch.float32, chunk: int | None = None):
         self.model, self.block_size, self.chunk = model, block_size, chunk or window
-        self.backend = select_backend("torch", torch.device("cpu"), torch.float32, model.head_dim ** -0.5)
+        self.backend = select_backend("torch", torch.device("cpu"), torch.float32, model.attention)
         self.num_blocks = -(-window // block_size)
-        self.kv_cache = self.backend.allocate_kv_cache(model.num_layers, self.num_blocks, block_size,
-                                                       model.num_kv_heads, model.head_dim, dtype=kv_cache_dtype,
-                                                       device=torch.device("cpu"))
+        self.kv_cache = scratch_cache(self.backend, model, self.num_blocks, block_size, kv_cache_dtype,
+                                      torch.device("cpu"))
 
     @torch.inference_mode()
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
@@ -51,7 +51,7 @@ class WindowRunner:
         for start in range(0, len(token_ids), self.chunk):
             end = min(start + self.chunk, len(token_ids))
             inputs = ModelInputs.one_sequence(torch.tensor(token_ids[start:end]), start, self.num_blocks,
-                                              self.block_size, torch.arange(end - start))
+                                              self.block_size, torch.arange(end - start), self.model.kv_layout)
             logits.append(self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                                      self.backend.build_metadata(inputs), inputs.sample_indices))
         return torch.cat(logits)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.attention.base import scratch_cache
 from engine.attention.selector import select_backend
-from engine.batch import ModelInputs
+from engine.batch import GroupTables, ModelInputs
 
 BLOCK_SIZE = 16
 DECODE_CONTEXT = 64  # tokens each decode row attends to
@@ -88,20 +89,25 @@ class _StepRunner:
         self.num_blocks = max(num_rows * blocks_per_row, -(-self.chunk // BLOCK_SIZE))
         self.blocks_per_row = blocks_per_row
         cpu = torch.device("cpu")
-        self.backend = select_backend("auto", cpu, torch.float32, model.head_dim ** -0.5)
-        self.kv_cache = self.backend.allocate_kv_cache(model.num_layers, self.num_blocks, BLOCK_SIZE,
-                                                       model.num_kv_heads, model.head_dim, kv_cache_dtype, cpu)
+        self.backend = select_backend("auto", cpu, torch.float32, model.attention)
+        self.kv_cache = scratch_cache(self.backend, model, self.num_blocks, BLOCK_SIZE, kv_cache_dtype, cpu)
 
     def inputs(self, step: MixStep) -> ModelInputs:
+        layout = self.model.kv_layout
         if step.num_prefill_tokens:
             n = self.chunk
             return ModelInputs.one_sequence(torch.zeros(n, dtype=torch.long), 0, self.num_blocks, BLOCK_SIZE,
-                                            torch.tensor([n - 1]))
+                                            torch.tensor([n - 1]), layout)
         rows, ctx = step.num_decode_rows, self.context
-        tables = [list(range(r * self.blocks_per_row, (r + 1) * self.blocks_per_row)) for r in range(rows)]
-        slots = [t[ctx // BLOCK_SIZE] * BLOCK_SIZE + ctx % BLOCK_SIZE for t in tables]
-        return ModelInputs(torch.zeros(rows, dtype=torch.long), torch.full((rows,), ctx), torch.tensor(slots),
-                           list(range(rows + 1)), [ctx + 1] * rows, [ctx] * rows, tables, rows, BLOCK_SIZE,
+        groups = []
+        for g, window in enumerate(layout.windows):  # group g's rows in its own part of the scratch pool
+            first = g * self.num_blocks
+            tables = [list(range(first + r * self.blocks_per_row, first + (r + 1) * self.blocks_per_row))
+                      for r in range(rows)]
+            slots = torch.tensor([t[ctx // BLOCK_SIZE] * BLOCK_SIZE + ctx % BLOCK_SIZE for t in tables])
+            groups.append(GroupTables(window, slots, tables))
+        return ModelInputs(torch.zeros(rows, dtype=torch.long), torch.full((rows,), ctx), groups,
+                           list(range(rows + 1)), [ctx + 1] * rows, [ctx] * rows, rows, BLOCK_SIZE,
                            torch.arange(rows), [], [], [])
 
     @torch.inference_mode()

@@ -110,7 +110,8 @@ class ReplicaMetrics:
         self._engine_gauges: dict[str, Any] = {}
         self.tags = {"replica": replica_id}
         labels = {} if model is None else {"quantization": model.quantization, "dtype": model.dtype,
-                                           "kv_cache_dtype": model.kv_cache_dtype, "device": model.device}
+                                           "kv_cache_dtype": model.kv_cache_dtype, "device": model.device,
+                                           "architecture": model.architecture, "model_path": model.model_path}
         self._execution = {"replica": replica_id, **labels}
         self.engine_info = gauge("cbserve_engine_info", "1, labelled with how the engine computes.",
                                  tuple(self._execution))

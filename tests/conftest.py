@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 # Tiny test models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
 # threads spinning against other processes make every op slower.
@@ -61,21 +61,67 @@ def build_tokenizer(kind: str = "bpe") -> PreTrainedTokenizerFast:
     return fast
 
 
+def _longrope(rotary_dim: int) -> dict:
+    """Phi-3's LongRoPE scaling for a tiny model: short and long factors over 64 original positions."""
+    half = rotary_dim // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)], "long_factor": [2.0 + 0.3 * i for i in range(half)]}
+
+
+# arch -> (config class, model class, config fields beyond the common sizes): one tiny checkpoint per family the
+# engine runs natively, and the ones it runs through transformers' own modeling code (TRANSFORMERS_ARCHS)
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, num_hidden_layers=4, query_pre_attn_scalar=24,
+                                                         sliding_window=24, attn_logit_softcapping=10.0,
+                                                         final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=6, query_pre_attn_scalar=24, sliding_window=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(rope_parameters=_longrope(8) | {"partial_rotary_factor": 0.5})),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+        num_hidden_layers=3, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+        norm_topk_prob=False)),
+    # no native family: transformers' modeling code with the paged attention
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict()),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict()),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=None)),
+}
+NATIVE_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "smollm3", "mixtral",
+                "qwen3_moe", "qwen2_moe")
+TRANSFORMERS_ARCHS = ("gpt2", "gpt_neox", "opt", "olmo2", "phi", "starcoder2")
+
+
 def save_tiny_model(path, arch: str = "llama", seed: int = 0, tokenizer: str = "bpe", **sizes) -> str:
-    """`sizes`: config fields to override (hidden_size, num_hidden_layers, ...)."""
+    """A tiny random checkpoint of `arch` (TINY_ARCHS) saved with its tokenizer; `sizes`: config
+    fields to override (hidden_size, num_hidden_layers, ...)."""
+    import transformers
+
     tokenizer = build_tokenizer(tokenizer)
+    config_name, model_name, fields = TINY_ARCHS[arch]
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.3, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False) | sizes
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False) | fields | sizes
+    config_class = getattr(transformers, config_name)
+    if "num_key_value_heads" not in config_class.__annotations__:  # multi-head only (GPT-2, OPT, ...)
+        common.pop("num_key_value_heads")
     torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                           "original_max_position_embeddings": 64},
-                                             rope_theta=10000.0, **common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
+    model = getattr(transformers, model_name)(config_class(**common))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

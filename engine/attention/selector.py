@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, AttentionParams
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -25,8 +25,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
 
 
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
-    """KV bytes of one block of the model across all layers (K and V)."""
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+    """KV bytes of one block of the model (K and V), in each of its cache slots (KVLayout)."""
+    return 2 * model.kv_layout.num_slots * block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
 
 
 def triton_available(device: torch.device) -> bool:
@@ -39,27 +39,31 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: float,
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, params: AttentionParams,
                    max_model_len: int | None = None) -> AttentionBackend:
     """`auto` on CUDA in bf16/fp16: the Triton kernel over the paged cache, else torch's flash
-    attention over gathered contexts (no Triton), else pure torch; in float32 on CUDA pure torch
-    (transformers' parity); on CPU in float32: torch with the C++ decode kernel when it builds,
-    else pure torch. `torch` forces the pure-torch path, `cpu` requires the kernel, `flash`
-    requires CUDA and a 16-bit dtype, `triton` CUDA (float32 too: CUDA graphs in float32) and the
-    longest context, `max_model_len` (it sizes the kernel's decode partitions)."""
+    attention over gathered contexts (no Triton, no soft-cap), else pure torch; in float32 on
+    CUDA pure torch (transformers' parity); on CPU in float32: torch with the C++ decode kernel
+    when it builds, else pure torch. `torch` forces the pure-torch path, `cpu` requires the
+    kernel, `flash` requires CUDA, a 16-bit dtype and no soft-cap, `triton` CUDA (float32 too:
+    CUDA graphs in float32) and the longest context, `max_model_len` (it sizes the kernel's
+    decode partitions)."""
     if name == "triton" or (name == "auto" and dtype in FLASH_DTYPES and triton_available(device)):
         if not triton_available(device):
             raise ValueError(f"attention_backend 'triton' needs a CUDA device and Triton, got {device.type}")
         if max_model_len is None:
             raise ValueError("attention_backend 'triton' needs max_model_len")
         from engine.attention.triton_paged import TritonPagedBackend
-        return TritonPagedBackend(scale, max_model_len)
-    if name == "flash" or (name == "auto" and flash_available(device, dtype)):
+        return TritonPagedBackend(params, max_model_len)
+    if name == "flash" or (name == "auto" and flash_available(device, dtype) and params.softcap is None):
         if not flash_available(device, dtype):
             raise ValueError(f"attention_backend 'flash' needs a CUDA device with flash attention and dtype "
                              f"bfloat16 or float16, got {device.type} and {dtype}")
+        if params.softcap is not None:
+            raise ValueError("attention_backend 'flash' has no score soft-cap, which this model uses; "
+                             "use 'triton' or 'torch'")
         from engine.attention.flash import FlashAttentionBackend
-        return FlashAttentionBackend(scale)
+        return FlashAttentionBackend(params)
     from engine.attention.torch_backend import TorchAttentionBackend
     kernel = None
     if name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32:
@@ -69,4 +73,4 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, scale: f
         raise ValueError("attention_backend 'cpu' needs dtype float32")
     if name == "cpu" and kernel is None:
         raise ValueError("attention_backend 'cpu' needs the C++ decode kernel, which could not be built here")
-    return TorchAttentionBackend(scale, kernel)
+    return TorchAttentionBackend(params, kernel)

@@ -7,7 +7,9 @@ attention is two batched matmuls over (kv_head, request). Decodes are grouped by
 with SDPA (a chunk with no cached context attends to its own keys and skips the gather).
 With the C++ kernel (engine/cpu_kernels.py) decodes skip the gather: it reads blocks in place.
 Gathers write into one reusable workspace: a fresh multi-MB tensor per layer costs more in page
-faults than the copy itself.
+faults than the copy itself. A sliding-window group's queries gather only the blocks from the
+first one their window reads, and mask the keys before the window; with a score soft-cap,
+attention is computed in float32 matmuls (SDPA has no cap), as transformers' eager attention.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, zeroed_pool
-from engine.batch import ModelInputs, host_tensor, padded_rows
+from engine.attention.base import AttentionBackend, AttentionParams, zeroed_pool
+from engine.batch import GroupTables, ModelInputs, host_tensor, padded_rows
 
 _BUCKET_GROWTH = 1.5  # a decode bucket's longest context is at most this times its shortest
 
@@ -26,17 +28,16 @@ _BUCKET_GROWTH = 1.5  # a decode bucket's longest context is at most this times 
 class DecodeBucket:
     token_start: int  # first flat token (= request) index of the bucket
     token_end: int
-    block_tables: torch.Tensor  # (Bb, M) padded with block 0
-    mask: torch.Tensor  # (1, Bb, 1, M * block_size) additive: 0 where a key exists, -inf after
+    block_tables: torch.Tensor  # (Bb, M) each row's blocks from the first its window reads, padded with block 0
+    mask: torch.Tensor  # (1, Bb, 1, M * block_size) additive: 0 where a key is read, -inf elsewhere
 
 
 @dataclass(slots=True)
 class PrefillChunk:
     token_start: int
     token_end: int
-    block_ids: torch.Tensor | None  # blocks holding the context, None when nothing was cached
-    seq_len: int
-    mask: torch.Tensor | None  # (n, seq_len) bool: query i sees keys <= start_pos + i
+    block_ids: torch.Tensor | None  # blocks holding the keys read, None: the chunk reads only its own keys
+    mask: torch.Tensor | None  # (n, keys) bool: query i sees key j; None: causal over its own keys
 
 
 @dataclass(slots=True)
@@ -50,47 +51,67 @@ class KernelDecodeBatch:
 @dataclass(slots=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
+    window: int | None  # the KV group's sliding window
     decode_buckets: list[DecodeBucket]  # pure-torch decode path
     kernel_decodes: KernelDecodeBatch | None  # C++ decode path
     prefills: list[PrefillChunk]
 
 
-def _kernel_decodes(inputs: ModelInputs, device: torch.device) -> KernelDecodeBatch | None:
+def _first_key(position: int, window: int | None) -> int:
+    """The first position a query at `position` reads."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def _kernel_decodes(inputs: ModelInputs, group: GroupTables, device: torch.device) -> KernelDecodeBatch | None:
     if inputs.num_decodes == 0:
         return None
-    return KernelDecodeBatch(inputs.num_decodes, padded_rows(inputs.block_tables[:inputs.num_decodes], 0).to(device),
+    return KernelDecodeBatch(inputs.num_decodes, padded_rows(group.block_tables[:inputs.num_decodes], 0).to(device),
                              host_tensor(inputs.seq_lens[:inputs.num_decodes]).to(device))
 
 
-def _decode_buckets(inputs: ModelInputs, device: torch.device) -> list[DecodeBucket]:
-    """Splits the decode block (sorted by context length in the inputs) into buckets."""
-    bs, buckets, first = inputs.block_size, [], 0
-    for i in range(1, inputs.num_decodes + 1):
-        if i < inputs.num_decodes and inputs.seq_lens[i] <= _BUCKET_GROWTH * inputs.seq_lens[first] + bs:
+def _decode_buckets(inputs: ModelInputs, group: GroupTables, device: torch.device) -> list[DecodeBucket]:
+    """Splits the decode block (sorted by context length in the inputs) into buckets of similar
+    spans (the keys each row reads: its window, or its whole context)."""
+    bs, window, buckets, first = inputs.block_size, group.window, [], 0
+    lens = inputs.seq_lens[:inputs.num_decodes]
+    first_blocks = [_first_key(n - 1, window) // bs for n in lens]
+    spans = [n - b * bs for n, b in zip(lens, first_blocks)]
+    for i in range(1, len(lens) + 1):
+        if i < len(lens) and spans[i] <= _BUCKET_GROWTH * spans[first] + bs:
             continue
-        lens = inputs.seq_lens[first:i]
-        max_blocks = -(-max(lens) // bs)
-        key_pos = torch.arange(max_blocks * bs, device=device)
-        valid = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]
+        max_blocks = -(-max(spans[first:i]) // bs)
+        key_pos = (torch.tensor(first_blocks[first:i], device=device)[:, None] * bs
+                   + torch.arange(max_blocks * bs, device=device)[None, :])
+        seq_lens = torch.tensor(lens[first:i], device=device)[:, None]
+        valid = key_pos < seq_lens
+        if window is not None:
+            valid &= key_pos >= seq_lens - window
         mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
-        tables = padded_rows(inputs.block_tables[first:i], 0, width=max_blocks).to(device)
-        buckets.append(DecodeBucket(first, i, tables, mask[None, :, None, :]))
+        rows = [table[b:] for table, b in zip(group.block_tables[first:i], first_blocks[first:i])]
+        buckets.append(DecodeBucket(first, i, padded_rows(rows, 0, width=max_blocks).to(device), mask[None, :, None, :]))
         first = i
     return buckets
 
 
-def _prefill_chunks(inputs: ModelInputs, device: torch.device) -> list[PrefillChunk]:
-    chunks, bs = [], inputs.block_size
+def _prefill_chunks(inputs: ModelInputs, group: GroupTables, device: torch.device) -> list[PrefillChunk]:
+    chunks, bs, window = [], inputs.block_size, group.window
     for b in range(inputs.num_decodes, len(inputs.seq_lens)):
         start, seq_len = inputs.start_positions[b], inputs.seq_lens[b]
         t0, t1 = inputs.query_start_loc[b], inputs.query_start_loc[b + 1]
-        if start == 0:
-            chunks.append(PrefillChunk(t0, t1, None, seq_len, None))
+        if start == 0 and (window is None or seq_len <= window):
+            chunks.append(PrefillChunk(t0, t1, None, None))
             continue
-        blocks = host_tensor(inputs.block_tables[b][: -(-seq_len // bs)]).to(device)
-        q_pos = torch.arange(start, seq_len, device=device)
-        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-        chunks.append(PrefillChunk(t0, t1, blocks, seq_len, mask))
+        first_block = _first_key(start, window) // bs
+        q_pos = torch.arange(start, seq_len, device=device)[:, None]
+        if start == 0:  # its own keys, past its window
+            key_pos, blocks = torch.arange(seq_len, device=device)[None, :], None
+        else:
+            key_pos = torch.arange(first_block * bs, seq_len, device=device)[None, :]
+            blocks = host_tensor(group.block_tables[b][first_block: -(-seq_len // bs)]).to(device)
+        mask = key_pos <= q_pos
+        if window is not None:
+            mask &= key_pos > q_pos - window
+        chunks.append(PrefillChunk(t0, t1, blocks, mask))
     return chunks
 
 
@@ -104,13 +125,13 @@ def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, scale: float, decode_kernel=None):
-        self.scale = scale
+    def __init__(self, params: AttentionParams, decode_kernel=None):
+        super().__init__(params)
         self.decode_kernel = decode_kernel  # engine.cpu_kernels module, or None
         self._workspace = torch.empty(0)
 
-    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        return zeroed_pool((num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim), dtype, device)
+    def allocate_kv_cache(self, num_slots, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        return zeroed_pool((num_slots, 2, num_kv_heads, num_blocks, block_size, head_dim), dtype, device)
 
     def _gather(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Blocks of one layer -> (2, kv_heads, len(block_ids) * block_size, head_dim), in the
@@ -126,20 +147,23 @@ class TorchAttentionBackend(AttentionBackend):
     def block_dim(self) -> int:
         return 3
 
-    def build_metadata(self, inputs: ModelInputs) -> TorchAttentionMetadata:
+    def group_metadata(self, inputs: ModelInputs, group: GroupTables) -> TorchAttentionMetadata:
         device = inputs.input_ids.device
         if self.decode_kernel is not None:
-            return TorchAttentionMetadata(inputs.slot_mapping, [], _kernel_decodes(inputs, device),
-                                          _prefill_chunks(inputs, device))
-        return TorchAttentionMetadata(inputs.slot_mapping, _decode_buckets(inputs, device), None,
-                                      _prefill_chunks(inputs, device))
+            return TorchAttentionMetadata(group.slot_mapping, group.window, [], _kernel_decodes(inputs, group, device),
+                                          _prefill_chunks(inputs, group, device))
+        return TorchAttentionMetadata(group.slot_mapping, group.window, _decode_buckets(inputs, group, device), None,
+                                      _prefill_chunks(inputs, group, device))
 
-    def rope_and_write(self, qkv, cos, sin, layer_cache, metadata: TorchAttentionMetadata, num_heads):
-        """With the C++ kernels: RoPE, the stack and transpose of k and v, and the slot write are one
-        call (engine/csrc/rope_kv.cpp) instead of five ops a layer, rounding as they do."""
+    def rope_and_write(self, qkv, cos, sin, layer_cache, metadata: TorchAttentionMetadata, num_heads, qk_norms=None):
+        """With the C++ kernels: q/k norms, RoPE, the stack and transpose of k and v, and the slot
+        write are one call (engine/csrc/rope_kv.cpp) instead of five ops a layer (eight with the
+        norms), rounding as they do (the norms in the kernels' RMSNorm, as the decode stack)."""
         if self.decode_kernel is None:
             return None
-        return self.decode_kernel.rope_write_kv(qkv, cos, sin, layer_cache, metadata.slot_mapping, num_heads, True)
+        q_norm, k_norm, eps = qk_norms or (None, None, 0.0)
+        return self.decode_kernel.rope_write_kv(qkv, cos, sin, layer_cache, metadata.slot_mapping, num_heads, True,
+                                                q_norm, k_norm, eps)
 
     def forward(self, q, k, v, layer_cache, metadata: TorchAttentionMetadata, kv_written: bool = False):
         num_kv_heads, num_blocks, block_size, head_dim = layer_cache.shape[1:]
@@ -150,16 +174,23 @@ class TorchAttentionBackend(AttentionBackend):
         batch = metadata.kernel_decodes
         if batch is not None:
             outputs.append(self.decode_kernel.paged_decode_attention(
-                q[:batch.num_tokens], layer_cache, batch.block_tables, batch.seq_lens, self.scale))
+                q[:batch.num_tokens], layer_cache, batch.block_tables, batch.seq_lens, self.scale,
+                metadata.window or 0, self.softcap or 0.0))
         outputs += [self._prefill(q, k, v, layer_cache, c) for c in metadata.prefills]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return out.reshape(q.shape[0], -1)
 
-    def decode_stack_args(self, metadata: TorchAttentionMetadata):
-        batch = metadata.kernel_decodes
-        if batch is None or metadata.prefills or batch.num_tokens != metadata.slot_mapping.numel():
-            return None
-        return metadata.slot_mapping, batch.block_tables, batch.seq_lens, self.scale
+    def decode_stack_args(self, metadata: list[TorchAttentionMetadata]):
+        args = []
+        for group in metadata:
+            batch = group.kernel_decodes
+            if batch is None or group.prefills or batch.num_tokens != group.slot_mapping.numel():
+                return None
+            args.append((group.slot_mapping, batch.block_tables, batch.seq_lens))
+        return args
+
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def _decode(self, q, layer_cache, bucket: DecodeBucket) -> torch.Tensor:
         num_kv_heads, head_dim = layer_cache.shape[1], layer_cache.shape[-1]
@@ -170,7 +201,7 @@ class TorchAttentionBackend(AttentionBackend):
         qb = q[bucket.token_start:bucket.token_end].view(num_requests, num_kv_heads, -1, head_dim).transpose(0, 1)
         if qb.dtype != torch.float32 or kv.dtype != torch.float32:  # scores and softmax in float32, as
             qb, kv = qb.float(), kv.float()  # the fused SDPA kernels compute them
-        scores = torch.matmul(qb, kv[0].transpose(-1, -2)).mul_(self.scale).add_(bucket.mask)
+        scores = self._capped(torch.matmul(qb, kv[0].transpose(-1, -2)).mul_(self.scale)).add_(bucket.mask)
         out = torch.matmul(torch.softmax(scores, dim=-1), kv[1])  # (kv_heads, Bb, group, d)
         return out.transpose(0, 1).reshape(num_requests, -1, head_dim).to(q.dtype)
 
@@ -179,9 +210,24 @@ class TorchAttentionBackend(AttentionBackend):
         if chunk.block_ids is None:
             kc = _as_cached(k[chunk.token_start:chunk.token_end].transpose(0, 1)[None], layer_cache.dtype)
             vc = _as_cached(v[chunk.token_start:chunk.token_end].transpose(0, 1)[None], layer_cache.dtype)
-            out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            kv = self._gather(layer_cache, chunk.block_ids)[:, :, :chunk.seq_len].to(q.dtype)
-            out = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=chunk.mask,
-                                                 scale=self.scale, enable_gqa=True)
-        return out[0].transpose(0, 1)  # (n, heads, d)
+            kv = self._gather(layer_cache, chunk.block_ids)[:, :, :chunk.mask.shape[1]].to(q.dtype)
+            kc, vc = kv[0][None], kv[1][None]
+        return self._attend(qc, kc, vc, chunk.mask)[0].transpose(0, 1)  # (n, heads, d)
+
+    def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (1, heads, n, d) over k, v (1, kv_heads, keys, d): SDPA (causal where `mask` is None),
+        or with a soft-cap float32 matmuls in transformers' eager order (cap, mask, softmax)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                                  enable_gqa=True)
+        heads, n, head_dim = q.shape[1:]
+        num_kv_heads = k.shape[1]
+        qg = q[0].reshape(num_kv_heads, heads // num_kv_heads * n, head_dim).float()  # (kv_heads, group * n, d)
+        scores = self._capped(torch.matmul(qg, k[0].float().transpose(-1, -2)) * self.scale)
+        scores = scores.view(num_kv_heads, heads // num_kv_heads, n, -1)
+        if mask is None:
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).view(num_kv_heads, -1, scores.shape[-1]), v[0].float())
+        return out.view(1, heads, n, head_dim).to(q.dtype)

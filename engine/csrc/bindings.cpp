@@ -26,11 +26,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   // module_local: another build of these kernels (benchmarks/decode_kernels.py) loads beside this one
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
-                          "a decode step through block-quantized Llama layers in one call")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<c10::optional<torch::Tensor>>,
-                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
-                    std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
-                    std::vector<c10::optional<torch::Tensor>>, int64_t>())
+                          "a decode step through block-quantized decoder layers in one call")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, double, std::vector<int64_t>, int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_experts", &DecodeStack::add_experts)
+      .def("set_tiles", &DecodeStack::set_tiles)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 #endif

@@ -340,13 +340,13 @@ bool block_quant_gemm_available() {
 
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales,
                                const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
-                               const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                               const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                                const c10::optional<torch::Tensor>& residual, bool bf16_activations) {
   TORCH_CHECK(block_quant_gemm_available(), "block_quant_gemm needs AMX bf16 tiles, which this CPU or build lacks");
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kBFloat16 && tiles.is_contiguous() &&
                   tiles.size(2) == kTileElements, "tiles: contiguous bf16 (N / 16, K / 32, 512)");
   const int64_t nb = tiles.size(1), K = nb * kBlock, M = x.size(0);
-  check_prologue(x, K, norm_weight, swiglu);
+  check_prologue(x, K, norm_weight, gated);
   const int64_t groups = tiles.size(0), N = groups * 16;
   check_block_scales(scales, offsets, nb, N, bf16_activations);
   check_bias_residual(bias, residual, M, N);
@@ -354,7 +354,7 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
 #if defined(CBSERVE_AMX)
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
   Scratch<float> transformed;
-  const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
+  const float* rows = with_prologue(x, M, K, norm_weight, eps, gated, transformed);
   SplitX split_x;
   if (bf16_activations) {
     split_x.hi = bf16_rows(rows, M, Mp, K);
@@ -382,19 +382,19 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
 }
 
 torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias,
-                             const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                             const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                              const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(block_quant_gemm_available(), "bf16_tile_gemm needs AMX bf16 tiles, which this CPU or build lacks");
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == torch::kBFloat16 && tiles.is_contiguous() &&
                   tiles.size(2) == 2 * kTileElements, "tiles: contiguous bf16 (N / 16, K / 32, 2 * 512)");
   const int64_t nb = tiles.size(1), K = nb * kBlock, M = x.size(0), groups = tiles.size(0), N = groups * 16;
-  check_prologue(x, K, norm_weight, swiglu);
+  check_prologue(x, K, norm_weight, gated);
   check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
 #if defined(CBSERVE_AMX)
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
   Scratch<float> transformed;
-  const Scratch<uint16_t> xb = bf16_rows(with_prologue(x, M, K, norm_weight, eps, swiglu, transformed), M, Mp, K);
+  const Scratch<uint16_t> xb = bf16_rows(with_prologue(x, M, K, norm_weight, eps, gated, transformed), M, Mp, K);
   const uint16_t* tp = reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>());
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;

@@ -516,50 +516,54 @@ Scratch<float> round_bf16(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
-// RMSNorm(x) * norm_weight, or SwiGLU silu(x[:, :K]) * x[:, K:] (x twice as wide as the weight): with_prologue's rows.
-Scratch<float> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps,
-                                  bool swiglu) {
+// act(gate) for the gated prologues (kernels.h's kGated codes), in fp32 as torch computes them.
+inline float activate(float g, int64_t gated) {
+  if (gated == kGatedSilu) return g / (1.f + std::exp(-g));
+  if (gated == kGatedGeluTanh) return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f));
+}
+
+// RMSNorm(x) * norm_weight, or the gated activation act(x[:, :K]) * x[:, K:] (x twice as wide as the weight):
+// with_prologue's rows.
+Scratch<float> prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, float eps, int64_t gated) {
   Scratch<float> rows = scratch<float>(M * K);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* y = rows.get() + m * K;
-      if (swiglu) {
+      if (gated) {
         const float* gate = x + m * 2 * K;
-        for (int64_t k = 0; k < K; ++k) y[k] = gate[k] / (1.f + std::exp(-gate[k])) * gate[K + k];
+        for (int64_t k = 0; k < K; ++k) y[k] = activate(gate[k], gated) * gate[K + k];
       } else {
-        const float* xr = x + m * K;
-        float squares = 0.f;
-        for (int64_t k = 0; k < K; ++k) squares += xr[k] * xr[k];
-        const float inv = 1.f / std::sqrt(squares / static_cast<float>(K) + eps);
-        for (int64_t k = 0; k < K; ++k) y[k] = xr[k] * inv * norm_weight[k];
+        rms_norm_row(x + m * K, norm_weight, K, eps, y);
       }
     }
   });
   return rows;
 }
 
-// x's rows as they are without a prologue (no norm_weight, no swiglu), else the prologue's, kept in
+// x's rows as they are without a prologue (no norm_weight, no gated activation), else the prologue's, kept in
 // `transformed`.
 const float* rows_after_prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps,
-                                 bool swiglu, Scratch<float>& transformed) {
-  if (!swiglu && norm_weight == nullptr) return x;
-  transformed = prologue(x, M, K, norm_weight, static_cast<float>(eps), swiglu);
+                                 int64_t gated, Scratch<float>& transformed) {
+  if (!gated && norm_weight == nullptr) return x;
+  transformed = prologue(x, M, K, norm_weight, static_cast<float>(eps), gated);
   return transformed.get();
 }
 
 }  // namespace
 
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
-                           double eps, bool swiglu, Scratch<float>& transformed) {
+                           double eps, int64_t gated, Scratch<float>& transformed) {
   return rows_after_prologue(x.data_ptr<float>(), M, K,
-                             norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, swiglu,
+                             norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, gated,
                              transformed);
 }
 
-void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, bool swiglu) {
+void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, int64_t gated) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
-                  x.size(1) == (swiglu ? 2 * K : K), "x: contiguous fp32 (M, K), (M, 2K) with swiglu");
-  TORCH_CHECK(!(swiglu && norm_weight.has_value()), "one prologue: norm or swiglu");
+                  x.size(1) == (gated ? 2 * K : K), "x: contiguous fp32 (M, K), (M, 2K) with a gated activation");
+  TORCH_CHECK(gated >= 0 && gated <= kGatedGelu, "gated: 0 (none), 1 (silu), 2 (gelu tanh) or 3 (gelu)");
+  TORCH_CHECK(!(gated && norm_weight.has_value()), "one prologue: norm or gated activation");
   TORCH_CHECK(!norm_weight.has_value() || (norm_weight->scalar_type() == torch::kFloat &&
                   norm_weight->is_contiguous() && norm_weight->numel() == K), "norm_weight: fp32 (K)");
 }
@@ -581,12 +585,12 @@ void check_block_scales(const torch::Tensor& scales, const c10::optional<torch::
 }
 
 torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, double eps,
-                                 bool swiglu, bool bf16) {
-  const int64_t M = x.size(0), K = swiglu ? x.size(1) / 2 : x.size(1);
-  check_prologue(x, K, norm_weight, swiglu);
+                                 int64_t gated, bool bf16) {
+  const int64_t M = x.size(0), K = gated ? x.size(1) / 2 : x.size(1);
+  check_prologue(x, K, norm_weight, gated);
   TORCH_CHECK(bf16 || K % kBlock == 0, "K: a multiple of 32 (activations quantized per block)");
   Scratch<float> transformed;
-  const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
+  const float* rows = with_prologue(x, M, K, norm_weight, eps, gated, transformed);
   auto out = torch::empty({M, K}, x.options());
   float* op = out.data_ptr<float>();
   if (bf16) {
@@ -606,10 +610,10 @@ int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format) {
   return blocks.size(1) / block_bytes(format) * kBlock;
 }
 
-LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, bool swiglu,
+LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, int64_t gated,
                          int64_t format) {
   LinearInput in{M, K};
-  const float* rows = rows_after_prologue(x, M, K, norm_weight, eps, swiglu, in.transformed);
+  const float* rows = rows_after_prologue(x, M, K, norm_weight, eps, gated, in.transformed);
   if (format == kQ8_0Bf16) {
     in.xr = round_bf16(rows, M, K);
     return in;
@@ -685,17 +689,17 @@ void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, i
 
 torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
                                  const c10::optional<torch::Tensor>& bias,
-                                 const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                                 const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                                  const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(format == kQ8_0 || format == kQ4_1 || format == kQ8_0Bf16,
               "format: 0 (Q8_0), 1 (Q4_1) or 2 (Q8_0, bf16 activations)");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.is_contiguous() &&
                   blocks.size(1) % block_bytes(format) == 0, "blocks: contiguous uint8 (N, K / 32 * block bytes)");
   const int64_t N = blocks.size(0), nb = blocks.size(1) / block_bytes(format), K = nb * kBlock, M = x.size(0);
-  check_prologue(x, K, norm_weight, swiglu);
+  check_prologue(x, K, norm_weight, gated);
   check_bias_residual(bias, residual, M, N);
   const LinearInput in = linear_input(x.data_ptr<float>(), M, K,
-                                      norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, swiglu,
+                                      norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, gated,
                                       format);
   auto out = torch::empty({M, N}, x.options());
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();

@@ -1,6 +1,7 @@
 // The C++ CPU kernels of the engine, bound into one extension module (bindings.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -20,9 +21,10 @@ Scratch<T> scratch(int64_t count) {
   return Scratch<T>(static_cast<T*>(scratch_bytes(sizeof(T) * static_cast<size_t>(count))));
 }
 
-// paged_decode.cpp: one query token per request attends over its KV blocks (fp32 or fp16) in place.
+// paged_decode.cpp: one query token per request attends over its KV blocks (fp32 or fp16) in place,
+// the last `window` keys of its context (0: all of them), its scores soft-capped (0: not).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale);
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap);
 
 // paged_decode.cpp: paged_decode_attention's work, for callers that split it among threads
 // themselves (the decode stack): one step's shape (the same in every layer), its (chunk, kv head)
@@ -30,7 +32,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
 // merge(rows [begin, end) of out (B, H, D): each query head's chunks combined) once all items are done.
 struct DecodeAttention {
   DecodeAttention(int64_t num_heads, const torch::Tensor& layer_cache, const torch::Tensor& block_tables,
-                  const torch::Tensor& seq_lens, double scale);
+                  const torch::Tensor& seq_lens, double scale, int64_t window, double softcap);
   int64_t num_items() const;
   // The items thread `thread` of `threads` takes: even shares of the items' tokens (a request's last
   // chunk is short), where even shares of items left one thread a third of the other's work idle.
@@ -41,14 +43,16 @@ struct DecodeAttention {
   };
   Item item(int64_t index) const;
   int64_t stride() const { return D + 2; }  // per item and query head: max score, sum of exp, D of output
+  // Request b's first key: its window's (window 0: its context's first).
+  int64_t first_key(int64_t b) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
   void attend(const float* q, const void* layer_cache, int64_t begin, int64_t end) const;
   // Asks for the keys and values of items [begin, end) into L2, for a later attend.
   void prefetch(const void* layer_cache, int64_t begin, int64_t end) const;
   void merge(float* out, int64_t begin, int64_t end) const;
 
-  int64_t B, H, KVH, NB, BS, D, max_blocks;
+  int64_t B, H, KVH, NB, BS, D, max_blocks, window;
   bool half;
-  float scale;
+  float scale, softcap;
   const int64_t* tables;
   const int64_t* lens;
   std::vector<int64_t> first_chunk;  // request b's first chunk among all requests' chunks
@@ -56,31 +60,42 @@ struct DecodeAttention {
   Scratch<float> partial;
 };
 
+// y = RMSNorm(x) * w over n values (in place allowed): the kernels' RMSNorm, one home for its arithmetic.
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+  float squares = 0.f;
+  for (int64_t k = 0; k < n; ++k) squares += x[k] * x[k];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k) y[k] = x[k] * inv * w[k];
+}
+
+// The gated prologues act(gate) * up of a fused gate/up output: none, SwiGLU, GeGLU (tanh), GeGLU (erf).
+constexpr int64_t kGatedNone = 0, kGatedSilu = 1, kGatedGeluTanh = 2, kGatedGelu = 3;
+
 // block_quant_linear.cpp: residual + prologue(x) times GGUF Q8_0 (format 0) or Q4_1 (format 1) weight
 // blocks (N, K / 32 * block bytes) + bias, x quantized per block of 32 inside; or Q8_0 blocks times x
-// rounded to bf16 (format 2, kQ8_0Bf16). The prologue is RMSNorm with norm_weight, SwiGLU, or none.
+// rounded to bf16 (format 2, kQ8_0Bf16). The prologue is RMSNorm with norm_weight, a gated activation (kGated*), or none.
 torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
                                  const c10::optional<torch::Tensor>& bias,
-                                 const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                                 const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                                  const c10::optional<torch::Tensor>& residual);
 
 // block_quant_linear.cpp: prologue(x) (M, K) as the kernels' products see it: rounded per block of
 // 32 (q * d), or with bf16 rounded to bf16; for the fp32 GEMM path of larger batches, which so
 // multiplies exactly the values the kernels and tiles multiply.
 torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, double eps,
-                                 bool swiglu, bool bf16);
+                                 int64_t gated, bool bf16);
 
 // block_quant_linear.cpp: the rows a matmul multiplies with a fused prologue: RMSNorm(x) * norm_weight
-// (x (M, K)), or SwiGLU silu(x[:, :K]) * x[:, K:] (x (M, 2K)); check_prologue checks x and the
+// (x (M, K)), or act(x[:, :K]) * x[:, K:] (x (M, 2K), act by its kGated code); check_prologue checks x and the
 // weight for K; with_prologue returns x's rows as they are without one, else the prologue's, kept
 // in `transformed`.
-void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, bool swiglu);
+void check_prologue(const torch::Tensor& x, int64_t K, const c10::optional<torch::Tensor>& norm_weight, int64_t gated);
 // block_quant_linear.cpp: checks an (M, N) matmul's epilogue operands: bias fp32 (N), residual
 // contiguous fp32 (M, N).
 void check_bias_residual(const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual,
                          int64_t M, int64_t N);
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
-                           double eps, bool swiglu, Scratch<float>& transformed);
+                           double eps, int64_t gated, Scratch<float>& transformed);
 
 // block_quant_gemm.cpp: whether this process may run block_quant_gemm (built with AMX, and the
 // kernel grants the tile state).
@@ -94,7 +109,7 @@ bool block_quant_gemm_available();
 // as block_quant_linear's (format 0 or 1; with bf16_activations, format 2), to fp32 rounding.
 torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales,
                                const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
-                               const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                               const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                                const c10::optional<torch::Tensor>& residual, bool bf16_activations);
 
 // block_quant_gemm.cpp: residual + prologue(x) (M, K) rounded to bf16 (the prologue as
@@ -103,7 +118,7 @@ torch::Tensor block_quant_gemm(const torch::Tensor& x, const torch::Tensor& tile
 // (N / 16, K / 32, 2 * 512): per block, hi's tile then lo's. The products are exact and summed in
 // fp32 over all of K in the tiles: block_quant_linear's format 2 to fp32 rounding.
 torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias,
-                             const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                             const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                              const c10::optional<torch::Tensor>& residual);
 
 // block_quant_linear.cpp: checks the large-batch GEMMs' per-block weight scales and (Q4_1) offsets,
@@ -118,7 +133,7 @@ void check_block_scales(const torch::Tensor& scales, const c10::optional<torch::
 // offsets m (K / 32, N), w = d * q (+ m), + bias.
 torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
-                          const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                          const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                           const c10::optional<torch::Tensor>& residual);
 // The instructions vector_gemm's integer products were built for: avx512_vnni, avx512, avx2 or plain.
 std::string vector_gemm_isa();
@@ -157,17 +172,19 @@ struct LinearInput {
 };
 // The columns K of blocks (N, K / 32 * block bytes) in format.
 int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format);
-LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, bool swiglu,
+LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, int64_t gated,
                          int64_t format);
 void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, int64_t N, const float* bias,
                  const float* residual, float* out, int64_t n0, int64_t n1);
 
-// rope_kv.cpp: RoPE on qkv's q heads (and k heads), k and v written to the slots of a layer's cache
-// (2, kv_heads, blocks, block_size, head_dim), fp32 or fp16: returns q (T, heads, head_dim), or with
-// with_keys q and k (T, heads + kv_heads, head_dim), as llama.py's _rope computes them.
+// rope_kv.cpp: RoPE on qkv's q heads (and k heads), each head first RMS-normed by q_norm / k_norm
+// (head_dim) where given, k and v written to the slots of a layer's cache (2, kv_heads, blocks,
+// block_size, head_dim), fp32 or fp16: returns q (T, heads, head_dim), or with with_keys q and k
+// (T, heads + kv_heads, head_dim), as decoder.py's _rope computes them.
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
-                            bool with_keys);
+                            bool with_keys, const c10::optional<torch::Tensor>& q_norm,
+                            const c10::optional<torch::Tensor>& k_norm, double eps);
 // rope_write_kv's checks, then its work (q heads only) for a layer of kv_cache (layers, 2, kv_heads,
 // blocks, block_size, head_dim) into q (T, heads, head_dim), unchecked, for items [begin, end) of
 // the T * (heads + kv_heads) (token, q or k head): for the decode stack, which checks once per
@@ -175,52 +192,91 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
 void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                          const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads);
 void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_heads,
-                        const torch::Tensor& kv_cache, int64_t layer, float* q, int64_t begin, int64_t end);
+                        const torch::Tensor& kv_cache, int64_t layer, const float* q_norm, const float* k_norm,
+                        float eps, float* q, int64_t begin, int64_t end);
 // The cache lines rope_write_kv will write for these slots, asked for (to write) ahead: a step's
 // slots were last touched long ago, and the stores' misses otherwise hold up the attention after.
 // kv_cache: (layers, 2, kv_heads, blocks, block_size, head_dim).
 void prefetch_kv_slots(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& slot_mapping);
 
+// decode_stack.cpp: one block-quantized matmul of a decode stack: block_quant_linear's rows, format
+// and bias, and where the vector GEMM takes it past kernel_rows tokens its tiles, scales, offsets.
+struct StackMatmul {
+  torch::Tensor rows;
+  int64_t format;
+  c10::optional<torch::Tensor> bias, tiles, scales, offsets;
+};
+
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
-// Llama layers, each layer's four matmuls (qkv, o, gate_up, down: block_quant_linear's rows,
-// formats and biases) and two RMSNorm weights (input, post-attention) held from construction.
-// Matmuls given vector_gemm's tiles, scales and offsets run it on steps of more than kernel_rows
-// tokens (BlockQuantLinear's decode_rows), block_quant_linear on the rest.
+// decoder layers of any shape engine/models/decoder.py's layers take: per layer RMSNorm + qkv,
+// optional q/k norms, RoPE (the layer's table) with k and v written to its cache slot, paged
+// attention over its KV group's block tables (within the group's window; scores scaled, and
+// soft-capped where softcap > 0), o (+ an optional post-attention norm) + residual, RMSNorm +
+// gate/up, the gated activation + down (+ an optional post-MLP norm) + residual; or in place of
+// the gated MLP a mixture of experts (add_experts): fp32 routing, top-k, each routed expert's two
+// matmuls over its tokens, an optional shared expert with its sigmoid gate. Matmuls with vector
+// GEMM tiles run it on steps of more than kernel_rows tokens, block_quant_linear on the rest;
+// layers with experts take steps of up to kernel_rows tokens only.
 class DecodeStack {
  public:
-  static constexpr int64_t kMatmuls = 4;
-  DecodeStack(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
-              std::vector<c10::optional<torch::Tensor>> biases, std::vector<torch::Tensor> norms, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps, std::vector<c10::optional<torch::Tensor>> tiles,
-              std::vector<c10::optional<torch::Tensor>> scales, std::vector<c10::optional<torch::Tensor>> offsets,
-              int64_t kernel_rows);
-  int64_t num_layers() const;
-  // hidden (T, hidden) through the first num_layers layers; cos/sin (T, head_dim) at the tokens'
-  // positions (sin's first half negated); kv_cache (layers, 2, kv_heads, blocks, block_size,
-  // head_dim), fp32 or fp16, written at slot_mapping (T); block_tables (T, max blocks), seq_lens (T) and the
-  // attention scale as for paged_decode_attention.
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
+              std::vector<int64_t> windows, int64_t kernel_rows);
+  // Appends a layer. matmuls: qkv, o, gate_up, down (gate_up and down unused where add_experts
+  // follows); norms: input, mlp, post-attention, post-MLP, q, k (the last four may be None);
+  // gated: kGated code; slot: its cache tensor; group: its KV group (windows' index); rope: its
+  // table in forward's cos and sin.
+  void add_layer(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
+                 std::vector<c10::optional<torch::Tensor>> biases, std::vector<c10::optional<torch::Tensor>> norms,
+                 int64_t gated, int64_t slot, int64_t group, int64_t rope);
+  // Makes the last layer's MLP a mixture of experts: router (E, hidden) fp32; per expert its gate_up
+  // then down (rows, formats: 2E each, no tiles); shared: gate_up and down rows, formats (or empty)
+  // with shared_gate (1, hidden) fp32.
+  void add_experts(torch::Tensor router, std::vector<torch::Tensor> rows, std::vector<int64_t> formats, int64_t top_k,
+                   bool renormalize, std::vector<torch::Tensor> shared_rows, std::vector<int64_t> shared_formats,
+                   c10::optional<torch::Tensor> shared_gate);
+  // Gives matmul `which` (0-3) of layer `layer` the vector GEMM's tiles, scales and offsets.
+  void set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, torch::Tensor scales,
+                 c10::optional<torch::Tensor> offsets);
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // hidden (T, hidden) through the first num_layers layers; cos/sin (tables, T, head_dim) at the
+  // tokens' positions (sin's first half negated); kv_cache (slots, 2, kv_heads, blocks, block_size,
+  // head_dim), fp32 or fp16; per KV group the slots (T) it writes and its block tables (T, max
+  // blocks); seq_lens (T) as for paged_decode_attention.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
-                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                        const torch::Tensor& kv_cache, const std::vector<torch::Tensor>& slot_mappings,
+                        const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
                         int64_t num_layers) const;
 
  private:
-  // Matmul i (layer * kMatmuls + which) of x, its prologue and residual fused.
-  torch::Tensor matmul(int64_t i, const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight, bool swiglu,
-                       const c10::optional<torch::Tensor>& residual) const;
+  struct Experts {
+    torch::Tensor router;  // (E, hidden) fp32
+    std::vector<StackMatmul> matmuls;  // per expert: gate_up, down
+    int64_t top_k;
+    bool renormalize;
+    std::vector<StackMatmul> shared;  // gate_up, down, or empty
+    c10::optional<torch::Tensor> shared_gate;  // (1, hidden) fp32
+  };
+  struct Layer {
+    StackMatmul matmuls[4];  // qkv, o, gate_up, down
+    torch::Tensor input_norm, mlp_norm;
+    c10::optional<torch::Tensor> post_attention_norm, post_mlp_norm, q_norm, k_norm;
+    int64_t gated, slot, group, rope;
+    std::unique_ptr<Experts> experts;
+  };
+  // matmul m of x, its prologue and residual fused (the vector GEMM past kernel_rows rows where m has tiles).
+  torch::Tensor matmul(const StackMatmul& m, const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight,
+                       int64_t gated, const c10::optional<torch::Tensor>& residual) const;
   // forward when every matmul runs block_quant_linear's kernel: one thread team for the whole step,
   // each op's rows shared out and a barrier between ops, no tensor made or thread woken per op.
   torch::Tensor forward_team(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                             const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
-                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                             const torch::Tensor& kv_cache, const std::vector<torch::Tensor>& slot_mappings,
+                             const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
                              int64_t num_layers) const;
+  void check_matmul(const StackMatmul& m) const;
 
-  std::vector<torch::Tensor> rows_;
-  std::vector<int64_t> formats_;
-  std::vector<c10::optional<torch::Tensor>> biases_;
-  std::vector<torch::Tensor> norms_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double eps_;
-  std::vector<c10::optional<torch::Tensor>> tiles_, scales_, offsets_;
+  double eps_, scale_, softcap_;
+  std::vector<int64_t> windows_;
   int64_t kernel_rows_;
+  std::vector<Layer> layers_;
 };

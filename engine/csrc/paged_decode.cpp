@@ -7,7 +7,9 @@
 // head's query heads; a second pass merges the chunks (flash-decoding). So one long request
 // spreads over every thread, where parallelism over (request, kv head) alone left a single stream
 // with three items for two threads. The chunking depends only on a request's own length, so its
-// arithmetic is the same alone or in any batch.
+// arithmetic is the same alone or in any batch. A sliding-window layer's query reads only the last
+// `window` keys (chunked from the window's first); a soft-capped model's scores are capped
+// (softcap * tanh(score / softcap)) after scaling, as transformers' eager attention does.
 #include "kernels.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -199,13 +201,17 @@ void weigh(const float* p, int64_t G, const Rows& values, int64_t D, int64_t t0,
 // into parts[g]: max score, sum of exp, then D of unnormalised output.
 template <typename Rows>
 void attend_chunk(const float* q, int64_t G, const Rows& keys, const Rows& values, int64_t D, int64_t t0,
-                  int64_t t1, float scale, float* scores, float* const* parts, float* const* outs) {
+                  int64_t t1, float scale, float softcap, float* scores, float* const* parts, float* const* outs) {
   const int64_t n = t1 - t0;
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * kChunk;
     score(q + g * D, keys, D, t0, t1, s);
+    if (softcap > 0.f)
+      for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] * scale / softcap);
+    else
+      for (int64_t t = 0; t < n; ++t) s[t] *= scale;
     float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] *= scale);
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
     at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, n);
     parts[g][0] = mx;
     parts[g][1] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
@@ -226,14 +232,16 @@ void attend_items(const DecodeAttention& a, const float* q, const T* cache, int6
     const T *keys_base = cache + item.h * head, *values_base = values + item.h * head;
     if constexpr (std::is_same<T, float>::value) {
       const CacheRows keys{keys_base, item.table, a.BS, D}, vals{values_base, item.table, a.BS, D};
-      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.data(), parts.data(), outs.data());
+      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, a.softcap, scores.data(), parts.data(),
+                   outs.data());
     } else {
       prefetch_rows<_MM_HINT_T0>(keys_base, item.table, a.BS, D, item.t0, item.t1);
       prefetch_rows<_MM_HINT_T0>(values_base, item.table, a.BS, D, item.t0, item.t1);
       stage(keys_base, item.table, a.BS, D, item.t0, item.t1, staged.data());
       stage(values_base, item.table, a.BS, D, item.t0, item.t1, staged.data() + kChunk * D);
       const StagedRows keys{staged.data(), item.t0, D}, vals{staged.data() + kChunk * D, item.t0, D};
-      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, scores.data(), parts.data(), outs.data());
+      attend_chunk(qh, G, keys, vals, D, item.t0, item.t1, a.scale, a.softcap, scores.data(), parts.data(),
+                   outs.data());
     }
   }
 }
@@ -251,21 +259,22 @@ void prefetch_items(const DecodeAttention& a, const T* cache, int64_t begin, int
 }  // namespace
 
 DecodeAttention::DecodeAttention(int64_t num_heads, const torch::Tensor& layer_cache, const torch::Tensor& block_tables,
-                                 const torch::Tensor& seq_lens, double scale)
+                                 const torch::Tensor& seq_lens, double scale, int64_t window, double softcap)
     : B(seq_lens.numel()), H(num_heads), KVH(layer_cache.size(1)), NB(layer_cache.size(2)), BS(layer_cache.size(3)),
-      D(layer_cache.size(4)), max_blocks(block_tables.size(1)), half(layer_cache.scalar_type() == torch::kHalf),
-      scale(static_cast<float>(scale)), tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()),
-      first_chunk(B + 1, 0) {
+      D(layer_cache.size(4)), max_blocks(block_tables.size(1)), window(window), half(layer_cache.scalar_type() == torch::kHalf),
+      scale(static_cast<float>(scale)), softcap(static_cast<float>(softcap)), tables(block_tables.data_ptr<int64_t>()),
+      lens(seq_lens.data_ptr<int64_t>()), first_chunk(B + 1, 0) {
   TORCH_CHECK(layer_cache.scalar_type() == torch::kFloat32 || half, "cache: fp32 or fp16");
   TORCH_CHECK(layer_cache.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && seq_lens.scalar_type() == torch::kLong &&
                   block_tables.size(0) >= B, "block_tables (B, max blocks), seq_lens (B): int64");
-  for (int64_t b = 0; b < B; ++b) first_chunk[b + 1] = first_chunk[b] + (lens[b] + kChunk - 1) / kChunk;
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window, softcap: 0 (none) or positive");
+  for (int64_t b = 0; b < B; ++b) first_chunk[b + 1] = first_chunk[b] + (lens[b] - first_key(b) + kChunk - 1) / kChunk;
   partial = scratch<float>(num_items() * (H / KVH) * stride());
   work_before.assign(num_items() + 1, 0);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t chunk = first_chunk[b]; chunk < first_chunk[b + 1]; ++chunk) {
-      const int64_t tokens = std::min(kChunk, lens[b] - (chunk - first_chunk[b]) * kChunk);
+      const int64_t tokens = std::min(kChunk, lens[b] - first_key(b) - (chunk - first_chunk[b]) * kChunk);
       for (int64_t h = 0; h < KVH; ++h) {
         const int64_t item = chunk * KVH + h;
         work_before[item + 1] = work_before[item] + tokens + kItemWork;
@@ -288,7 +297,7 @@ int64_t DecodeAttention::num_items() const { return first_chunk[B] * KVH; }
 
 DecodeAttention::Item DecodeAttention::item(int64_t index) const {
   const int64_t chunk = index / KVH, b = std::upper_bound(first_chunk.begin(), first_chunk.end(), chunk) - first_chunk.begin() - 1;
-  const int64_t t0 = (chunk - first_chunk[b]) * kChunk;
+  const int64_t t0 = first_key(b) + (chunk - first_chunk[b]) * kChunk;
   return {b, index % KVH, t0, std::min(lens[b], t0 + kChunk), tables + b * max_blocks};
 }
 
@@ -330,10 +339,10 @@ void DecodeAttention::merge(float* out, int64_t begin, int64_t end) const {
 // q (B, H, D); cache (2, KVH, NB, BS, D) fp32 or fp16; block_tables (B, M) int64; seq_lens (B) int64
 // -> out (B, H, D)
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q: fp32");
   q = q.contiguous();
-  const DecodeAttention attention(q.size(1), cache, block_tables, seq_lens, scale);
+  const DecodeAttention attention(q.size(1), cache, block_tables, seq_lens, scale, window, softcap);
   TORCH_CHECK(q.size(0) == attention.B && q.size(2) == attention.D, "q: (B, H, head_dim)");
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();

@@ -1,6 +1,7 @@
 // RoPE on a step's q and k heads, with k and v written to their paged cache slots, in one pass
-// over the qkv matmul's output: engine/models/llama.py's _rope and the torch backend's KV write
-// (a roll, a multiply, an addcmul, a stack and an index_copy per layer) rounded alike, bit for bit.
+// over the qkv matmul's output: engine/models/decoder.py's _rope and the torch backend's KV write
+// (a roll, a multiply, an addcmul, a stack and an index_copy per layer) rounded alike, bit for bit;
+// q/k norms (Qwen3, Gemma 3) before it where given, in the kernels' RMSNorm arithmetic.
 // The decode stack and, on CPU, the layers' own path both call it.
 #include "kernels.h"
 #include <ATen/Parallel.h>
@@ -40,16 +41,22 @@ void store(const float* x, int64_t D, at::Half* out) {
 
 // Items [begin, end) of (token, q or k head): each token's q heads after RoPE into out (out_heads
 // per token: H, or H + KVH with its k heads after RoPE too), its k heads after RoPE and their v
-// heads into their cache slots.
+// heads into their cache slots; each q and k head RMS-normed first by q_norm / k_norm where given.
 template <typename Element>
 void rope_items(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t H, int64_t KVH,
-                int64_t D, int64_t slots, float* out, int64_t out_heads, Element* keys, int64_t begin, int64_t end) {
+                int64_t D, int64_t slots, const float* q_norm, const float* k_norm, float eps, float* out,
+                int64_t out_heads, Element* keys, int64_t begin, int64_t end) {
   const int64_t QK = H + KVH;
   Element* values = keys + KVH * slots * D;
-  std::vector<float> scratch(D);
+  std::vector<float> scratch(D), normed(D);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t t = item / QK, head = item % QK;
     const float* x = qkv + (t * (QK + KVH) + head) * D;
+    const float* norm = head < H ? q_norm : k_norm;
+    if (norm != nullptr) {
+      rms_norm_row(x, norm, D, eps, normed.data());
+      x = normed.data();
+    }
     float* rotated = head < out_heads ? out + (t * out_heads + head) * D : scratch.data();
     rope(x, cos + t * D, sin + t * D, D, rotated);
     if (head < H) continue;
@@ -60,12 +67,14 @@ void rope_items(const float* qkv, const float* cos, const float* sin, const int6
 
 // rope_items on a cache of either element type, from its element `first` (a layer's start).
 void rope_items_in(const torch::Tensor& cache, int64_t first, const float* qkv, const float* cos, const float* sin,
-                   const int64_t* slot, int64_t H, int64_t KVH, int64_t D, int64_t slots, float* out,
-                   int64_t out_heads, int64_t begin, int64_t end) {
+                   const int64_t* slot, int64_t H, int64_t KVH, int64_t D, int64_t slots, const float* q_norm,
+                   const float* k_norm, float eps, float* out, int64_t out_heads, int64_t begin, int64_t end) {
   if (cache.scalar_type() == torch::kHalf)
-    rope_items(qkv, cos, sin, slot, H, KVH, D, slots, out, out_heads, cache.data_ptr<at::Half>() + first, begin, end);
+    rope_items(qkv, cos, sin, slot, H, KVH, D, slots, q_norm, k_norm, eps, out, out_heads,
+               cache.data_ptr<at::Half>() + first, begin, end);
   else
-    rope_items(qkv, cos, sin, slot, H, KVH, D, slots, out, out_heads, cache.data_ptr<float>() + first, begin, end);
+    rope_items(qkv, cos, sin, slot, H, KVH, D, slots, q_norm, k_norm, eps, out, out_heads,
+               cache.data_ptr<float>() + first, begin, end);
 }
 
 }  // namespace
@@ -90,17 +99,24 @@ void check_rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, con
 }
 
 void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, const int64_t* slot, int64_t num_heads,
-                        const torch::Tensor& kv_cache, int64_t layer, float* q, int64_t begin, int64_t end) {
+                        const torch::Tensor& kv_cache, int64_t layer, const float* q_norm, const float* k_norm,
+                        float eps, float* q, int64_t begin, int64_t end) {
   const int64_t KVH = kv_cache.size(2), slots = kv_cache.size(3) * kv_cache.size(4), D = kv_cache.size(5);
-  rope_items_in(kv_cache, layer * 2 * KVH * slots * D, qkv, cos, sin, slot, num_heads, KVH, D, slots, q, num_heads,
-                begin, end);
+  rope_items_in(kv_cache, layer * 2 * KVH * slots * D, qkv, cos, sin, slot, num_heads, KVH, D, slots, q_norm, k_norm,
+                eps, q, num_heads, begin, end);
 }
 
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             const torch::Tensor& layer_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
-                            bool with_keys) {
+                            bool with_keys, const c10::optional<torch::Tensor>& q_norm,
+                            const c10::optional<torch::Tensor>& k_norm, double eps) {
   check_rope_write_kv(qkv, cos, sin, layer_cache, slot_mapping, num_heads);
   const int64_t T = qkv.size(0), H = num_heads, KVH = layer_cache.size(1), D = layer_cache.size(4);
+  for (const auto* norm : {&q_norm, &k_norm})
+    TORCH_CHECK(!norm->has_value() || ((*norm)->scalar_type() == torch::kFloat && (*norm)->is_contiguous() &&
+                                       (*norm)->numel() == D), "q_norm, k_norm: contiguous fp32 (head_dim)");
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   const int64_t slots = layer_cache.size(2) * layer_cache.size(3);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   const int64_t out_heads = with_keys ? H + KVH : H;
@@ -109,7 +125,8 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
   const float *c = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T * (H + KVH), 64, [&](int64_t begin, int64_t end) {
-    rope_items_in(layer_cache, 0, x, c, sn, slot, H, KVH, D, slots, op, out_heads, begin, end);
+    rope_items_in(layer_cache, 0, x, c, sn, slot, H, KVH, D, slots, qn, kn, static_cast<float>(eps), op, out_heads,
+                  begin, end);
   });
   return out;
 }

@@ -311,7 +311,7 @@ bool vector_gemm_bf16() {
 
 torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
-                          const c10::optional<torch::Tensor>& norm_weight, double eps, bool swiglu,
+                          const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                           const c10::optional<torch::Tensor>& residual) {
   const bool bf16 = panels.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || panels.scalar_type() == torch::kChar, "panels: int8 (integer formats) or bf16 (bf16 activations)");
@@ -319,12 +319,12 @@ torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, c
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanelValues,
               "panels: contiguous (N / 16, K / 32, 512) in tile order");
   const int64_t nb = panels.size(1), K = nb * kBlock, M = x.size(0), N = panels.size(0) * kGroup;
-  check_prologue(x, K, norm_weight, swiglu);
+  check_prologue(x, K, norm_weight, gated);
   check_block_scales(scales, offsets, nb, N, bf16);
   check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
   Scratch<float> transformed;
-  const float* rows = with_prologue(x, M, K, norm_weight, eps, swiglu, transformed);
+  const float* rows = with_prologue(x, M, K, norm_weight, eps, gated, transformed);
   QuantizedX qx{};
   Scratch<uint16_t> xb;
   if (bf16) {

@@ -1,9 +1,9 @@
 """Triton kernels for a 16-bit model's small per-token ops on CUDA: RMSNorm (alone, or with the
-residual add before it) and SwiGLU, each one kernel where torch runs several (a decode step of a
+residual add before it) and the gated activation act(gate) * up (SwiGLU, GeGLU), each one kernel where torch runs several (a decode step of a
 small model is bound by its kernel count, even inside a CUDA graph). Each rounds where
 transformers' order does: the residual sum is rounded to the model's dtype before it is
 normalized; RMSNorm normalizes in float32, rounds to the model's dtype, then scales by the weight
-(rounded again); SwiGLU rounds silu(gate) before multiplying by up. Loaded only where Triton is
+(rounded again); the gated activation rounds act(gate) before multiplying by up. Loaded only where Triton is
 (CUDA builds of torch ship it).
 """
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.models.linear import GATED_ACTIVATIONS
 
 
 @triton.jit
@@ -46,14 +48,22 @@ def _add_rms_norm(x_ptr, residual_ptr, w_ptr, sum_ptr, out_ptr, stride_x, stride
 
 
 @triton.jit
-def _swiglu(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr):
+def _gated(x_ptr, out_ptr, stride_x, stride_out, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    """act(gate) * up; ACTIVATION: engine.models.linear.GATED_ACTIVATIONS' code (1 silu, 2 gelu tanh, 3 gelu)."""
     row, part = tl.program_id(0), tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (silu * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+    if ACTIVATION == 1:
+        act = gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == 2:  # tanh as 1 - 2 / (e^2x + 1)
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    act = act.to(up.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,10 +85,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return total, out
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] (T, 2n) -> silu(gate) * up (T, n)."""
+def gated(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """x = [gate | up] (T, 2n) -> act(gate) * up (T, n), act one of GATED_ACTIVATIONS."""
     n = x.shape[-1] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
-    _swiglu[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    _gated[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
+                                                ACTIVATION=GATED_ACTIVATIONS[activation], BLOCK=block)
     return out

@@ -3,6 +3,8 @@
 
 GGUF keeps one tensor per projection, where the paged model fuses q/k/v and gate/up: fused
 matmuls concatenate their parts' rows, which keeps every block whole (blocks run along a row).
+A mixture of experts keeps each projection of all experts in one 3-D tensor (ffn_*_exps):
+expert e's matmuls are its slices.
 llama.cpp's converter permutes q and k rows for its RoPE layout; transformers' tensor processor
 for the architecture undoes it, and applied to rows of raw blocks it moves whole rows the same way.
 """
@@ -22,13 +24,16 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from engine.cache_dir import cache_dir
 from engine.models.linear import KERNEL_FORMATS
 
-# paged-model matmul -> the GGUF tensors whose rows it stacks; {i}: the layer
+# paged-model matmul in layer i -> the GGUF tensors whose rows it stacks
 LAYER_MATMULS = {
     "qkv": ("attn_q", "attn_k", "attn_v"),
     "o": ("attn_output",),
-    "gate_up": ("ffn_gate", "ffn_up"),
-    "down": ("ffn_down",),
+    "mlp.gate_up": ("ffn_gate", "ffn_up"),
+    "mlp.down": ("ffn_down",),
+    "mlp.shared.gate_up": ("ffn_gate_shexp", "ffn_up_shexp"),
+    "mlp.shared.down": ("ffn_down_shexp",),
 }
+EXPERT_MATMULS = {"gate_up": ("ffn_gate_exps", "ffn_up_exps"), "down": ("ffn_down_exps",)}  # per expert e: slice e
 
 
 def read_blocks(path: str, hf_config) -> dict[str, tuple[GGMLQuantizationType, np.ndarray]]:
@@ -38,17 +43,27 @@ def read_blocks(path: str, hf_config) -> dict[str, tuple[GGMLQuantizationType, n
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     tensors = {t.name: t for t in reader.tensors}
 
-    def stacked(names: list[str]) -> tuple[GGMLQuantizationType, np.ndarray]:
+    def stacked(names: list[str], expert: int | None = None) -> tuple[GGMLQuantizationType, np.ndarray]:
         qtypes = {tensors[n].tensor_type for n in names}
         if len(qtypes) != 1 or next(iter(qtypes)) not in KERNEL_FORMATS:
             kinds = ", ".join(f"{n} is {tensors[n].tensor_type.name}" for n in names)
             raise ValueError(f"quantization 'gguf' runs Q4_1 and Q8_0 blocks, one type per fused matmul; in {path}, "
                              f"{kinds}: use quantization 'int8' or 'none' for this file")
-        rows = [processor.process(np.asarray(tensors[n].data), n).weights for n in names]
+        parts = [np.asarray(tensors[n].data) if expert is None else np.asarray(tensors[n].data[expert]) for n in names]
+        rows = [processor.process(part, n).weights for part, n in zip(parts, names)]
         return qtypes.pop(), np.concatenate(rows)
 
-    blocks = {f"layers.{i}.{matmul}": stacked([f"blk.{i}.{part}.weight" for part in parts])
-              for i in range(hf_config.num_hidden_layers) for matmul, parts in LAYER_MATMULS.items()}
+    blocks = {}
+    for i in range(hf_config.num_hidden_layers):
+        for matmul, parts in LAYER_MATMULS.items():
+            names = [f"blk.{i}.{part}.weight" for part in parts]
+            if all(n in tensors for n in names):
+                blocks[f"layers.{i}.{matmul}"] = stacked(names)
+        for matmul, parts in EXPERT_MATMULS.items():
+            names = [f"blk.{i}.{part}.weight" for part in parts]
+            if all(n in tensors for n in names):
+                for e in range(tensors[names[0]].data.shape[0]):
+                    blocks[f"layers.{i}.mlp.experts.{e}.{matmul}"] = stacked(names, e)
     blocks["lm_head"] = stacked(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
     return blocks
 

@@ -1,6 +1,7 @@
 """The model's matmuls, one class per execution mode, chosen by `quantization` at load time, each
-with the fusions a decoder layer needs: a prologue on its input (RMSNorm, or SwiGLU of a fused
-gate/up output) and a residual added to its output. The fp32 reference runs them as separate torch
+with the fusions a decoder layer needs: a prologue on its input (RMSNorm, or the gated activation
+act(gate) * up of a fused gate/up output: SwiGLU, or GeGLU with GeLU's tanh or erf form) and a
+residual added to its output. The fp32 reference runs them as separate torch
 ops in transformers' order; the quantized decode kernel fuses them, so a decode step makes a few
 calls per layer instead of a dozen small ops (per-op overhead, not arithmetic, dominates there).
 
@@ -23,6 +24,7 @@ products (AVX512-BF16, AMX); on AVX2 they beat fp32 only on a few rows (BENCHMAR
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -32,10 +34,13 @@ from torch import nn
 
 from engine.config import QUANTIZATION_MODES
 
+logger = logging.getLogger(__name__)
+
 BLOCK = 32  # values per quantization block, of weights and of activations
 ACTIVATION_LEVELS = 127 * 128  # activations are integers in [-LEVELS, LEVELS] times a scale per block
 KERNEL_FORMATS = {GGMLQuantizationType.Q8_0: 0, GGMLQuantizationType.Q4_1: 1}  # the C++ kernel's format codes
 BF16_Q8_0_FORMAT = 2  # the kernel's code for Q8_0 blocks times activations rounded to bf16
+GATED_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2, "gelu": 3}  # act(gate) * up prologues, by the kernels' codes
 
 
 @functools.cache
@@ -62,15 +67,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
 
 
-def prologue(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, swiglu: bool) -> torch.Tensor:
-    """RMSNorm with `norm` = (weight, eps), or SwiGLU silu(gate) * up of x = [gate | up], or x."""
+def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of x = [gate | up] (T, 2n) -> (T, n), act one of GATED_ACTIVATIONS."""
+    if (ops := fused_ops(x)) is not None:
+        return ops.gated(x, activation)
+    gate, up = x.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate).mul_(up)
+    if activation in ("gelu_tanh", "gelu"):
+        return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none").mul_(up)
+    raise ValueError(f"gated activation {activation!r}: one of {sorted(GATED_ACTIVATIONS)}")
+
+
+def prologue(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None, gated: str | None) -> torch.Tensor:
+    """RMSNorm with `norm` = (weight, eps), or act(gate) * up of x = [gate | up] with `gated` the
+    activation, or x."""
     if norm is not None:
         return rms_norm(x, *norm)
-    if swiglu:
-        if (ops := fused_ops(x)) is not None:
-            return ops.swiglu(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
+    if gated is not None:
+        return gated_activation(x, gated)
     return x
 
 
@@ -86,9 +101,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
-    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        return _plus(residual, F.linear(prologue(x, norm, swiglu), self.weight, self.bias))
+        return _plus(residual, F.linear(prologue(x, norm, gated), self.weight, self.bias))
 
     @property
     def weight_bytes(self) -> int:
@@ -261,9 +276,9 @@ class BlockQuantLinear(nn.Module):
             self.dense_weight = dequantize_blocks(ungroup_rows(self.rows.cpu().numpy(), self.qtype), self.qtype)
         return self.dense_weight
 
-    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        return getattr(self, self.path(x.shape[0]))(x, norm, swiglu, residual)
+        return getattr(self, self.path(x.shape[0]))(x, norm, gated, residual)
 
     def path(self, rows: int) -> str:
         """The forward_* method that takes `rows` rows."""
@@ -271,47 +286,48 @@ class BlockQuantLinear(nn.Module):
             return "forward_kernel"
         return "forward_tiles" if self.tiled else "forward_vector" if self.vectored else "forward_gemm"
 
-    def forward_vector(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+    def forward_vector(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """The vector GEMM on the tiles, prologue and residual fused (needs `vectored`)."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
         residual = None if residual is None else residual.contiguous()
         return self._kernels.vector_gemm(x.contiguous(), self.tiles, self.scales, self.offsets, self.bias, norm_weight,
-                                         eps, swiglu, residual)
+                                         eps, _gate_code(gated), residual)
 
-    def forward_tiles(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+    def forward_tiles(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         """The AMX tile GEMM, prologue and residual fused (needs `tiled`)."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
         residual = None if residual is None else residual.contiguous()
         if self.pair_tiles is not None and x.shape[0] > self.INTEGER_TILE_ROWS:
-            return self._kernels.bf16_tile_gemm(x.contiguous(), self.pair_tiles, self.bias, norm_weight, eps, swiglu,
-                                                residual)
+            return self._kernels.bf16_tile_gemm(x.contiguous(), self.pair_tiles, self.bias, norm_weight, eps,
+                                                _gate_code(gated), residual)
         return self._kernels.block_quant_gemm(x.contiguous(), self.tiles, self.scales, self.offsets, self.bias,
-                                              norm_weight, eps, swiglu, residual, self.bf16_activations)
+                                              norm_weight, eps, _gate_code(gated), residual, self.bf16_activations)
 
-    def forward_kernel(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+    def forward_kernel(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """The C++ kernel on the blocks, prologue and residual fused (needs the kernels)."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
         return self._kernels.block_quant_linear(x.contiguous(), self.rows, self.format, self.bias, norm_weight, eps,
-                                                swiglu, residual)
+                                                _gate_code(gated), residual)
 
-    def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+    def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 GEMM of the dequantized weights on the same rounded activations."""
-        return _plus(residual, F.linear(self.activations(x, norm, swiglu), self.weight, self.bias))
+        return _plus(residual, F.linear(self.activations(x, norm, gated), self.weight, self.bias))
 
     def activations(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
-                    swiglu: bool = False) -> torch.Tensor:
+                    gated: str | None = None) -> torch.Tensor:
         """prologue(x) as this layer's kernels see it: rounded to bf16, or quantized per block.
         With the compiled kernels loaded, their own prologue and rounding compute it, so every
         path multiplies the same values: an fp32 norm a rounding apart from torch's can land on
         the other side of a bf16 step."""
         if self._kernels is not None:
             norm_weight, eps = norm if norm is not None else (None, 0.0)
-            return self._kernels.kernel_activations(x.contiguous(), norm_weight, eps, swiglu, self.bf16_activations)
-        x = prologue(x, norm, swiglu)
+            return self._kernels.kernel_activations(x.contiguous(), norm_weight, eps, _gate_code(gated),
+                                                    self.bf16_activations)
+        x = prologue(x, norm, gated)
         return x.bfloat16().float() if self.bf16_activations else quantize_activations(x)
 
 
@@ -348,9 +364,9 @@ class WeightOnlyLinear(nn.Module):
         rows, cols = weight.shape
         return cols % BLOCK == 0 and (bits == 8 or rows % 16 == 0)
 
-    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        a = prologue(x, norm, swiglu).to(torch.bfloat16)
+        a = prologue(x, norm, gated).to(torch.bfloat16)
         if self.bits == 8:
             out = torch._weight_int8pack_mm(a, self.packed, self.scales)
         else:
@@ -359,6 +375,11 @@ class WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return _plus(residual, out)
+
+
+def _gate_code(gated: str | None) -> int:
+    """The kernels' prologue code of a gated activation: 0 none (GATED_ACTIVATIONS)."""
+    return 0 if gated is None else GATED_ACTIVATIONS[gated]
 
 
 def _bf16_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -388,7 +409,7 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
             continue
         if mode in WEIGHT_ONLY_BITS:
             bits = WEIGHT_ONLY_BITS[mode]
-            if name == "lm_head" or not WeightOnlyLinear.fits(bits, dense.weight):
+            if dense is model.lm_head or not WeightOnlyLinear.fits(bits, dense.weight):
                 continue
             replacement = WeightOnlyLinear(bits, dense.weight, dense.bias)
         elif mode == "gguf":
@@ -400,11 +421,17 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
             continue
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, replacement)
-    if kernels is not None:
-        model.fuse_decode_stack(kernels)
+    if kernels is not None and (why_not := model.fuse_decode_stack(kernels)) is not None:
+        logger.info("quantization %s: decode steps run layer by layer, not in the fused decode stack: %s", mode,
+                    why_not)
     return model
 
 
-def weight_bytes_per_token(model: nn.Module) -> int:
-    """Bytes of matmul weights one decode step reads (embeddings are a row lookup)."""
-    return sum(m.weight_bytes for m in model.modules() if isinstance(m, (Linear, BlockQuantLinear, WeightOnlyLinear)))
+def weight_bytes_per_token(module: nn.Module) -> int:
+    """Bytes of matmul weights one decode step of one token reads (embeddings are a row lookup; of
+    a mixture of experts, its `decode_weight_bytes`: the experts a token is routed to)."""
+    if isinstance(module, (Linear, BlockQuantLinear, WeightOnlyLinear)):
+        return module.weight_bytes
+    if hasattr(module, "decode_weight_bytes"):
+        return module.decode_weight_bytes(weight_bytes_per_token)
+    return sum(weight_bytes_per_token(child) for child in module.children())

@@ -2,8 +2,8 @@
 
 A decode step of a small model is bound by launching each layer's kernels from Python, not by the
 GPU (the weights take microseconds to read); a graph launches the whole forward at once. Each
-bucket's graph reads fixed buffers (token ids, positions, KV slots, block tables, context
-lengths), so a step copies its inputs in, pads to the bucket, and replays. Padding rows attend to
+bucket's graph reads fixed buffers (token ids, positions, each KV group's slots and block
+tables, context lengths), so a step copies its inputs in, pads to the bucket, and replays. Padding rows attend to
 one token of a sink block that no request owns and write their keys there. Steps with a prefill
 chunk, or more rows than the largest bucket, run eagerly.
 
@@ -54,10 +54,12 @@ class DecodeGraphs:
         self.sink_block, self.block_size = sink_block, block_size
         device, largest, memory_bytes = kv_cache.device, max(settings.sizes), settings.memory_bytes
         width = -(-settings.max_model_len // block_size)
+        self.windows = model.kv_layout.windows
+        groups = len(self.windows)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), sink_block * block_size, dtype=torch.long, device=device)
-        self.block_tables = torch.full((largest, width), sink_block, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((groups, largest), sink_block * block_size, dtype=torch.long, device=device)
+        self.block_tables = torch.full((groups, largest, width), sink_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # (largest, vocab): each replay writes its rows' logits here
         self.graphs: dict[int, _Graph] = {}
@@ -85,8 +87,8 @@ class DecodeGraphs:
         self.replays = 0  # decode steps run from a graph
 
     def _capture(self, size: int) -> _Graph:
-        metadata = self.backend.decode_metadata(self.slot_mapping[:size], self.block_tables[:size],
-                                                self.seq_lens[:size])
+        metadata = [self.backend.decode_metadata(self.slot_mapping[g, :size], self.block_tables[g, :size],
+                                                 self.seq_lens[:size], window) for g, window in enumerate(self.windows)]
         rows = torch.arange(size, device=self.kv_cache.device)
 
         def forward():
@@ -116,24 +118,26 @@ class DecodeGraphs:
 
     def run(self, inputs: ModelInputs, size: int) -> torch.Tensor:
         """Logits (T, vocab) of every row of a decode-only step, from the graph of `size`."""
-        n = inputs.input_ids.shape[0]
+        n, groups = inputs.input_ids.shape[0], inputs.kv_groups
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping[:n].copy_(inputs.slot_mapping)
-        width = max(map(len, inputs.block_tables))
+        for g, group in enumerate(groups):
+            self.slot_mapping[g, :n].copy_(group.slot_mapping)
+        width = max(len(table) for group in groups for table in group.block_tables)
         # block tables and context lengths go up from pinned memory of their own, without waiting for
         # the step before (still running, under async scheduling); padding rows attend the sink block.
         # Only the step's width: a row's entries past its context are never read, so what an earlier
         # step left there stays (a whole row is max_model_len / block_size entries: 8 MB at 256 rows of 128k)
-        tables = torch.full((size, width), self.sink_block, dtype=torch.int32, pin_memory=True)
-        tables[:n] = padded_rows(inputs.block_tables, self.sink_block, torch.int32, width)
+        tables = torch.full((len(groups), size, width), self.sink_block, dtype=torch.int32, pin_memory=True)
+        for g, group in enumerate(groups):
+            tables[g, :n] = padded_rows(group.block_tables, self.sink_block, torch.int32, width)
         lens = torch.ones(size, dtype=torch.int32, pin_memory=True)
         lens[:n] = host_tensor(inputs.seq_lens, torch.int32)
         if n < size:  # padding: token 0 at position 0, one key in the sink block
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(self.sink_block * self.block_size)
-        self.block_tables[:size, :width].copy_(tables, non_blocking=True)
+            self.slot_mapping[:, n:size].fill_(self.sink_block * self.block_size)
+        self.block_tables[:, :size, :width].copy_(tables, non_blocking=True)
         self.seq_lens[:size].copy_(lens, non_blocking=True)
         self.graphs[size].graph.replay()
         self.replays += 1

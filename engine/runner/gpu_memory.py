@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, scratch_cache
 from engine.batch import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -25,12 +25,11 @@ def peak_step_bytes(model, backend: AttentionBackend, device: torch.device, kv_d
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    cache = backend.allocate_kv_cache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-                                      kv_dtype, device)
+    cache = scratch_cache(backend, model, num_blocks, block_size, kv_dtype, device)
     cache_bytes = cache.numel() * cache.element_size()
     rows = torch.arange(num_tokens - num_sampled, num_tokens, device=device)
     inputs = ModelInputs.one_sequence(torch.zeros(num_tokens, dtype=torch.long, device=device), 0, num_blocks,
-                                      block_size, rows)
+                                      block_size, rows, model.kv_layout)
     logits = model(inputs.input_ids, inputs.positions, cache, backend, backend.build_metadata(inputs), rows)
     torch.log_softmax(logits.float(), dim=-1).exp_()  # the sampler's float32 logprobs and probabilities
     torch.cuda.synchronize(device)

@@ -12,7 +12,7 @@ from operator import attrgetter
 
 import torch
 
-from engine.batch import ModelInputs, WithDrafts, host_tensor
+from engine.batch import GroupTables, ModelInputs, WithDrafts, host_tensor
 from engine.scheduler.output import ScheduledRequest
 
 _START_POS = attrgetter("start_pos")
@@ -39,33 +39,41 @@ def _ordered(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     return rows + chunks
 
 
-def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
+def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
+                 windows: tuple[int | None, ...]) -> ModelInputs:
+    """`windows`: the model's KV groups' (KVLayout.windows), one table per group in each item."""
     ordered = _ordered(scheduled)
-    input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [], [], []
+    num_groups = len(windows)
+    input_ids, positions, starts, seq_lens = [], [], [], []
+    slots: list[list[int]] = [[] for _ in range(num_groups)]
+    tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     query_start_loc, sample_indices, sampled_requests, sampled_drafts, verified = [0], [], [], [], []
     scored_indices, scored_prompts = [], []
     num_decodes = 0
     for item in ordered:
-        n, start, table = len(item.token_ids), item.start_pos, item.block_table
+        n, start = len(item.token_ids), item.start_pos
         if n == 1:  # one row: most of a step's items, so spelled out
             input_ids.append(item.token_ids[0])
             positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
+            for g, table in enumerate(item.block_tables):
+                slots[g].append(table[start // block_size] * block_size + start % block_size)
+                tables[g].append(table)
             starts.append(start)
             seq_lens.append(start + 1)
-            tables.append(table)
             query_start_loc.append(query_start_loc[-1] + 1)
             num_decodes += 1
         else:
             input_ids.extend(item.token_ids)
             positions.extend(range(start, start + n))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            for g, table in enumerate(item.block_tables):
+                slots[g].extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             rows = _as_rows(item)
             sequences = [(p, p + 1) for p in range(start, start + n)] if rows else [(start, start + n)]
             for first, end in sequences:
                 starts.append(first)
                 seq_lens.append(end)
-                tables.append(table)
+                for g, table in enumerate(item.block_tables):
+                    tables[g].append(table)
                 query_start_loc.append(query_start_loc[-1] + end - first)
             num_decodes += len(sequences) if rows else 0
         first = item.request.first_unscored_position
@@ -88,18 +96,19 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
             sampled_drafts.append(None)  # the bonus token's row
 
     num_tokens = len(input_ids)
-    packed = to_device(input_ids + positions + slots + sample_indices, device)  # the four index vectors in one copy
+    packed = to_device(input_ids + positions + [s for group in slots for s in group] + sample_indices, device)
+    after_slots = (2 + num_groups) * num_tokens  # the index vectors in one copy: ids, positions, slots, samples
     return ModelInputs(
         input_ids=packed[:num_tokens],
         positions=packed[num_tokens:2 * num_tokens],
-        slot_mapping=packed[2 * num_tokens:3 * num_tokens],
+        kv_groups=[GroupTables(window, packed[(2 + g) * num_tokens:(3 + g) * num_tokens], tables[g])
+                   for g, window in enumerate(windows)],
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         start_positions=starts,
-        block_tables=tables,
         num_decodes=num_decodes,
         block_size=block_size,
-        sample_indices=packed[3 * num_tokens:],
+        sample_indices=packed[after_slots:],
         sampled_requests=sampled_requests,
         sampled_drafts=sampled_drafts,
         verified=verified,

@@ -18,7 +18,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.attention.selector import triton_available
-from engine.batch import ModelInputs
+from engine.batch import GroupTables, ModelInputs
 from engine.outputs import ModelRunnerOutput
 from engine.runner.block_mover import BlockMover
 from engine.runner.cuda_graphs import DecodeGraphs, GraphSettings
@@ -65,11 +65,12 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.windows = model.kv_layout.windows
         # on CUDA one block more than the scheduler hands out: the graphs' padding rows write there
-        shape = (model.num_layers, num_blocks + (device.type == "cuda"), block_size, model.num_kv_heads,
+        shape = (model.kv_layout.num_slots, num_blocks + (device.type == "cuda"), block_size, model.num_kv_heads,
                  model.head_dim)
         self.kv_cache = backend.allocate_kv_cache(*shape, dtype=kv_cache_dtype, device=device)
-        host_shape = (model.num_layers, max(num_host_blocks, 1), *shape[2:])
+        host_shape = (model.kv_layout.num_slots, max(num_host_blocks, 1), *shape[2:])
         self.host_cache = backend.allocate_kv_cache(*host_shape, dtype=kv_cache_dtype, device=torch.device("cpu"))
         if device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
@@ -91,11 +92,11 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         positions = [0, 0, 1]  # the decode's token, then the chunk's two
-        slots = [sink_block * size + p % size for p in positions]
-        inputs = ModelInputs(longs([0, 0, 0]), longs(positions), longs(slots),
-                             query_start_loc=[0, 1, 3], seq_lens=[1, 2], start_positions=[0, 0],
-                             block_tables=[[sink_block], [sink_block] * 2], num_decodes=1, block_size=size,
-                             sample_indices=longs([0, 2]), sampled_requests=[], sampled_drafts=[], verified=[])
+        slots = longs([sink_block * size + p % size for p in positions])
+        groups = [GroupTables(window, slots, [[sink_block], [sink_block] * 2]) for window in self.windows]
+        inputs = ModelInputs(longs([0, 0, 0]), longs(positions), groups, query_start_loc=[0, 1, 3], seq_lens=[1, 2],
+                             start_positions=[0, 0], num_decodes=1, block_size=size, sample_indices=longs([0, 2]),
+                             sampled_requests=[], sampled_drafts=[], verified=[])
         t0 = time.perf_counter()
         self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                    self.backend.build_metadata(inputs), inputs.sample_indices)
@@ -121,7 +122,7 @@ class ModelRunner:
             step.draft_passes, step.catch_up_tokens = self.drafter.fill(out.scheduled, self.kv_cache, self.backend)
             step.draft_seconds = time.perf_counter() - t0
             step.drafts_unfilled = not any(item.draft_token_ids for item in out.scheduled)
-        inputs = step.inputs = build_inputs(out.scheduled, self.block_size, self.device)
+        inputs = step.inputs = build_inputs(out.scheduled, self.block_size, self.device, self.windows)
         if previous is not None:
             inputs.input_ids = previous.next_input_ids(inputs)
         size = self.graphs.bucket(inputs) if self.graphs is not None else None

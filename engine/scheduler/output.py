@@ -15,7 +15,9 @@ class ScheduledRequest:
     token_ids: list[int]  # input tokens fed this step (a speculating decode: its last token + drafts)
     # (drafts from a model in the runner are reserved by the scheduler and filled in by the runner)
     start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
-    block_table: list[int]  # device blocks covering positions [0, start_pos + len(token_ids))
+    # per KV group, device blocks covering positions [0, start_pos + len(token_ids)) (engine/kv_cache/layout.py;
+    # a sliding group's blocks before its window NULL_BLOCK)
+    block_tables: list[list[int]]
     sample: bool  # True when this chunk reaches the request's last token: sample its next one
     draft_token_ids: list[int] = field(default_factory=list)  # the tail of token_ids to verify
     sampled_drafts: list[SampledDraft] | None = None  # their distributions, if drawn at random (else one-hot)

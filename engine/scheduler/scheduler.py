@@ -97,9 +97,10 @@ class Scheduler:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raises ValueError for a request that could never be scheduled. Changes nothing."""
         max_len = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        if self.kv.num_blocks_for(max_len) > self.kv.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {self.kv.num_blocks_for(max_len)} KV blocks "
-                             f"({max_len} tokens); the KV cache has {self.kv.num_blocks}")
+        needed = self.kv.peak_blocks(max_len, self.config.max_num_batched_tokens)
+        if needed > self.kv.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {needed} KV blocks ({max_len} tokens); the KV cache has "
+                             f"{self.kv.num_blocks}")
         if not self.config.enable_chunked_prefill and num_prompt_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, over max_num_batched_tokens "
                              f"{self.config.max_num_batched_tokens} with chunked prefill off")
@@ -225,7 +226,7 @@ class Scheduler:
         for request in continuing:  # slots for `out`'s position and the next
             ahead.blocks_to_copy.extend(kv.allocate_slots(request, 2))
             ahead.scheduled.append(ScheduledRequest(request, [PENDING_TOKEN], request.num_computed_tokens + 1,
-                                                    list(kv.block_table(request.request_id)), True))
+                                                    kv.copy_tables(request.request_id), True))
         return ahead
 
     def _at_length(self, request: Request, num_pending: int = 0) -> bool:
@@ -340,7 +341,7 @@ class Scheduler:
             if (num_new == 0 or len(self.running) >= self.config.max_num_seqs
                     or (best_waiting is not None and self._victim_rank(best_waiting) < self._victim_rank(request))):
                 break
-            needed = self.kv.num_blocks_for(request.num_computed_tokens + num_new)
+            needed = self.kv.num_blocks_to_resume(request, num_new)
             if needed > self.kv.num_free_blocks and not (self._reclaim_parked() and needed <= self.kv.num_free_blocks):
                 break
             pairs = self.kv.swap_in(request)
@@ -391,7 +392,7 @@ class Scheduler:
             token_ids += drafts
         else:
             drafts = []
-        out.scheduled.append(ScheduledRequest(request, token_ids, start, list(self.kv.block_table(request.request_id)),
+        out.scheduled.append(ScheduledRequest(request, token_ids, start, self.kv.copy_tables(request.request_id),
                                               start + num_new == len(request.token_ids), drafts))
 
     # ---- preemption ----------------------------------------------------------------------
@@ -456,7 +457,7 @@ class Scheduler:
         mode = self.config.preemption_mode
         if mode != "auto":
             return mode == "swap"
-        num_blocks = len(self.kv.block_table(request.request_id))
+        num_blocks = self.kv.num_held_blocks(request)
         swap_s = 2 * num_blocks * self.costs.block_bytes / self.costs.swap_bytes_per_s
         shared = self.kv.num_shared_prefix_tokens(request)
         recompute_s = (request.num_computed_tokens - shared) / self.costs.recompute_tokens_per_s

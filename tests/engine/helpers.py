@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.attention.base import AttentionParams
 from engine.batch import ModelInputs
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
@@ -89,7 +90,7 @@ def ragged_batch(seed: int, shapes: list[tuple[int, int]], num_blocks: int, bloc
     for start, n in shapes:
         table = [free.pop() for _ in range(-(-(start + n) // block_size))]
         request = make_request(start + n)
-        scheduled.append(ScheduledRequest(request, request.token_ids[start:], start, table, True))
+        scheduled.append(ScheduledRequest(request, request.token_ids[start:], start, [table], True))
     return scheduled
 
 
@@ -119,7 +120,7 @@ def attention_case(seed: int, shapes: list[tuple[int, int]], block_size: int, he
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 8
     scheduled = ragged_batch(seed, shapes, num_blocks, block_size)
-    inputs = build_inputs(scheduled, block_size, device)
+    inputs = build_inputs(scheduled, block_size, device, (None,))
     ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
     keys = [torch.randn(s.start_pos + len(s.token_ids), kv_heads, head_dim, generator=gen) for s in ordered]
     values = [torch.randn(k.shape, generator=gen) for k in keys]
@@ -135,13 +136,13 @@ def run_attention(backend, case: AttentionCase, dtype: torch.dtype, device: torc
     cache = backend.allocate_kv_cache(1, case.num_blocks, case.block_size, kv_heads, head_dim, dtype, device)[0]
     flat = cache.view(2, -1, kv_heads, head_dim)
     for s, keys, values in zip(case.scheduled, case.keys, case.values):
-        slots = torch.tensor([s.block_table[p // case.block_size] * case.block_size + p % case.block_size
+        slots = torch.tensor([s.block_tables[0][p // case.block_size] * case.block_size + p % case.block_size
                               for p in range(s.start_pos)], dtype=torch.long, device=device)
         flat[0, slots] = keys[:s.start_pos].to(device, dtype)
         flat[1, slots] = values[:s.start_pos].to(device, dtype)
     k = torch.cat([keys[s.start_pos:] for s, keys in zip(case.scheduled, case.keys)]).to(device, dtype)
     v = torch.cat([values[s.start_pos:] for s, values in zip(case.scheduled, case.values)]).to(device, dtype)
-    out = backend.forward(case.q.to(device, dtype), k, v, cache, backend.build_metadata(case.inputs))
+    out = backend.forward(case.q.to(device, dtype), k, v, cache, backend.build_metadata(case.inputs)[0])
     return out.view(-1, heads, head_dim).float().cpu()
 
 
@@ -185,7 +186,7 @@ def check_fused_kernels(device: torch.device, dtype: torch.dtype) -> None:
 
     from engine.attention.triton_paged import PagedMetadata, TritonPagedBackend
     from engine.models import cuda_ops
-    from engine.models.llama import _rope
+    from engine.models.decoder import _rope
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(37, 576, device=device, generator=gen).to(dtype)
@@ -198,15 +199,15 @@ def check_fused_kernels(device: torch.device, dtype: torch.dtype) -> None:
     assert torch.equal(normed, cuda_ops.rms_norm(residual + x, weight, 1e-5))
     gate_up = torch.randn(37, 2 * 1536, device=device, generator=gen).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cuda_ops.swiglu(gate_up), F.silu(gate) * up)
+    torch.testing.assert_close(cuda_ops.gated(gate_up, "silu"), F.silu(gate) * up)
 
     tokens, heads, kv_heads, head_dim, block_size = 37, 9, 3, 64, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, generator=gen).to(dtype)
     cos, sin = (torch.randn(tokens, head_dim, device=device, generator=gen).to(dtype) for _ in range(2))
-    backend = TritonPagedBackend(head_dim ** -0.5, 2048)
+    backend = TritonPagedBackend(AttentionParams(head_dim ** -0.5), 2048)
     cache = backend.allocate_kv_cache(1, 8, block_size, kv_heads, head_dim, dtype, device)[0]
     slots = torch.randperm(8 * block_size, device=device, generator=gen)[:tokens]
-    qk = backend.rope_and_write(qkv, cos, sin, cache, PagedMetadata(slots, None, None, None, None, []), heads)
+    qk = backend.rope_and_write(qkv, cos, sin, cache, PagedMetadata(slots, 0, None, None, None, None, []), heads)
     rotated = _rope(qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos[:, None],
                     sin[:, None])
     torch.testing.assert_close(qk, rotated)

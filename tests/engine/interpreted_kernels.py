@@ -13,6 +13,7 @@ import os
 import torch
 
 import engine.attention.triton_paged as triton_paged
+from engine.attention.base import AttentionParams
 from tests.engine.helpers import (
     attention_case,
     check_fused_kernels,
@@ -28,7 +29,7 @@ SHAPES = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]  # (
 def errors(dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head_dim: int) -> list[float]:
     """Each request's relative error against float32 attention (inputs rounded to `dtype`)."""
     case = attention_case(block_size + heads, SHAPES, block_size, heads, kv_heads, head_dim, CPU)
-    out = run_attention(triton_paged.TritonPagedBackend(case.scale, max_model_len=2048), case, dtype, CPU)
+    out = run_attention(triton_paged.TritonPagedBackend(AttentionParams(case.scale), max_model_len=2048), case, dtype, CPU)
     return [((out[rows] - expected).norm() / expected.norm()).item()
             for rows, expected in expected_attention(case, dtype)]
 
@@ -38,7 +39,7 @@ def decodes_agree_however_split() -> bool:
     partitions are shared out."""
     block_size, heads, kv_heads, head_dim = 16, 8, 2, 64
     case = attention_case(0, [(700, 1), (63, 1), (64, 1), (5, 1)], block_size, heads, kv_heads, head_dim, CPU)
-    backend = triton_paged.TritonPagedBackend(case.scale, max_model_len=4096)
+    backend = triton_paged.TritonPagedBackend(AttentionParams(case.scale), max_model_len=4096)
     cache = backend.allocate_kv_cache(1, case.num_blocks, block_size, kv_heads, head_dim, torch.float16, CPU)[0]
     cache.normal_(generator=torch.Generator().manual_seed(1))
     q, k, v = case.q.half(), case.keys[0][:4].half(), case.values[0][:4].half()  # a new key and value per decode

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.base import AttentionParams
 from engine.attention.selector import select_backend
 from engine.cpu_kernels import load_cpu_kernels
-from engine.models.llama import _rope
+from engine.models.decoder import _rope
 from engine.runner.inputs import build_inputs
 from engine.scheduler.output import ScheduledRequest
 from tests.engine.helpers import ragged_batch
@@ -40,7 +41,7 @@ def test_backend_matches_dense_reference(backend_name, shapes, kv_cache_dtype):
     chunk attending to its own keys) sees the keys and values as the cache rounds them."""
     torch.manual_seed(0)
     scheduled = _batch(1, shapes)
-    backend = select_backend(backend_name, torch.device("cpu"), torch.float32, HEAD_DIM ** -0.5)
+    backend = select_backend(backend_name, torch.device("cpu"), torch.float32, AttentionParams(HEAD_DIM ** -0.5))
     cache = backend.allocate_kv_cache(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, kv_cache_dtype, torch.device("cpu"))
     history = {}
     for item in scheduled:  # fill each request's cached context through the backend's own layout
@@ -48,16 +49,17 @@ def test_backend_matches_dense_reference(backend_name, shapes, kv_cache_dtype):
         values = torch.randn_like(keys)
         history[item.request.request_id] = (keys, values)
         if item.start_pos:
-            ctx = [ScheduledRequest(item.request, item.request.token_ids[:item.start_pos], 0, item.block_table, False)]
-            inputs = build_inputs(ctx, BLOCK, torch.device("cpu"))
+            ctx = [ScheduledRequest(item.request, item.request.token_ids[:item.start_pos], 0, item.block_tables, False)]
+            inputs = build_inputs(ctx, BLOCK, torch.device("cpu"), (None,))
             q = torch.randn(item.start_pos, HEADS, HEAD_DIM)
-            backend.forward(q, keys[:item.start_pos], values[:item.start_pos], cache[0], backend.build_metadata(inputs))
-    inputs = build_inputs(scheduled, BLOCK, torch.device("cpu"))
+            backend.forward(q, keys[:item.start_pos], values[:item.start_pos], cache[0],
+                            backend.build_metadata(inputs)[0])
+    inputs = build_inputs(scheduled, BLOCK, torch.device("cpu"), (None,))
     ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
     q = torch.randn(inputs.input_ids.shape[0], HEADS, HEAD_DIM)
     k = torch.cat([history[s.request.request_id][0][s.start_pos:] for s in ordered])
     v = torch.cat([history[s.request.request_id][1][s.start_pos:] for s in ordered])
-    out = backend.forward(q, k, v, cache[0], backend.build_metadata(inputs)).view(-1, HEADS, HEAD_DIM)
+    out = backend.forward(q, k, v, cache[0], backend.build_metadata(inputs)[0]).view(-1, HEADS, HEAD_DIM)
     for b, item in enumerate(ordered):
         t0, t1 = inputs.query_start_loc[b], inputs.query_start_loc[b + 1]
         keys, values = (x.to(kv_cache_dtype).float() for x in history[item.request.request_id])
@@ -79,7 +81,7 @@ def test_the_kernel_matches_the_reference_at_model_head_sizes(heads, kv_heads, h
     tables = torch.randperm(num_blocks, generator=gen).view(7, 16)
     cache = torch.randn(2, kv_heads, num_blocks, block, head_dim, generator=gen).to(kv_cache_dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
-    out = kernels.paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5)
+    out = kernels.paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5, 0, 0.0)
     group = heads // kv_heads
     for b, n in enumerate(lens.tolist()):
         kv = cache[:, :, tables[b]].flatten(2, 3)[:, :, :n].float().repeat_interleave(group, dim=1)  # (2, heads, n, d)
@@ -89,7 +91,7 @@ def test_the_kernel_matches_the_reference_at_model_head_sizes(heads, kv_heads, h
 
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
 def test_the_fused_rope_and_kv_write_computes_the_layers_torch_ops_bit_for_bit(kv_cache_dtype):
-    """engine/csrc/rope_kv.cpp against llama.py's _rope and the torch backend's own write (stack,
+    """engine/csrc/rope_kv.cpp against decoder.py's _rope and the torch backend's own write (stack,
     transpose, convert, index_copy_), SmolLM2's heads: the same q, k and cache bits."""
     kernels = load_cpu_kernels()
     gen = torch.Generator().manual_seed(5)
@@ -99,14 +101,14 @@ def test_the_fused_rope_and_kv_write_computes_the_layers_torch_ops_bit_for_bit(k
     cos, sin = angles.cos(), angles.sin()
     slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen)[:tokens]
     caches = [torch.zeros(2, kv_heads, NUM_BLOCKS, BLOCK, head_dim, dtype=kv_cache_dtype) for _ in range(2)]
-    fused = kernels.rope_write_kv(qkv, cos, sin, caches[0], slots, heads, True)
+    fused = kernels.rope_write_kv(qkv, cos, sin, caches[0], slots, heads, True, None, None, 0.0)
     qk = _rope(qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos[:, None],
                sin[:, None])
     v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
     flat = caches[1].view(2, kv_heads, -1, head_dim)
     flat.index_copy_(2, slots, torch.stack((qk[:, heads:], v)).transpose(1, 2).to(kv_cache_dtype))
     assert torch.equal(fused, qk) and torch.equal(caches[0], caches[1])
-    assert torch.equal(kernels.rope_write_kv(qkv, cos, sin, caches[0], slots, heads, False), qk[:, :heads])
+    assert torch.equal(kernels.rope_write_kv(qkv, cos, sin, caches[0], slots, heads, False, None, None, 0.0), qk[:, :heads])
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
@@ -119,9 +121,10 @@ def test_a_decode_attends_alike_alone_and_in_any_batch(kv_cache_dtype):
     lens = torch.tensor([128, 1, 64, 65, 33])
     tables = torch.randperm(NUM_BLOCKS, generator=gen)[:5 * 32].view(5, 32)
     q = torch.randn(5, HEADS, HEAD_DIM, generator=gen)
-    together = kernels.paged_decode_attention(q, cache, tables, lens, HEAD_DIM ** -0.5)
+    together = kernels.paged_decode_attention(q, cache, tables, lens, HEAD_DIM ** -0.5, 0, 0.0)
     for b in range(5):
-        alone = kernels.paged_decode_attention(q[b:b + 1], cache, tables[b:b + 1], lens[b:b + 1], HEAD_DIM ** -0.5)
+        alone = kernels.paged_decode_attention(q[b:b + 1], cache, tables[b:b + 1], lens[b:b + 1], HEAD_DIM ** -0.5,
+                                               0, 0.0)
         assert torch.equal(alone[0], together[b])
 
 
@@ -132,7 +135,7 @@ def test_the_cpu_kv_pool_is_zeros_that_take_memory_only_as_blocks_are_written(kv
     ones (whose first touch may wait on the kernel's compaction)."""
     import psutil
 
-    backend = select_backend("cpu", torch.device("cpu"), torch.float32, HEAD_DIM ** -0.5)
+    backend = select_backend("cpu", torch.device("cpu"), torch.float32, AttentionParams(HEAD_DIM ** -0.5))
     num_blocks = 2 ** 28 // (2 * BLOCK * KV_HEADS * HEAD_DIM * kv_cache_dtype.itemsize)
     process = psutil.Process()
     before = process.memory_info().rss

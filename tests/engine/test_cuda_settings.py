@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.attention.base import AttentionParams
 from engine.attention.selector import kv_block_bytes, select_backend
 from engine.cli import main as cli_main
 from engine.config import DEFAULT_KV_CACHE_BYTES, CacheConfig, EngineConfig, ModelConfig
@@ -34,7 +35,7 @@ def test_bad_cuda_settings_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         ModelConfig(attention_backend="flashinfer")
     with pytest.raises(ValueError, match="'triton' needs a CUDA device"):
-        select_backend("triton", torch.device("cpu"), torch.bfloat16, 0.125)
+        select_backend("triton", torch.device("cpu"), torch.bfloat16, AttentionParams(0.125))
 
 
 def test_the_settings_reach_the_engine_from_the_cli_and_the_serve_config(monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention.base import AttentionParams
 from engine.attention.selector import resolve_kv_cache_dtype, select_backend
 from engine.config import CacheConfig, ModelConfig
 from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy
@@ -53,9 +54,9 @@ def test_an_fp16_kv_cache_holds_twice_the_blocks_in_the_same_memory_and_says_so(
 
 def test_flash_backend_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        select_backend("flash", torch.device("cpu"), torch.bfloat16, 0.125)
+        select_backend("flash", torch.device("cpu"), torch.bfloat16, AttentionParams(0.125))
     with pytest.raises(ValueError, match="needs dtype float32"):
-        select_backend("cpu", torch.device("cpu"), torch.bfloat16, 0.125)
+        select_backend("cpu", torch.device("cpu"), torch.bfloat16, AttentionParams(0.125))
 
 
 @pytest.mark.parametrize("engine_args", [

@@ -34,7 +34,7 @@ def test_prefix_cache_hit_shares_full_blocks_and_leaves_one_token():
     hit = kv.get_computed_blocks(second)
     assert hit.block_ids == (0,) and hit.num_tokens == 4  # the last block is recomputed for logits
     assert kv.allocate_slots(second, 4, hit) == []
-    assert kv.block_table("b") == [0, 3] and kv.pool.ref_cnt[0] == 2
+    assert kv.block_tables["b"][0] == [0, 3] and kv.pool.ref_cnt[0] == 2
     kv.check_integrity()
 
 
@@ -46,9 +46,9 @@ def test_fork_shares_blocks_and_write_copies_the_shared_block():
     parent.append_token(9)
     child = parent.fork(1)
     kv.fork(parent, child)
-    assert kv.block_table("p") == kv.block_table(child.request_id) == [0, 1]
+    assert kv.block_tables["p"][0] == kv.block_tables[child.request_id][0] == [0, 1]
     assert kv.allocate_slots(child, 1) == [(1, 2)]  # writing position 5 copies block 1
-    assert kv.block_table(child.request_id) == [0, 2] and kv.pool.ref_cnt[1] == 1 and kv.pool.ref_cnt[0] == 2
+    assert kv.block_tables[child.request_id][0] == [0, 2] and kv.pool.ref_cnt[1] == 1 and kv.pool.ref_cnt[0] == 2
     assert kv.allocate_slots(parent, 1) == []  # parent owns block 1 alone now: written in place
     kv.check_integrity()
 
@@ -61,7 +61,7 @@ def test_swap_out_and_in_moves_every_block():
     assert kv.num_free_blocks == 4 and kv.host_pool.num_free_blocks == 0
     kv.check_integrity()
     assert kv.swap_in(req) is not None and kv.host_pool.num_free_blocks == 3
-    assert len(kv.block_table("s")) == 3
+    assert len(kv.block_tables["s"][0]) == 3
     kv.free(req)
     kv.check_integrity()
     assert kv.num_free_blocks == 4

@@ -115,7 +115,7 @@ def test_priority_preempts_when_the_kv_cache_is_full(clock):
     low = make_request(10, max_tokens=6, priority=3, arrival_time=0.0)
     sched.add_request(low)
     step(sched)
-    assert len(sched.kv.block_table(low.request_id)) == 3
+    assert len(sched.kv.block_tables[low.request_id][0]) == 3
     high = make_request(8, max_tokens=2, priority=1, arrival_time=1.0)
     sched.add_request(high)
     out = step(sched)

@@ -37,13 +37,13 @@ def test_second_request_reuses_the_full_cached_blocks_of_a_shared_prefix():
     a = make_request(prompt=PREFIX + [201, 202, 203], max_tokens=5)  # still running in step 2
     out = _step_add(sched, a)
     assert out.num_scheduled_tokens == {a.request_id: 13}
-    a_blocks = list(sched.kv.block_table(a.request_id))
+    a_blocks = list(sched.kv.block_tables[a.request_id][0])
     b = make_request(prompt=PREFIX + [301, 302, 303, 304], max_tokens=2)
     out = _step_add(sched, b)
     assert out.num_scheduled_tokens[b.request_id] == 14 - 2 * BS
     sched_b = next(s for s in out.scheduled if s.request is b)
     assert sched_b.start_pos == 8 and sched_b.token_ids == [109, 110, 301, 302, 303, 304]
-    assert sched_b.block_table[:2] == a_blocks[:2] and sched_b.block_table[2] not in a_blocks
+    assert sched_b.block_tables[0][:2] == a_blocks[:2] and sched_b.block_tables[0][2] not in a_blocks
     assert [sched.kv.pool.ref_cnt[x] for x in a_blocks[:3]] == [2, 2, 1]
     assert b.num_cached_prompt_tokens == 8
     c = sched.counters
@@ -109,13 +109,13 @@ def test_unreferenced_cached_blocks_are_evicted_lazily_in_lru_order():
 
     b = make_request(prompt=list(range(501, 517)), max_tokens=3)
     _step_add(sched, b)
-    assert sched.kv.block_table(b.request_id) == [3, 4, 5, 6] and pool.num_evictions == 0
+    assert sched.kv.block_tables[b.request_id][0] == [3, 4, 5, 6] and pool.num_evictions == 0
     assert all(pool.block_hash[i] is not None for i in (0, 1, 2))
 
     c = make_request(prompt=list(range(601, 605)), max_tokens=1)
     sched.add_request(c)
     out = sched.schedule()
-    assert sched.kv.block_table(b.request_id) == [3, 4, 5, 6, 7] and sched.kv.block_table(c.request_id) == [2]
+    assert sched.kv.block_tables[b.request_id][0] == [3, 4, 5, 6, 7] and sched.kv.block_tables[c.request_id][0] == [2]
     assert pool.num_evictions == 1 and pool.block_hash[2] is None
     assert pool.block_hash[0] is not None and pool.block_hash[1] is not None
     assert list(pool.free_queue) == [1, 0]
@@ -155,7 +155,7 @@ def test_a_hit_refreshes_lru_order():
     assert list(pool.free_queue) == [4, 5, 3, 2, 1, 0]
     z = make_request(prompt=list(range(401, 417)), max_tokens=2)
     _step_add(sched, z)
-    assert sched.kv.block_table(z.request_id) == [4, 5, 3, 2]
+    assert sched.kv.block_tables[z.request_id][0] == [4, 5, 3, 2]
     assert pool.num_evictions == 2 and pool.block_hash[0] is not None and pool.block_hash[1] is not None
 
 

@@ -25,6 +25,7 @@ from engine.model_setup import load_model
 from engine.models.gguf_blocks import read_blocks
 from engine.models.linear import (
     ACTIVATION_LEVELS,
+    GATED_ACTIVATIONS,
     BLOCK,
     BlockQuantLinear,
     Linear,
@@ -97,7 +98,7 @@ def test_the_tile_gemm_computes_the_kernels_products_on_cpus_with_amx(kind, cols
                                      torch.zeros(cols // BLOCK, 48), None, None, None, 0.0, False, None, False)
         with pytest.raises(RuntimeError, match="AMX"):
             kernels.bf16_tile_gemm(torch.randn(16, cols), torch.zeros(3, cols // BLOCK, 1024, dtype=torch.bfloat16),
-                                   None, None, 0.0, False, None)
+                                   None, None, 0.0, 0, None)
         return
     assert layer.decode_rows == BlockQuantLinear.TILED_DECODE_ROWS
     pairs = kind == "int8"
@@ -143,19 +144,20 @@ def test_int8_blocks_hold_every_weight_as_two_bf16_values():
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=_name)
-@pytest.mark.parametrize("fusion", ["norm", "swiglu", "residual", "norm+residual"])
+@pytest.mark.parametrize("fusion", ["norm", "silu", "gelu_tanh", "gelu", "residual", "norm+residual"])
 def test_the_kernels_fused_prologue_and_residual_compute_what_the_torch_ops_compute(kind, fusion):
     torch.manual_seed(2)
     layer = _layer(kind, 48, 64, with_bias=True)
     reference = Linear(layer.weight, layer.bias)  # the fp32 ops on the same (dequantized) weights
+    gated = fusion if fusion in GATED_ACTIVATIONS else None
     for rows in (1, 3, layer.decode_rows):
-        x = torch.randn(rows, 128 if fusion == "swiglu" else 64) * 3
-        kwargs = dict(norm=(torch.rand(64) + 0.5, 1e-5) if "norm" in fusion else None, swiglu=fusion == "swiglu",
+        x = torch.randn(rows, 128 if gated else 64) * 3
+        kwargs = dict(norm=(torch.rand(64) + 0.5, 1e-5) if "norm" in fusion else None, gated=gated,
                       residual=torch.randn(rows, 48) if "residual" in fusion else None)
         # the compiled prologue is torch's to fp32 rounding, which may move a value across a bf16
         # step: each path multiplies what the compiled prologue and rounding give (layer.activations)
-        rounded = layer.activations(x, kwargs["norm"], kwargs["swiglu"])
-        torch.testing.assert_close(rounded, layer.activations(prologue(x, kwargs["norm"], kwargs["swiglu"])),
+        rounded = layer.activations(x, kwargs["norm"], kwargs["gated"])
+        torch.testing.assert_close(rounded, layer.activations(prologue(x, kwargs["norm"], kwargs["gated"])),
                                    rtol=2 ** -7, atol=rounded.abs().max().item() / ACTIVATION_LEVELS)
         want = reference(rounded, residual=kwargs["residual"])
         torch.testing.assert_close(layer(x, **kwargs), want, rtol=1e-4, atol=1e-4)  # the kernel

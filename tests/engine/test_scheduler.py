@@ -90,16 +90,16 @@ def test_a_forked_beam_shares_its_parents_blocks_and_copies_the_tail_it_writes()
     place once the parent has ended."""
     sched = make_scheduler(block_size=4)
     parent = _parked_beam(sched, 6)
-    table = sched.kv.block_table(parent.request_id)
+    table = sched.kv.block_tables[parent.request_id][0]
     sched.fork_beam(parent.request_id, "a", 11)
     sched.fork_beam(parent.request_id, "b", 12)
     sched.finish_request(parent.request_id, FinishReason.LENGTH)
-    assert [sched.kv.block_table(c) for c in "ab"] == [table, table]
+    assert [sched.kv.block_tables[c][0] for c in "ab"] == [table, table]
     assert [sched.requests[c].token_ids[-1] for c in "ab"] == [11, 12]
     out = step(sched)
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}  # only the token each beam was extended by
     assert len(out.blocks_to_copy) == 1 and out.blocks_to_copy[0][0] == table[1]
-    assert sched.kv.block_table("a")[0] == sched.kv.block_table("b")[0] == table[0]
+    assert sched.kv.block_tables["a"][0][0] == sched.kv.block_tables["b"][0][0] == table[0]
 
 
 def test_parked_beams_give_their_blocks_up_to_a_request_that_needs_them():

@@ -69,5 +69,5 @@ def test_the_attention_kernels_compile(gpu, dtype, precision, block_size, group,
 
 @pytest.mark.parametrize("gpu,dtype", [("A100", "bf16"), ("H100", "bf16"), ("H100", "fp16"), ("B200", "bf16")])
 def test_the_fused_kernels_compile(gpu, dtype):
-    for kernel in (cuda_ops._rms_norm, cuda_ops._add_rms_norm, cuda_ops._swiglu):
+    for kernel in (cuda_ops._rms_norm, cuda_ops._add_rms_norm, cuda_ops._gated):
         compile_for(gpu, kernel, dtype, dict(BLOCK=1024))

@@ -14,7 +14,7 @@ from gguf.quants import quantize as quantize_blocks
 
 from engine import LLM, SamplingParams
 from engine.cpu_kernels import TARGETS, cpu_flags, load_cpu_kernels, runnable_targets
-from engine.models.linear import BlockQuantLinear, dequantize_blocks, int8_blocks, tile_blocks
+from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, dequantize_blocks, int8_blocks, tile_blocks
 from tests.engine.test_parity import _prompts
 from tests.engine.test_quantization import _CountingStack, _name
 
@@ -44,14 +44,14 @@ class _Weights:
                                       bf16_activations=self.bf16)
         self.weight = dequantize_blocks(blocks, qtype)
 
-    def want(self, x, norm=None, swiglu=False, residual=None):
-        out = torch.nn.functional.linear(self.layer.activations(x, norm, swiglu), self.weight, self.layer.bias)
+    def want(self, x, norm=None, gated=None, residual=None):
+        out = torch.nn.functional.linear(self.layer.activations(x, norm, gated), self.weight, self.layer.bias)
         return out if residual is None else residual + out
 
-    def vector(self, kernels, x, norm=None, swiglu=False, residual=None):
+    def vector(self, kernels, x, norm=None, gated=None, residual=None):
         norm_weight, eps = norm if norm is not None else (None, 0.0)
-        return kernels.vector_gemm(x, self.tiles, self.scales, self.offsets, self.layer.bias, norm_weight, eps, swiglu,
-                                   residual)
+        return kernels.vector_gemm(x, self.tiles, self.scales, self.offsets, self.layer.bias, norm_weight, eps,
+                                   GATED_ACTIVATIONS.get(gated, 0), residual)
 
 
 @pytest.fixture(scope="module", params=BUILDS)
@@ -82,10 +82,10 @@ def test_the_vector_gemm_computes_fp32_gemm_of_the_dequantized_weights_each_row_
         x = batch[:rows]
         got, want = w.vector(kernels, x), w.want(x)
         torch.testing.assert_close(got, want, **tolerance)
-        decoded = kernels.block_quant_linear(x, w.layer.rows, w.layer.format, w.layer.bias, None, 0.0, False, None)
+        decoded = kernels.block_quant_linear(x, w.layer.rows, w.layer.format, w.layer.bias, None, 0.0, 0, None)
         torch.testing.assert_close(decoded, want, rtol=1e-5,
                                    atol=4 * tolerance["atol"])  # the decode kernel, summing in another order
-        alone = kernels.block_quant_linear(x[-1:], w.layer.rows, w.layer.format, w.layer.bias, None, 0.0, False, None)
+        alone = kernels.block_quant_linear(x[-1:], w.layer.rows, w.layer.format, w.layer.bias, None, 0.0, 0, None)
         assert torch.equal(alone, decoded[-1:])  # its rows too the same bits in any batch
         assert torch.equal(w.vector(kernels, x, residual=residual[:rows]), whole[:rows])
         assert torch.equal(w.vector(kernels, batch[rows - 1:rows])[0], got[-1])  # alone
@@ -94,17 +94,18 @@ def test_the_vector_gemm_computes_fp32_gemm_of_the_dequantized_weights_each_row_
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=_name)
-@pytest.mark.parametrize("fusion", ["norm", "swiglu"])
+@pytest.mark.parametrize("fusion", ["norm", "silu", "gelu_tanh"])
 def test_the_vector_gemms_fused_prologue_and_residual_compute_what_the_torch_ops_compute(kernels, kind, fusion):
     torch.manual_seed(2)
     w = _Weights(kind, 48, 160, with_bias=True)
     if w.bf16 and not kernels.vector_gemm_bf16():
         return  # refused, as the test above checks
     norm = (torch.rand(160) + 0.5, 1e-5) if fusion == "norm" else None
-    x = torch.randn(37, 320 if fusion == "swiglu" else 160)
+    gated = None if fusion == "norm" else fusion
+    x = torch.randn(37, 320 if gated else 160)
     residual = torch.randn(37, 48)
-    got = w.vector(kernels, x, norm, fusion == "swiglu", residual)
-    torch.testing.assert_close(got, w.want(x, norm, fusion == "swiglu", residual), rtol=1e-5, atol=1e-5)
+    got = w.vector(kernels, x, norm, gated, residual)
+    torch.testing.assert_close(got, w.want(x, norm, gated, residual), rtol=1e-5, atol=1e-5)
 
 
 def test_layers_past_their_decode_rows_run_the_vector_gemm_where_the_cpu_has_no_amx():

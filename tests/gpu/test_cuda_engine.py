@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention.base import AttentionParams
 from engine.runner.cuda_graphs import default_sizes
 from tests.conftest import save_tiny_model
 from tests.engine.helpers import assert_as_faithful_as_transformers, hf_greedy
@@ -259,7 +260,7 @@ def test_the_paged_kernel_agrees_with_the_gather_fallback(block_size, heads, kv_
     device = torch.device("cuda")
     shapes = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]
     case = attention_case(block_size + heads, shapes, block_size, heads, kv_heads, head_dim, device)
-    outputs = {name: run_attention(select_backend(name, device, torch.bfloat16, case.scale, max_model_len=2048),
+    outputs = {name: run_attention(select_backend(name, device, torch.bfloat16, AttentionParams(case.scale), max_model_len=2048),
                                    case, torch.bfloat16, device)
                for name in ("triton", "flash")}
     for (rows, expected), s in zip(expected_attention(case, torch.bfloat16), case.scheduled):
@@ -310,7 +311,7 @@ def test_a_decodes_attention_does_not_depend_on_how_many_programs_share_its_part
     shapes = [(1500, 1), (700, 1), (63, 1), (64, 1), (5, 1)]
     num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 4
     inputs = build_inputs(ragged_batch(0, shapes, num_blocks, block_size), block_size, device)
-    backend = select_backend("triton", device, torch.bfloat16, head_dim ** -0.5, max_model_len=4096)
+    backend = select_backend("triton", device, torch.bfloat16, AttentionParams(head_dim ** -0.5), max_model_len=4096)
     cache = backend.allocate_kv_cache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, device)[0]
     cache.normal_()
     gen = torch.Generator(device).manual_seed(0)
@@ -338,18 +339,18 @@ def test_greedy_tokens_are_the_first_maximum_as_argmax_gives(rows, vocab):
 def test_carrying_the_residual_to_the_norm_kernel_changes_no_bit(model_dir, prompts):
     """A 16-bit model on CUDA adds each residual in the next RMSNorm's kernel: its logits are the
     bits of the layers' own order (the add, then the norm), prefill and decode."""
-    from engine.models import llama
+    from engine.models import decoder
 
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, seed=0)
     model, logits = llm.engine.runner.model, {True: [], False: []}
-    original = llama.fused_ops
+    original = decoder.fused_ops
     for carried, captured in logits.items():
         hook = model.register_forward_hook(lambda module, args, out, c=captured: c.append(out.clone()))
-        llama.fused_ops = original if carried else (lambda x: None)
+        decoder.fused_ops = original if carried else (lambda x: None)
         try:
             llm.generate(prompts[:3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
         finally:
-            llama.fused_ops = original
+            decoder.fused_ops = original
             hook.remove()
     assert len(logits[True]) == len(logits[False]) > 1
     assert all(torch.equal(a, b) for a, b in zip(logits[True], logits[False]))

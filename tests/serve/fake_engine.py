@@ -71,7 +71,7 @@ class FakeAsyncEngine(EngineClient):
     eos_token_ids = frozenset()
     is_ready = True
     tokenizer = FakeTokenizer()
-    model_report = ModelReport("none", "float32", "float32", "cpu", 0, 1.0, 0.0)
+    model_report = ModelReport("none", "float32", "float32", "cpu", 0, "LlamaForCausalLM", "native", 1.0, 0.0)
 
     def __init__(self) -> None:
         self._waiting: list[str] = []
@@ -97,7 +97,8 @@ class FakeAsyncEngine(EngineClient):
         engine.max_model_len = config.model.max_model_len or cls.max_model_len
         model = config.model
         mode = "none" if model.quantization == "auto" else model.quantization  # as the engine resolves it: no weights
-        engine.model_report = ModelReport(mode, model.resolved_dtype, model.resolved_dtype, model.device, 0, 1.0, 0.0)
+        engine.model_report = ModelReport(mode, model.resolved_dtype, model.resolved_dtype, model.device, 0,
+                                          "LlamaForCausalLM", "native", 1.0, 0.0)
         return engine
 
     def stats(self) -> EngineStats:

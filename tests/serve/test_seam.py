@@ -101,7 +101,7 @@ def test_the_routers_prefix_hashes_are_the_engines_block_hashes():
     kv.allocate_slots(request, len(prompt))
     request.num_computed_tokens = len(prompt)
     kv.cache_full_blocks(request)
-    table = kv.block_table("j")
+    table = kv.block_tables["j"][0]
     engine_hashes = [kv.pool.block_hash[table[i]] for i in range(len(prompt) // block_size)]
     assert list(job.admit.prefix_hashes) == engine_hashes and len(engine_hashes) == 5
 

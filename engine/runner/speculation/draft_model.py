@@ -71,9 +71,9 @@ class DraftWorker:
         self.model, self.backend, self.num_layers = model, backend, num_layers
         self.generator = torch.Generator(device).manual_seed(seed)
         self.block_size, self.device = block_size, device
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.kv_cache = backend.allocate_kv_cache(model.num_layers, num_blocks, block_size, model.num_kv_heads,
-                                                  model.head_dim, dtype=dtype, device=device)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, layout=model.kv_layout)
+        self.kv_cache = backend.allocate_kv_cache(model.kv_layout.num_slots, num_blocks, block_size,
+                                                  model.num_kv_heads, model.head_dim, dtype=dtype, device=device)
         self._sequences: OrderedDict[str, Request] = OrderedDict()
 
     @property
@@ -133,7 +133,7 @@ class DraftWorker:
         params = {sequence.request_id: query.params for sequence, query in drafting}
         rows = [self._row(sequence) for sequence, _ in drafting]
         while rows:
-            inputs = build_inputs(rows, self.block_size, self.device)
+            inputs = build_inputs(rows, self.block_size, self.device, self.model.kv_layout.windows)
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                                 self.backend.build_metadata(inputs), inputs.sample_indices, num_layers=self.num_layers)
             tokens, distributions = sample_drafts(logits, [params[r.request_id] for r in inputs.sampled_requests],
@@ -154,8 +154,8 @@ class DraftWorker:
 
     def _row(self, sequence: Request) -> ScheduledRequest:
         start = sequence.num_computed_tokens
-        return ScheduledRequest(sequence, sequence.token_ids[start:], start,
-                                self.kv.block_table(sequence.request_id), sample=True)
+        return ScheduledRequest(sequence, sequence.token_ids[start:], start, self.kv.copy_tables(sequence.request_id),
+                                sample=True)
 
     def _drop(self, request_id: str) -> None:
         sequence = self._sequences.pop(request_id, None)
@@ -230,6 +230,8 @@ def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_le
     loaded = load_model(draft)
     num_layers = None
     if spec.method == "self_draft":
+        if loaded.model.model_path != "native":
+            raise ValueError("self_draft needs a natively served family (this model runs through transformers' code)")
         num_layers = self_draft_layers(spec.num_layers, loaded.model.num_layers)
     else:
         target_tokenizer, target_logits = target_vocabulary or load_vocabulary(target.model)
@@ -240,6 +242,6 @@ def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_le
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes {kv_cache_memory_bytes} holds no KV block of the draft model")
     device = torch.device(target.device)
-    backend = select_backend(target.attention_backend, device, loaded.dtype, loaded.model.head_dim ** -0.5,
+    backend = select_backend(target.attention_backend, device, loaded.dtype, loaded.model.attention,
                              target.max_model_len or loaded.max_model_len)
     return DraftWorker(loaded.model, backend, num_blocks, block_size, device, loaded.dtype, num_layers, target.seed)

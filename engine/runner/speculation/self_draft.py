@@ -33,6 +33,8 @@ def self_draft_layers(num_layers: int | None, num_target_layers: int) -> int:
 
 class SelfDraft:
     def __init__(self, model, num_layers: int | None, block_size: int, seed: int = 0):
+        if model.model_path != "native":
+            raise ValueError("self_draft needs a natively served family (this model runs through transformers' code)")
         self.model, self.block_size = model, block_size
         self.num_layers = self_draft_layers(num_layers, model.num_layers)
         self.generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
@@ -51,9 +53,9 @@ class SelfDraft:
         num_passes = max((len(item.draft_token_ids) for item in active), default=0)
         for depth in range(num_passes):
             rows = [ScheduledRequest(item.request, [item.token_ids[depth]], item.start_pos + depth,
-                                     item.block_table, sample=True)
+                                     item.block_tables, sample=True)
                     for item in active if len(item.draft_token_ids) > depth]
-            inputs = build_inputs(rows, self.block_size, kv_cache.device)
+            inputs = build_inputs(rows, self.block_size, kv_cache.device, self.model.kv_layout.windows)
             logits = self.model(inputs.input_ids, inputs.positions, kv_cache, backend,
                                 backend.build_metadata(inputs), inputs.sample_indices, num_layers=self.num_layers)
             tokens, distributions = sample_drafts(logits, [draft_params(r.params) for r in inputs.sampled_requests],

@@ -1,0 +1,325 @@
+"""The paged decoder every native family runs as (engine/models/families.py describes each).
+
+One flat ragged batch of T tokens goes through every layer; attention is the backend's, each
+layer with its KV group's metadata and cache slot (engine/kv_cache/layout.py). A layer is:
+
+    x = norm(h); q, k, v = qkv(x); q, k = q_norm(q), k_norm(k)   (q/k norms: Qwen3, Gemma 3)
+    q, k = rope(q), rope(k)                                          (the layer's table; none: NoPE)
+    h = h + post_norm(o(attention(q, k, v)))                         (post-norms: Gemma 2, 3)
+    h = h + post_norm(mlp(norm(h)))                                  (gated MLP or experts)
+
+Weights are copied from a loaded transformers model: q/k/v and gate/up fused into one matmul
+each (Phi-3's checkpoints store them fused already), RMSNorm weights with Gemma's 1 + w folded
+in, each head's dimensions permuted for partial rotary (engine/models/rope.py). Matmuls are
+engine.models.linear modules (fp32, or quantized at load time), which also apply the norms, the
+gated activation and the residual adds around them. A 16-bit model on CUDA instead carries each
+residual to the next RMSNorm, whose Triton kernel adds it (one kernel where two ran; the same
+values). Logits are computed only at sampled positions, soft-capped where the family caps them.
+With every matmul block-quantized, decode steps run the whole stack in one C++ call
+(engine/csrc/decode_stack.cpp), which takes every layer shape here.
+"""
+from __future__ import annotations
+
+import sys
+from itertools import islice
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionParams
+from engine.kv_cache.layout import KVLayout
+from engine.models.families import Family
+from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, Linear, fused_ops, rms_norm
+from engine.models.mlp import Experts, GatedMLP
+from engine.models.rope import partial_rotary_permutation, rope_tables
+
+# transformers' activation names -> the gated prologues' (engine.models.linear.GATED_ACTIVATIONS)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+               "gelu": "gelu"}
+
+
+def _norm(module: nn.Module, offset: bool) -> nn.Parameter:
+    """An RMSNorm's weight, Gemma's 1 + w made the weight (computed in fp32, as Gemma does)."""
+    weight = module.weight.detach().float()
+    return nn.Parameter(1.0 + weight if offset else weight, requires_grad=False)
+
+
+def _optional(weight: torch.Tensor | None) -> nn.Parameter | None:
+    return None if weight is None else nn.Parameter(weight, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_layer, family: Family, config, layout: KVLayout, index: int, rope: int,
+                 permutation: torch.Tensor | None):
+        """`rope`: the layer's table in the model's; `permutation`: of each head's dimensions
+        (partial rotary), or None."""
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.cache_slot, self.kv_group, self.rope = layout.slot_of[index], layout.group_of[index], rope
+        weight, bias = _qkv(attn)
+        q_norm, k_norm = (_norm(attn.q_norm, family.norm_offset) if hasattr(attn, "q_norm") else None,
+                          _norm(attn.k_norm, family.norm_offset) if hasattr(attn, "k_norm") else None)
+        if permutation is not None:
+            weight, bias = self._permuted(weight, permutation), self._permuted(bias, permutation)
+            q_norm, k_norm = (None if n is None else nn.Parameter(n[permutation], requires_grad=False)
+                              for n in (q_norm, k_norm))
+        self.qkv = Linear(weight, bias)
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.input_norm = _norm(hf_layer.input_layernorm, family.norm_offset)
+        if family.sandwich_norms:
+            self.post_attention_norm = _norm(hf_layer.post_attention_layernorm, family.norm_offset)
+            self.mlp_norm = _norm(hf_layer.pre_feedforward_layernorm, family.norm_offset)
+            self.post_mlp_norm = _norm(hf_layer.post_feedforward_layernorm, family.norm_offset)
+        else:
+            self.post_attention_norm = self.post_mlp_norm = None
+            self.mlp_norm = _norm(hf_layer.post_attention_layernorm, family.norm_offset)
+        activation = ACTIVATIONS.get(getattr(config, "hidden_activation", None) or config.hidden_act)
+        if activation is None:
+            raise ValueError(f"activation {config.hidden_act!r}: the native decoder takes {sorted(ACTIVATIONS)}")
+        self.mlp = _experts(mlp, family, config, activation) if hasattr(mlp, "experts") else _gated_mlp(mlp, activation)
+
+    def _permuted(self, qkv: torch.Tensor | None, permutation: torch.Tensor) -> torch.Tensor | None:
+        """qkv's q and k rows (or biases) with each head's dimensions in `permutation`'s order."""
+        if qkv is None:
+            return None
+        num_qk, d = self.num_heads + self.num_kv_heads, self.head_dim
+        qk = qkv[:num_qk * d].reshape(num_qk, d, *qkv.shape[1:])[:, permutation].reshape(num_qk * d, *qkv.shape[1:])
+        return torch.cat([qk, qkv[num_qk * d:]])
+
+    def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
+        """hidden (T, hidden); cos/sin (T, head_dim) of the layer's table at the tokens' positions."""
+        qkv = self.qkv(hidden, norm=(self.input_norm, self.eps))  # (T, (heads + 2 kv_heads) * d)
+        attn = self._attention(qkv, cos, sin, layer_cache, backend, metadata)
+        if self.post_attention_norm is None:
+            hidden = self.o(attn, residual=hidden)
+        else:
+            hidden = hidden + rms_norm(self.o(attn), self.post_attention_norm, self.eps)
+        return self._mlp(hidden)
+
+    def _mlp(self, hidden):
+        if isinstance(self.mlp, GatedMLP) and self.post_mlp_norm is None:
+            return self.mlp(hidden, norm=(self.mlp_norm, self.eps), residual=hidden)
+        if isinstance(self.mlp, GatedMLP):
+            out = self.mlp(hidden, norm=(self.mlp_norm, self.eps))
+        else:
+            out = self.mlp(rms_norm(hidden, self.mlp_norm, self.eps))
+        return hidden + (out if self.post_mlp_norm is None else rms_norm(out, self.post_mlp_norm, self.eps))
+
+    def forward_carrying_residual(self, hidden, residual, cos, sin, layer_cache, backend: AttentionBackend,
+                                  metadata, ops):
+        """forward, each residual add done by the RMSNorm kernel after it (`ops`: engine.models.cuda_ops):
+        the layer's input is hidden + residual (None: hidden alone), and so is its output."""
+        if residual is None:
+            residual, normed = hidden, ops.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            residual, normed = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        out = self.o(self._attention(self.qkv(normed), cos, sin, layer_cache, backend, metadata))
+        if self.post_attention_norm is not None:
+            out = ops.rms_norm(out, self.post_attention_norm, self.eps)
+        residual, normed = ops.add_rms_norm(out, residual, self.mlp_norm, self.eps)
+        out = self.mlp(normed)
+        if self.post_mlp_norm is not None:
+            out = ops.rms_norm(out, self.post_mlp_norm, self.eps)
+        return out, residual
+
+    def _attention(self, qkv, cos, sin, layer_cache, backend: AttentionBackend, metadata):
+        num_tokens, num_qk, d = qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm, self.eps)
+        qk = backend.rope_and_write(qkv, cos, sin, layer_cache, metadata, self.num_heads, norms)
+        if qk is None and norms is not None:  # each q and k head RMS-normed before RoPE, here
+            q = rms_norm(qkv[:, :self.num_heads * d].view(num_tokens, -1, d), self.q_norm, self.eps)
+            k = rms_norm(qkv[:, self.num_heads * d:num_qk * d].view(num_tokens, -1, d), self.k_norm, self.eps)
+            qkv = torch.cat([q.view(num_tokens, -1), k.view(num_tokens, -1), qkv[:, num_qk * d:]], dim=1)
+            qk = backend.rope_and_write(qkv, cos, sin, layer_cache, metadata, self.num_heads)
+        written = qk is not None
+        if not written:
+            qk = _rope(qkv[:, :num_qk * d].view(num_tokens, num_qk, d), cos[:, None], sin[:, None])
+        v = qkv[:, num_qk * d:].view(num_tokens, self.num_kv_heads, d)
+        return backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata, written)
+
+
+def _qkv(attn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q/k/v's weights (and biases) stacked: one stored fused (Phi-3), or three concatenated."""
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj.weight.detach(), None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach()
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    biases = [p.bias for p in projections]
+    return (torch.cat([p.weight.detach() for p in projections]),
+            torch.cat([b.detach() for b in biases]) if biases[0] is not None else None)
+
+
+def _gated_mlp(mlp, activation: str) -> GatedMLP:
+    if hasattr(mlp, "gate_up_proj"):  # stored fused (Phi-3)
+        return GatedMLP(mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach(), activation)
+    gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach()
+    return GatedMLP(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+                    mlp.down_proj.weight.detach(), activation, gate_up_bias,
+                    None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach())
+
+
+def _experts(mlp, family: Family, config, activation: str) -> Experts:
+    """transformers' sparse MoE block (router `gate`, stacked `experts`, optional `shared_expert`)."""
+    renormalize = family.renormalize_experts
+    if renormalize is None:
+        renormalize = bool(config.norm_topk_prob)
+    shared = getattr(mlp, "shared_expert", None)
+    return Experts(mlp.gate.weight.detach(), mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach(),
+                   activation, mlp.gate.top_k, renormalize, None if shared is None else _gated_mlp(shared, activation),
+                   None if shared is None else mlp.shared_expert_gate.weight.detach())
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, d); cos/sin (T, 1, d) with sin's first half negated: rotate_half as a roll."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def layer_windows(hf_model) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' attention reads it:
+    the attention module's own, else the layer's type, else the config's for every layer."""
+    config = hf_model.config
+    layer_types = getattr(config, "layer_types", None)
+    windows = []
+    for index, layer in enumerate(hf_model.model.layers):
+        if hasattr(layer.self_attn, "sliding_window"):
+            window = layer.self_attn.sliding_window
+        elif layer_types is not None:
+            window = config.sliding_window if layer_types[index] == "sliding_attention" else None
+        else:
+            window = getattr(config, "sliding_window", None)
+        windows.append(window or None)
+    return windows
+
+
+class PagedDecoder(nn.Module):
+    model_path = "native"
+
+    def __init__(self, hf_model, family: Family, max_model_len: int):
+        super().__init__()
+        config = hf_model.config
+        body = hf_model.model
+        self.architecture = type(hf_model).__name__
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.kv_layout = KVLayout.for_windows(layer_windows(hf_model), max_model_len)
+        query_scale = getattr(config, family.query_scale_field) if family.query_scale_field else self.head_dim
+        softcap = getattr(config, family.attention_softcap_field) if family.attention_softcap_field else None
+        self.attention = AttentionParams(query_scale ** -0.5, softcap or None)
+        final_softcap = getattr(config, family.final_softcap_field) if family.final_softcap_field else None
+        self.final_softcap = final_softcap or None
+        self.embed = nn.Parameter(body.embed_tokens.weight.detach(), requires_grad=False)
+        scale = torch.tensor(config.hidden_size ** 0.5) if family.embed_scale else None
+        self.register_buffer("embed_scale", scale, persistent=False)  # rounded to the model's dtype with it
+        kinds = _rope_kinds(hf_model)
+        distinct = list(dict.fromkeys(kinds))
+        cos, sin, rotary_dim = rope_tables(body.rotary_emb, config, distinct, self.head_dim, max_model_len)
+        self.register_buffer("cos", cos, persistent=False)  # (tables, max_len, d)
+        self.register_buffer("sin", sin, persistent=False)
+        permutation = partial_rotary_permutation(self.head_dim, rotary_dim) if rotary_dim < self.head_dim else None
+        self.layers = nn.ModuleList(DecoderLayer(layer, family, config, self.kv_layout, i, distinct.index(kind),
+                                                 permutation) for i, (layer, kind) in enumerate(zip(body.layers, kinds)))
+        self.norm = _norm(body.norm, family.norm_offset)
+        self.lm_head = Linear(hf_model.lm_head.weight)
+        self.decode_stack, self.decode_rows = None, 0  # set by fuse_decode_stack
+
+    def fuse_decode_stack(self, kernels) -> str | None:
+        """With every layer's matmuls block-quantized, decode steps of up to their `decode_rows` tokens
+        (of any count where every matmul is `vectored` and no layer has experts: the stack runs the
+        vector GEMM past them) run the whole stack in one C++ call (engine/csrc/decode_stack.cpp),
+        the same kernels without the per-op overhead of the layers' Python. Returns why not, if not."""
+        dense = [m for layer in self.layers for m in (layer.qkv, layer.o)
+                 + ((layer.mlp.gate_up, layer.mlp.down) if isinstance(layer.mlp, GatedMLP) else ())]
+        experts = [m for layer in self.layers if isinstance(layer.mlp, Experts)
+                   for mlp in (*layer.mlp.experts, *filter(None, [layer.mlp.shared])) for m in (mlp.gate_up, mlp.down)]
+        if not all(isinstance(m, BlockQuantLinear) for m in dense + experts):
+            return "not every matmul is block-quantized"
+        kernel_rows = min(m.decode_rows for m in dense + experts)
+        vectored = not experts and all(m.vectored and m.decode_rows == kernel_rows for m in dense)
+        stack = kernels.DecodeStack(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.attention.scale,
+                                    self.attention.softcap or 0.0, [w or 0 for w in self.kv_layout.windows],
+                                    kernel_rows)
+        for index, layer in enumerate(self.layers):
+            matmuls = [layer.qkv, layer.o] + ([layer.mlp.gate_up, layer.mlp.down] if isinstance(layer.mlp, GatedMLP)
+                                              else [])
+            stack.add_layer([m.rows for m in matmuls], [m.format for m in matmuls], [m.bias for m in matmuls],
+                            [layer.input_norm, layer.mlp_norm, layer.post_attention_norm, layer.post_mlp_norm,
+                             layer.q_norm, layer.k_norm], GATED_ACTIVATIONS[_activation(layer)], layer.cache_slot,
+                            layer.kv_group, layer.rope)
+            if isinstance(layer.mlp, Experts):
+                mlp = layer.mlp
+                parts = [m for expert in mlp.experts for m in (expert.gate_up, expert.down)]
+                shared = [] if mlp.shared is None else [mlp.shared.gate_up, mlp.shared.down]
+                stack.add_experts(mlp.router, [m.rows for m in parts], [m.format for m in parts], mlp.top_k,
+                                  mlp.renormalize, [m.rows for m in shared], [m.format for m in shared],
+                                  mlp.shared_gate)
+            elif vectored:
+                for which, m in enumerate(matmuls):
+                    stack.set_tiles(index, which, m.tiles, m.scales, m.offsets)
+        self.decode_rows = sys.maxsize if vectored else kernel_rows
+        self.decode_stack = stack
+        return None
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata: list, sample_indices,
+                num_layers: int | None = None):
+        """Returns logits (R, vocab) for the tokens at sample_indices; `metadata`: per KV group the
+        backend's; `num_layers`: through the first layers only (a self-draft), then the final norm
+        and LM head."""
+        hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        cos, sin = self.cos[:, positions], self.sin[:, positions]  # (tables, T, d)
+        stack_args = None
+        if self.decode_stack is not None and input_ids.shape[0] <= self.decode_rows:
+            stack_args = backend.decode_stack_args(metadata)
+        layers = islice(self.layers, num_layers)
+        if stack_args is not None:
+            slots, tables, lens = zip(*stack_args)
+            hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, list(slots), list(tables), lens[0],
+                                               num_layers or self.num_layers)
+        elif (ops := fused_ops(hidden)) is not None:
+            residual = None
+            for layer in layers:
+                hidden, residual = layer.forward_carrying_residual(
+                    hidden, residual, cos[layer.rope], sin[layer.rope], kv_cache[layer.cache_slot], backend,
+                    metadata[layer.kv_group], ops)
+            _, normed = ops.add_rms_norm(hidden[sample_indices], residual[sample_indices], self.norm, self.eps)
+            return self._capped(self.lm_head(normed))
+        else:
+            for layer in layers:
+                hidden = layer(hidden, cos[layer.rope], sin[layer.rope], kv_cache[layer.cache_slot], backend,
+                               metadata[layer.kv_group])
+        return self._capped(self.lm_head(hidden[sample_indices], norm=(self.norm, self.eps)))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+
+def _activation(layer: DecoderLayer) -> str:
+    mlp = layer.mlp
+    return mlp.activation if isinstance(mlp, GatedMLP) else mlp.experts[0].activation
+
+
+def _rope_kinds(hf_model) -> list[str | None]:
+    """Each layer's RoPE table: its layer type where the rotary module takes one (Gemma 3), None
+    for a layer without RoPE (SmolLM3's NoPE layers), else one table for all."""
+    config = hf_model.config
+    by_type = isinstance(getattr(hf_model.model.rotary_emb, "rope_type", None), dict)
+    kinds = []
+    for index, layer in enumerate(hf_model.model.layers):
+        if not getattr(layer.self_attn, "use_rope", True):
+            kinds.append(None)
+        else:
+            kinds.append(config.layer_types[index] if by_type else "default")
+    return kinds
