@@ -19,6 +19,7 @@ SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
 DRAFT_PLACEMENTS = ("local", "actor")
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash", "triton")
+MODEL_IMPLS = ("auto", "native", "transformers")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
 
 
@@ -52,6 +53,9 @@ class ModelConfig:
                                      "fp32's bytes per decode step, activations rounded to bf16), 'gguf' (a .gguf "
                                      "model's own Q4_1/Q8_0 blocks, activations quantized per block of 32) or "
                                      "'w8a16'/'w4a16' (int8/int4 weights, bf16 activations)")
+    model_impl: str = _opt("auto", "how the model runs: 'auto' (its native family where engine/models/families.py "
+                                   "has one, else transformers' own modeling code with the paged attention), "
+                                   "'native' (refused for an architecture without a family) or 'transformers'")
     quality_check_tokens: int = _opt(6000, "tokens of the shipped English text a quantized mode is scored on against "
                                            "fp32 at start-up (cached per model and mode); 0 skips it, except for "
                                            "'auto'")
@@ -72,6 +76,8 @@ class ModelConfig:
         if self.quality_check_tokens < 0 or (self.quantization == "auto" and self.quality_check_tokens == 0):
             raise ValueError(f"quality_check_tokens must be >= 0, and > 0 with quantization 'auto' (the default: "
                              f"it keeps only modes that pass), got {self.quality_check_tokens}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):

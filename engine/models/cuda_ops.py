@@ -1,5 +1,6 @@
 """Triton kernels for a 16-bit model's small per-token ops on CUDA: RMSNorm (alone, or with the
-residual add before it) and the gated activation act(gate) * up (SwiGLU, GeGLU), each one kernel where torch runs several (a decode step of a
+residual add before it) and the gated activation act(gate) * up (SwiGLU, GeGLU), each one kernel
+where torch runs several, and the experts of a mixture as one grouped matmul (a decode step of a
 small model is bound by its kernel count, even inside a CUDA graph). Each rounds where
 transformers' order does: the residual sum is rounded to the model's dtype before it is
 normalized; RMSNorm normalizes in float32, rounds to the model's dtype, then scales by the weight
@@ -11,8 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from engine.models.linear import GATED_ACTIVATIONS
 
 
 @triton.jit
@@ -66,6 +65,45 @@ def _gated(x_ptr, out_ptr, stride_x, stride_out, n, ACTIVATION: tl.constexpr, BL
     tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _grouped_matmul(x_ptr, w_ptr, out_ptr, starts_ptr, stride_x, stride_we, stride_wn, stride_out, N, K,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [starts[e], starts[e + 1]) of x times expert e's weight (N, K)^T: program (e, m, n)
+    takes the expert's m-th tile of rows and n-th tile of columns; a tile past its rows does nothing."""
+    expert, tile_m, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    end = tl.load(starts_ptr + expert + 1)
+    first = tl.load(starts_ptr + expert) + tile_m * BLOCK_M
+    if first < end:
+        rows = first + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        weights = w_ptr + expert.to(tl.int64) * stride_we
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(weights + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else "tf32")
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """x (R, K) with its rows grouped by expert, expert e's rows [starts[e], starts[e + 1]) (int32,
+    E + 1, on the device: no count comes back to the host) times weight[e] (E, N, K)^T -> (R, N)."""
+    rows, k = x.shape
+    experts, n, _ = weight.shape
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = 16, 64, 32
+    grid = (experts, triton.cdiv(max(rows, 1), block_m), triton.cdiv(n, block_n))
+    _grouped_matmul[grid](x, weight, out, starts, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0), n, k,
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (T, n) -> (T, n), in x's dtype."""
     out = torch.empty_like(x)
@@ -85,11 +123,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return total, out
 
 
-def gated(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """x = [gate | up] (T, 2n) -> act(gate) * up (T, n), act one of GATED_ACTIVATIONS."""
+def gated(x: torch.Tensor, activation: int) -> torch.Tensor:
+    """x = [gate | up] (T, 2n) -> act(gate) * up (T, n), act by its code in engine.models.linear.GATED_ACTIVATIONS."""
     n = x.shape[-1] // 2
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     _gated[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
-                                                ACTIVATION=GATED_ACTIVATIONS[activation], BLOCK=block)
+                                                ACTIVATION=activation, BLOCK=block)
     return out

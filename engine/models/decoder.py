@@ -33,6 +33,7 @@ from engine.models.families import Family
 from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, Linear, fused_ops, rms_norm
 from engine.models.mlp import Experts, GatedMLP
 from engine.models.rope import partial_rotary_permutation, rope_tables
+from engine.models.windows import layer_windows
 
 # transformers' activation names -> the gated prologues' (engine.models.linear.GATED_ACTIVATIONS)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -179,23 +180,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def layer_windows(hf_model) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as transformers' attention reads it:
-    the attention module's own, else the layer's type, else the config's for every layer."""
-    config = hf_model.config
-    layer_types = getattr(config, "layer_types", None)
-    windows = []
-    for index, layer in enumerate(hf_model.model.layers):
-        if hasattr(layer.self_attn, "sliding_window"):
-            window = layer.self_attn.sliding_window
-        elif layer_types is not None:
-            window = config.sliding_window if layer_types[index] == "sliding_attention" else None
-        else:
-            window = getattr(config, "sliding_window", None)
-        windows.append(window or None)
-    return windows
-
-
 class PagedDecoder(nn.Module):
     model_path = "native"
 
@@ -210,7 +194,8 @@ class PagedDecoder(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
-        self.kv_layout = KVLayout.for_windows(layer_windows(hf_model), max_model_len)
+        windows = layer_windows(config, [layer.self_attn for layer in body.layers])
+        self.kv_layout = KVLayout.for_windows(windows, max_model_len)
         query_scale = getattr(config, family.query_scale_field) if family.query_scale_field else self.head_dim
         softcap = getattr(config, family.attention_softcap_field) if family.attention_softcap_field else None
         self.attention = AttentionParams(query_scale ** -0.5, softcap or None)
@@ -225,8 +210,9 @@ class PagedDecoder(nn.Module):
         self.register_buffer("cos", cos, persistent=False)  # (tables, max_len, d)
         self.register_buffer("sin", sin, persistent=False)
         permutation = partial_rotary_permutation(self.head_dim, rotary_dim) if rotary_dim < self.head_dim else None
-        self.layers = nn.ModuleList(DecoderLayer(layer, family, config, self.kv_layout, i, distinct.index(kind),
-                                                 permutation) for i, (layer, kind) in enumerate(zip(body.layers, kinds)))
+        self.layers = nn.ModuleList(
+            DecoderLayer(layer, family, config, self.kv_layout, i, distinct.index(kind), permutation)
+            for i, (layer, kind) in enumerate(zip(body.layers, kinds)))
         self.norm = _norm(body.norm, family.norm_offset)
         self.lm_head = Linear(hf_model.lm_head.weight)
         self.decode_stack, self.decode_rows = None, 0  # set by fuse_decode_stack

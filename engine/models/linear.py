@@ -70,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up of x = [gate | up] (T, 2n) -> (T, n), act one of GATED_ACTIVATIONS."""
     if (ops := fused_ops(x)) is not None:
-        return ops.gated(x, activation)
+        return ops.gated(x, GATED_ACTIVATIONS[activation])
     gate, up = x.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate).mul_(up)

@@ -31,6 +31,7 @@ from transformers.pytorch_utils import Conv1D
 from engine.attention.base import AttentionBackend, AttentionParams
 from engine.kv_cache.layout import KVLayout
 from engine.models.linear import Linear
+from engine.models.windows import layer_windows
 
 ATTENTION = "cbserve_paged"
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -120,21 +121,6 @@ def fallback_refusal(hf_model) -> str | None:
     return None
 
 
-def _windows(hf_model) -> list[int | None]:
-    config = hf_model.config
-    layer_types = getattr(config, "layer_types", None)
-    windows = []
-    for index, module in enumerate(_attention_modules(hf_model)):
-        if hasattr(module, "sliding_window"):
-            window = module.sliding_window
-        elif layer_types is not None:
-            window = config.sliding_window if layer_types[index] == "sliding_attention" else None
-        else:
-            window = getattr(config, "sliding_window", None)
-        windows.append(window or None)
-    return windows
-
-
 class TransformersDecoder(nn.Module):
     model_path = "transformers"
 
@@ -150,7 +136,7 @@ class TransformersDecoder(nn.Module):
         self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // self.num_heads
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
-        self.kv_layout = KVLayout.for_windows(_windows(hf_model), max_model_len)
+        self.kv_layout = KVLayout.for_windows(layer_windows(config, _attention_modules(hf_model)), max_model_len)
         softcap = getattr(first, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None)
         self.attention = AttentionParams(getattr(first, "scaling", None) or self.head_dim ** -0.5, softcap)
         hf_model.set_attn_implementation(ATTENTION)

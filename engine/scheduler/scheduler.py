@@ -217,8 +217,9 @@ class Scheduler:
         if queued and (self.config.policy == "priority" or len(continuing) < self.config.max_num_seqs):
             return None
         kv = self.kv
-        # two tokens span at most two blocks, each new or copied: counted exactly only if that could not fit
-        if (2 * len(continuing) > kv.num_free_blocks
+        # two tokens span at most two blocks of each KV group, each new or copied: counted exactly only if that
+        # could not fit
+        if (2 * kv.layout.num_groups * len(continuing) > kv.num_free_blocks
                 and sum(kv.num_free_blocks_needed(request, 2) for request in continuing) > kv.num_free_blocks):
             return None
         ahead = SchedulerOutput(finished_ids=self._finished_ids)

@@ -37,8 +37,9 @@ class FakeClock:
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 0,
                    enable_prefix_caching: bool = True, max_model_len: int = 4096,
                    eos_token_ids=frozenset({0}), costs: PreemptionCosts = PreemptionCosts(),
-                   clock=None, speculative: SpeculativeConfig | None = None, **scheduler_overrides) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching)
+                   clock=None, speculative: SpeculativeConfig | None = None, layout=None,
+                   **scheduler_overrides) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching, layout)
     return Scheduler(SchedulerConfig(**scheduler_overrides), kv, max_model_len, frozenset(eos_token_ids), costs,
                      clock or FakeClock(), speculative)
 
@@ -106,6 +107,8 @@ class AttentionCase:
     values: list[torch.Tensor]
     num_blocks: int
     block_size: int
+    window: int | None = None  # a sliding window: blocks before each request's are the poisoned one
+    poison_block: int | None = None  # a block of NaNs: read, it turns the output to NaN
 
     @property
     def scale(self) -> float:
@@ -113,19 +116,27 @@ class AttentionCase:
 
 
 def attention_case(seed: int, shapes: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int,
-                   head_dim: int, device: torch.device) -> AttentionCase:
-    """`shapes`: (cached context, new tokens) per request; the inputs are built for `device`."""
+                   head_dim: int, device: torch.device, window: int | None = None) -> AttentionCase:
+    """`shapes`: (cached context, new tokens) per request; the inputs are built for `device`. With
+    a `window`, each table's blocks before the first one the request's window reads point at a
+    block of NaNs, as a sliding group's dropped blocks hold whatever others wrote since."""
+    from engine.kv_cache.layout import KVGroup
     from engine.runner.inputs import build_inputs
 
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(a + b) // block_size) for a, b in shapes) + 8
-    scheduled = ragged_batch(seed, shapes, num_blocks, block_size)
-    inputs = build_inputs(scheduled, block_size, device, (None,))
+    scheduled = ragged_batch(seed, shapes, num_blocks - 1, block_size)
+    poison = num_blocks - 1 if window is not None else None
+    if window is not None:
+        for item in scheduled:
+            first = KVGroup(window, ()).first_needed_block(item.start_pos, block_size)
+            item.block_tables[0][:first] = [poison] * first
+    inputs = build_inputs(scheduled, block_size, device, (window,))
     ordered = sorted(scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0))
     keys = [torch.randn(s.start_pos + len(s.token_ids), kv_heads, head_dim, generator=gen) for s in ordered]
     values = [torch.randn(k.shape, generator=gen) for k in keys]
     q = torch.randn(inputs.input_ids.shape[0], heads, head_dim, generator=gen)
-    return AttentionCase(ordered, inputs, q, keys, values, num_blocks, block_size)
+    return AttentionCase(ordered, inputs, q, keys, values, num_blocks, block_size, window, poison)
 
 
 def run_attention(backend, case: AttentionCase, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -133,22 +144,34 @@ def run_attention(backend, case: AttentionCase, dtype: torch.dtype, device: torc
     context written straight into its blocks, the new tokens' keys and values given to forward."""
     heads, head_dim = case.q.shape[1:]
     kv_heads = case.keys[0].shape[1]
+    from engine.attention.base import BlockMajorCache
+
     cache = backend.allocate_kv_cache(1, case.num_blocks, case.block_size, kv_heads, head_dim, dtype, device)[0]
-    flat = cache.view(2, -1, kv_heads, head_dim)
+    if isinstance(backend, BlockMajorCache):  # (2, blocks, block_size, kv_heads, d): a slot is one row
+        flat = cache.view(2, -1, kv_heads, head_dim)
+    else:  # (2, kv_heads, blocks, block_size, d): a slot's heads apart
+        flat = cache.view(2, kv_heads, -1, head_dim).transpose(1, 2)
+    if case.poison_block is not None:
+        first = case.poison_block * case.block_size
+        flat[:, first:first + case.block_size] = float("nan")
     for s, keys, values in zip(case.scheduled, case.keys, case.values):
-        slots = torch.tensor([s.block_tables[0][p // case.block_size] * case.block_size + p % case.block_size
-                              for p in range(s.start_pos)], dtype=torch.long, device=device)
-        flat[0, slots] = keys[:s.start_pos].to(device, dtype)
-        flat[1, slots] = values[:s.start_pos].to(device, dtype)
+        table = s.block_tables[0]
+        kept = [p for p in range(s.start_pos) if table[p // case.block_size] != case.poison_block]
+        slots = torch.tensor([table[p // case.block_size] * case.block_size + p % case.block_size for p in kept],
+                             dtype=torch.long, device=device)
+        flat[0, slots] = keys[kept].to(device, dtype)
+        flat[1, slots] = values[kept].to(device, dtype)
     k = torch.cat([keys[s.start_pos:] for s, keys in zip(case.scheduled, case.keys)]).to(device, dtype)
     v = torch.cat([values[s.start_pos:] for s, values in zip(case.scheduled, case.values)]).to(device, dtype)
     out = backend.forward(case.q.to(device, dtype), k, v, cache, backend.build_metadata(case.inputs)[0])
     return out.view(-1, heads, head_dim).float().cpu()
 
 
-def expected_attention(case: AttentionCase, dtype: torch.dtype) -> list[tuple[slice, torch.Tensor]]:
+def expected_attention(case: AttentionCase, dtype: torch.dtype, softcap: float | None = None
+                       ) -> list[tuple[slice, torch.Tensor]]:
     """Per request, its rows of the output and float32 causal attention over its queries, keys
-    and values rounded to `dtype` (what a backend in `dtype` is held to)."""
+    and values rounded to `dtype` (what a backend in `dtype` is held to), within the case's window,
+    scores soft-capped by `softcap` (transformers' eager order: scale, cap, mask)."""
     group = case.q.shape[1] // case.keys[0].shape[1]
     starts = case.inputs.query_start_loc
     expected = []
@@ -157,8 +180,13 @@ def expected_attention(case: AttentionCase, dtype: torch.dtype) -> list[tuple[sl
         kk = keys.to(dtype).float().repeat_interleave(group, dim=1)
         vv = values.to(dtype).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", case.q[rows].to(dtype).float(), kk) * case.scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         num_queries = rows.stop - rows.start
-        visible = torch.arange(kk.shape[0])[None, :] <= (s.start_pos + torch.arange(num_queries))[:, None]
+        key_pos, query_pos = torch.arange(kk.shape[0])[None, :], (s.start_pos + torch.arange(num_queries))[:, None]
+        visible = key_pos <= query_pos
+        if case.window is not None:
+            visible &= key_pos > query_pos - case.window
         weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         expected.append((rows, torch.einsum("hqk,khd->qhd", weights, vv)))
     return expected
@@ -179,7 +207,7 @@ def decode_outputs_however_split(backend, q, k, v, cache, metadata) -> list[torc
 
 
 def check_fused_kernels(device: torch.device, dtype: torch.dtype) -> None:
-    """RMSNorm, SwiGLU and RoPE with the KV write, each one Triton kernel, against the torch ops they
+    """RMSNorm, the gated activations and RoPE with the KV write, each one Triton kernel, against the torch ops they
     replace in the same dtype: equal but for the last bit of a rounding tie. RMSNorm with the
     residual add before it: the sum torch's add gives, and the RMSNorm kernel's bits of it."""
     import torch.nn.functional as F
@@ -199,7 +227,11 @@ def check_fused_kernels(device: torch.device, dtype: torch.dtype) -> None:
     assert torch.equal(normed, cuda_ops.rms_norm(residual + x, weight, 1e-5))
     gate_up = torch.randn(37, 2 * 1536, device=device, generator=gen).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cuda_ops.gated(gate_up, "silu"), F.silu(gate) * up)
+    from engine.models.linear import GATED_ACTIVATIONS as codes
+
+    torch.testing.assert_close(cuda_ops.gated(gate_up, codes["silu"]), F.silu(gate) * up)
+    torch.testing.assert_close(cuda_ops.gated(gate_up, codes["gelu_tanh"]), F.gelu(gate, approximate="tanh") * up)
+    torch.testing.assert_close(cuda_ops.gated(gate_up, codes["gelu"]), F.gelu(gate) * up)
 
     tokens, heads, kv_heads, head_dim, block_size = 37, 9, 3, 64, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, generator=gen).to(dtype)

@@ -2,7 +2,8 @@
 interpreter on the CPU, for tests/engine/test_triton_interpreted.py. Run as `TRITON_INTERPRET=1
 python -m tests.engine.interpreted_kernels`: the interpreter is chosen when the kernels are
 defined, so it needs a process of its own. Prints one JSON object: per case, each request's
-attention error against float32 attention; whether a decode's output depends on how many
+attention error against float32 attention (also within sliding windows, with soft-capped
+scores); a mixture of experts' grouped matmuls against its loop; whether a decode's output depends on how many
 programs share its partitions; and per dtype, what failed in the fused kernels' check (null: it
 passed)."""
 from __future__ import annotations
@@ -26,12 +27,16 @@ CPU = torch.device("cpu")
 SHAPES = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]  # (cached context, new tokens)
 
 
-def errors(dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head_dim: int) -> list[float]:
-    """Each request's relative error against float32 attention (inputs rounded to `dtype`)."""
-    case = attention_case(block_size + heads, SHAPES, block_size, heads, kv_heads, head_dim, CPU)
-    out = run_attention(triton_paged.TritonPagedBackend(AttentionParams(case.scale), max_model_len=2048), case, dtype, CPU)
+def errors(dtype: torch.dtype, block_size: int, heads: int, kv_heads: int, head_dim: int, window: int | None = None,
+           softcap: float | None = None) -> list[float]:
+    """Each request's relative error against float32 attention (inputs rounded to `dtype`), within
+    `window` (the blocks before a request's window are NaNs: read, the error is NaN) and with
+    scores soft-capped by `softcap`."""
+    case = attention_case(block_size + heads, SHAPES, block_size, heads, kv_heads, head_dim, CPU, window=window)
+    backend = triton_paged.TritonPagedBackend(AttentionParams(case.scale, softcap), max_model_len=2048)
+    out = run_attention(backend, case, dtype, CPU)
     return [((out[rows] - expected).norm() / expected.norm()).item()
-            for rows, expected in expected_attention(case, dtype)]
+            for rows, expected in expected_attention(case, dtype, softcap)]
 
 
 def decodes_agree_however_split() -> bool:
@@ -43,9 +48,30 @@ def decodes_agree_however_split() -> bool:
     cache = backend.allocate_kv_cache(1, case.num_blocks, block_size, kv_heads, head_dim, torch.float16, CPU)[0]
     cache.normal_(generator=torch.Generator().manual_seed(1))
     q, k, v = case.q.half(), case.keys[0][:4].half(), case.values[0][:4].half()  # a new key and value per decode
-    metadata = backend.build_metadata(case.inputs)
+    metadata = backend.build_metadata(case.inputs)[0]
     outputs = decode_outputs_however_split(backend, q, k, v, cache, metadata)
     return metadata.decodes.parts > 1 and all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+def grouped_experts_error(dtype: torch.dtype) -> float:
+    """A mixture of experts (a shared one too) through the grouped matmuls against its per-expert
+    loop, in `dtype`: the relative error of the output."""
+    from engine.models import cuda_ops
+    from engine.models.mlp import Experts, GatedMLP
+
+    gen = torch.Generator().manual_seed(7)
+    hidden, inter, num_experts = 64, 48, 4
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    shared = GatedMLP(w(2 * 32, hidden), w(hidden, 32), "silu")
+    experts = Experts(w(num_experts, hidden), w(num_experts, 2 * inter, hidden), w(num_experts, hidden, inter),
+                      "gelu_tanh", 2, True, shared, w(1, hidden)).to(dtype)
+    x = torch.randn(37, hidden, generator=gen).to(dtype)
+    want = experts(x).float()
+    got = experts.forward_grouped(x, cuda_ops).float()
+    return ((got - want).norm() / want.norm()).item()
 
 
 def fused_kernels_failure(dtype: torch.dtype) -> str | None:
@@ -64,7 +90,14 @@ def main() -> None:
              errors(getattr(torch, dtype), block_size, heads, kv_heads, head_dim)
              for dtype in ("float32", "float16") for block_size in (4, 16)
              for heads, kv_heads, head_dim in ((4, 4, 64), (9, 3, 64), (8, 2, 128))}
-    print(json.dumps({"errors": cases, "decodes_agree_however_split": decodes_agree_however_split(),
+    windowed = {f"{dtype}-window{window}-softcap{softcap}":
+                errors(getattr(torch, dtype), 16, 9, 3, 64, window, softcap)
+                for dtype in ("float32", "float16") for window in (None, 24, 70) for softcap in (None, 5.0)
+                if window or softcap}
+    print(json.dumps({"errors": cases, "windowed": windowed,
+                      "grouped_experts": {dtype: grouped_experts_error(getattr(torch, dtype))
+                                          for dtype in ("float32", "float16")},
+                      "decodes_agree_however_split": decodes_agree_however_split(),
                       "fused_kernels": {dtype: fused_kernels_failure(getattr(torch, dtype))
                                         for dtype in ("float32", "float16")}}))
 

@@ -1,12 +1,15 @@
 """Property test: random arrivals, lengths, forks (n > 1), shared prefixes, aborts, requests that
 fail mid-batch, preemption and speculative drafts (a random number of them accepted, the rest
-rolled back) through the real scheduler and KV manager; accounting is exact after every step."""
+rolled back) through the real scheduler and KV manager, with one KV group of full attention or
+groups of sliding windows beside a full one (their passed blocks dropped as requests go);
+accounting is exact after every step."""
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import SpeculativeConfig
+from engine.kv_cache.layout import KVLayout
 from engine.outputs import ModelRunnerOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
@@ -30,12 +33,13 @@ step_spec = st.tuples(st.lists(request_spec, max_size=3), st.booleans(), st.inte
        mode=st.sampled_from(["recompute", "swap", "auto"]),
        policy=st.sampled_from(["fcfs", "sjf", "priority", "static"]),
        num_blocks=st.integers(10, 40), budget=st.integers(4, 48), seed=st.integers(0, 1000),
-       speculate=st.booleans())
-def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, seed, speculate):
+       speculate=st.booleans(), windows=st.sampled_from([(None,), (None, 6), (8, 8, None), (5,)]))
+def test_blocks_are_exactly_accounted(steps, mode, policy, num_blocks, budget, seed, speculate, windows):
     spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False) if speculate else None
-    sched = make_scheduler(num_blocks=num_blocks, block_size=4, num_host_blocks=12, preemption_mode=mode,
-                           policy=policy, max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64,
-                           speculative=spec)
+    layout = KVLayout.for_windows(windows, 64)
+    sched = make_scheduler(num_blocks=num_blocks * layout.num_groups, block_size=4, num_host_blocks=12,
+                           preemption_mode=mode, policy=policy, max_num_batched_tokens=budget, max_num_seqs=6,
+                           max_model_len=64, speculative=spec, layout=layout)
     token = seed
     count = proposed = 0
     for new, abort, pick, fail in steps + [([], False, 0, False)] * 400:

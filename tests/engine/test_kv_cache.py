@@ -32,7 +32,7 @@ def test_prefix_cache_hit_shares_full_blocks_and_leaves_one_token():
     kv.cache_full_blocks(first)
     second = _request("b", list(range(1, 9)))  # 8 tokens = exactly the 2 cached blocks
     hit = kv.get_computed_blocks(second)
-    assert hit.block_ids == (0,) and hit.num_tokens == 4  # the last block is recomputed for logits
+    assert hit.block_ids == ((0,),) and hit.num_tokens == 4  # the last block is recomputed for logits
     assert kv.allocate_slots(second, 4, hit) == []
     assert kv.block_tables["b"][0] == [0, 3] and kv.pool.ref_cnt[0] == 2
     kv.check_integrity()

@@ -25,8 +25,8 @@ from engine.model_setup import load_model
 from engine.models.gguf_blocks import read_blocks
 from engine.models.linear import (
     ACTIVATION_LEVELS,
-    GATED_ACTIVATIONS,
     BLOCK,
+    GATED_ACTIVATIONS,
     BlockQuantLinear,
     Linear,
     WeightOnlyLinear,

@@ -1,8 +1,10 @@
 """The CUDA kernels checked where there is no GPU: Triton's interpreter runs them on the CPU
 (tests/engine/interpreted_kernels.py, in a process of its own), so every `make test` checks the
 paged prefill kernel, the decode kernel split along the context and the merge of its partitions
-against float32 attention across block sizes and query-head groups, and the fused RMSNorm,
-SwiGLU and RoPE with the KV write against the torch ops they replace, in float32 and float16.
+against float32 attention across block sizes and query-head groups, within sliding windows and
+with soft-capped scores, and the fused RMSNorm, gated activations and RoPE with the KV write
+against the torch ops they replace, and a mixture of experts' grouped matmuls against its loop over
+experts, in float32 and float16.
 bfloat16, the CUDA default, is left to tests/gpu: the interpreter computes through NumPy, which
 has no bfloat16."""
 from __future__ import annotations
@@ -26,5 +28,10 @@ def test_the_kernels_agree_with_their_references_under_the_interpreter():
     for case, errors in result["errors"].items():
         assert len(errors) == 7
         assert max(errors) < TOLERANCE[case.split("-")[0]], (case, errors)
+    assert len(result["windowed"]) == 10  # 2 dtypes x (3 windows x 2 caps - neither)
+    for case, errors in result["windowed"].items():
+        assert len(errors) == 7 and max(errors) < TOLERANCE[case.split("-")[0]], (case, errors)
+    for dtype, error in result["grouped_experts"].items():  # the experts' grouped matmuls against their loop
+        assert error < TOLERANCE[dtype], (dtype, error)
     assert result["decodes_agree_however_split"]
     assert result["fused_kernels"] == {"float32": None, "float16": None}, result["fused_kernels"]

@@ -134,7 +134,8 @@ def test_decode_steps_past_the_kernels_rows_run_the_stack_and_compute_what_the_l
     for fused in (True, False):
         llm = LLM(model=tiny_llama, quantization="int8", max_num_seqs=12, max_num_batched_tokens=64)
         paged = llm.engine.loaded.model
-        vectored = all(m.vectored for layer in paged.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        vectored = all(m.vectored for layer in paged.layers
+                       for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down))
         kernels = load_cpu_kernels()
         assert vectored == (kernels.vector_gemm_bf16() and not kernels.block_quant_gemm_available()
                             and kernels.vector_gemm_isa() != "plain")

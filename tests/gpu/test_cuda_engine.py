@@ -260,8 +260,8 @@ def test_the_paged_kernel_agrees_with_the_gather_fallback(block_size, heads, kv_
     device = torch.device("cuda")
     shapes = [(13, 1), (2, 1), (300, 1), (77, 1), (0, 90), (40, 70), (200, 17)]
     case = attention_case(block_size + heads, shapes, block_size, heads, kv_heads, head_dim, device)
-    outputs = {name: run_attention(select_backend(name, device, torch.bfloat16, AttentionParams(case.scale), max_model_len=2048),
-                                   case, torch.bfloat16, device)
+    outputs = {name: run_attention(select_backend(name, device, torch.bfloat16, AttentionParams(case.scale),
+                                                  max_model_len=2048), case, torch.bfloat16, device)
                for name in ("triton", "flash")}
     for (rows, expected), s in zip(expected_attention(case, torch.bfloat16), case.scheduled):
         for name, out in outputs.items():
