@@ -46,8 +46,10 @@ $(VENV)/.prometheus:
 install: $(VENV)/.installed $(VENV)/.kernel $(VENV)/.model $(VENV)/.prometheus
 
 # `serve run` with the front door chosen for the graph (direct ingress on port 8000 with one ingress replica) and
-# the header deadline installed in the process that takes connections (serve_app/launch.py).
+# the header deadline installed in the process that takes connections (serve_app/launch.py). Beside it, niced: a
+# default mode timed while `make install` shared the CPU is timed again once the machine is quiet (for later starts).
 serve: install
+	nice -n 19 $(PY) -m engine.model_setup --retime >$(VENV)/retime.log 2>&1 &
 	$(PY) -m serve_app.launch configs/serve.yaml
 
 generate: install

@@ -2,14 +2,13 @@
 # One sitting's GPU checks, in two parts that each end within ten minutes on an H100 or H200:
 #
 #   bash benchmarks/gpu_sitting.sh engine OUT   # the device and versions, tests/gpu, a 256-row decode step and a
-#                                               # mixed one (cuda_step.py), the engine at both model sizes
+#                                               # mixed one (investigations/cuda_step.py), the engine at both model sizes
 #                                               # (cuda_engine.py: graphs on and off)
 #   bash benchmarks/gpu_sitting.sh serve OUT    # configs/serve-gpu.yaml on the SmolLM2-shaped model, a burst of 256
 #                                               # with one ingress replica and with four on the shared port,
 #                                               # each against the offline engine (both engines' steps by kind:
 #                                               # decode-only, in graphs, with their rows, the others, and
-#                                               # those launched ahead); the benchmark client's own cost on the
-#                                               # host's CPU (http_clients.py)
+#                                               # those launched ahead)
 #
 # A task's device time (15 minutes, the machine's start included) fits one part a sitting: the engine part first.
 # Run from the repository root. GPU_PY: a python whose torch is a CUDA build (default python3, a GPU image's).
@@ -52,11 +51,11 @@ triton.__version__)"
 case $part in
 engine)
     run tests_gpu 300 $py -m pytest -q -p no:cacheprovider -m gpu tests/gpu
-    run cuda_step_256 120 $py benchmarks/cuda_step.py --models smollm2-135m --rows 256 \
+    run cuda_step_256 120 $py benchmarks/investigations/cuda_step.py --models smollm2-135m --rows 256 \
         --json "$work/cuda_step_135m_256rows.json"
-    run cuda_step_255_prefill128 120 $py benchmarks/cuda_step.py --models smollm2-135m --rows 255 --prefill 128 \
+    run cuda_step_255_prefill128 120 $py benchmarks/investigations/cuda_step.py --models smollm2-135m --rows 255 --prefill 128 \
         --json "$work/cuda_step_135m_255rows_prefill128.json"
-    run cuda_step_1b 90 $py benchmarks/cuda_step.py --models llama-1b --json "$work/cuda_step_1b.json"
+    run cuda_step_1b 90 $py benchmarks/investigations/cuda_step.py --models llama-1b --json "$work/cuda_step_1b.json"
     run cuda_engine 240 $py benchmarks/cuda_engine.py --models smollm2-135m,llama-1b \
         --configs triton-graphs,triton-eager --repeats 1 --json "$work/cuda_engine.json"
     ;;
@@ -83,7 +82,6 @@ EOF
             --compare-offline --num-requests 256 --json "$work/serve_ingress$replicas.json"
     done
     rm -rf "$work/model"
-    run http_clients 60 $py benchmarks/http_clients.py --requests 256 --repeats 5 --json "$work/http_clients_256.json"
     ;;
 *)
     echo "unknown part: $part (engine or serve)" >&2

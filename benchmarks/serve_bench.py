@@ -229,8 +229,7 @@ async def run_http(args: argparse.Namespace, wl: Workload, base_url: str, model:
 
     The client is aiohttp: httpx's connection pool walks every connection at each request's start
     and end, which in a burst of 256 took 7.5 ms of this process's CPU a request, and the server
-    saw none of them before a quarter of a second (benchmarks/http_clients.py), a delay the
-    server's figures then carried."""
+    saw none of them before a quarter of a second, a delay the server's figures then carried."""
     import aiohttp
 
     cap = args.max_concurrency or len(wl)

@@ -3,7 +3,7 @@ the token bitmask the sampler applies.
 
 Built on llguidance: of the maintained grammar engines it is the one whose JSON always parses
 (xgrammar and outlines-core let a length-bounded string hold raw control characters), its mask
-costs microseconds per row, and it needs nothing else installed (benchmarks/grammar_libraries.py,
+costs microseconds per row, and it needs nothing else installed (benchmarks/investigations/grammar_libraries.py,
 BENCHMARKS.md). A constraint is compiled once, on a thread of its own (never on the step loop),
 into a matcher at its start state; each request gets a copy. JSON is written the way `json.dumps`
 writes it (", " and ": ", no other whitespace): free whitespace lets a small model spend its

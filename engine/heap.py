@@ -3,7 +3,7 @@
 A built engine's process holds hundreds of thousands of long-lived objects (torch, transformers,
 the tokenizer). Every full collection walks all of them, and a step loop making a full batch's
 outputs triggered one every few dozen steps: on a 256-row batch the pauses took 2.9-3.4 ms a
-step on average, as much as the rest of the step's host work (benchmarks/host_step.py). Frozen
+step on average, as much as the rest of the step's host work (benchmarks/investigations/host_step.py). Frozen
 after start-up, as vLLM's engine core and Ray Serve's replicas do, they are left out of every
 collection; the objects made since are collected as before.
 

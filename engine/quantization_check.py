@@ -13,9 +13,11 @@ an fp16 KV cache where the mode's figures through it pass (the cache `auto` asks
 model's. A GGUF's own blocks go ahead of any re-quantization of their dequantized copy that is
 slower on a lone stream. fp32 always qualifies. The decision (mode, cache, timings, figures) is
 cached per model file, candidates, CPU features and kernel and scoring code, so a restart neither
-times nor scores; one timed while other processes took the cores the timing ran on is used but
-not kept (engine/cpu_load.py), so the next start times again. On CUDA, or with
-16-bit weights, `auto` is fp32: the quantized kernels are CPU code computing in float32.
+times nor scores. One timed while other processes took the cores the timing ran on
+(engine/cpu_load.py) is kept too, marked with that load, so a start never waits on a busy
+machine's second timing: `python -m engine.model_setup --retime` times it again once the machine
+is quiet (`make serve` starts it in the background, niced). On CUDA, or with 16-bit weights,
+`auto` is fp32: the quantized kernels are CPU code computing in float32.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,10 +61,12 @@ class Checked:
     kv_cache_dtype: torch.dtype  # the cache the engine keeps (`auto` resolved)
 
 
-def check_quantization(checkpoint: Checkpoint, config: ModelConfig, kv_cache_dtype: str = "auto") -> Checked:
+def check_quantization(checkpoint: Checkpoint, config: ModelConfig, kv_cache_dtype: str = "auto",
+                       retime_contended: bool = False) -> Checked:
     """The checkpoint's model quantized as `config.quantization` says, with its figures.
     `kv_cache_dtype`: CacheConfig.kv_cache_dtype, the cache the modes are scored through. The
-    fp32 model is quantized in place (`auto` times and scores copies of it first, when it decides)."""
+    fp32 model is quantized in place (`auto` times and scores copies of it first, when it decides).
+    `retime_contended`: `auto` times again a cached decision that was timed on a busy machine."""
     fp32_model, stored_blocks, max_model_len = checkpoint.model, checkpoint.stored_blocks, checkpoint.max_model_len
     mode = config.quantization
     device, model_dtype = torch.device(config.device), getattr(torch, config.resolved_dtype)
@@ -73,7 +77,7 @@ def check_quantization(checkpoint: Checkpoint, config: ModelConfig, kv_cache_dty
     scorer = _Scorer(fp32_model, checkpoint.tokenizer, config.quality_check_tokens, checkpoint.path,
                      min(WINDOW, max_model_len))
     if mode == "auto":
-        return _Chooser(fp32_model, scorer, stored_blocks, kv_cache_dtype, max_model_len).choose()
+        return _Chooser(fp32_model, scorer, stored_blocks, kv_cache_dtype, max_model_len).choose(retime_contended)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32, device)
     if config.quality_check_tokens:
         scorer.reference_if_uncached(mode, kv_dtype)
@@ -108,6 +112,13 @@ class Decision:
     kv_cache_dtype: str
     quality: dict | None  # Quality's fields, None for fp32
     timings: dict[str, dict[str, float]]  # mode -> SERVING_MIX step -> time over fp32's
+    contended_cores: float | None = None  # cores other processes took beyond the timing's share, if they did
+
+
+def contended_decisions() -> list[Path]:
+    """The cached decisions that were timed on a busy machine."""
+    return [p for p in cache_dir("decisions").glob("*.json")
+            if json.loads(p.read_text()).get("contended_cores") is not None]
 
 
 class _Chooser:
@@ -134,23 +145,26 @@ class _Chooser:
         model = self.fp32_model if last or mode == "none" else copy.deepcopy(self.fp32_model)
         return quantize(model, mode, self.stored_blocks() if mode == STORED_MODE else None)
 
-    def choose(self) -> Checked:
-        if self.path.is_file():
-            decision = Decision(**json.loads(self.path.read_text()))
+    def choose(self, retime_contended: bool) -> Checked:
+        decision = Decision(**json.loads(self.path.read_text())) if self.path.is_file() else None
+        if decision is not None and not (retime_contended and decision.contended_cores is not None):
             logger.info("quantization auto: %s with a %s KV cache (decided on this machine before: %s)",
                         decision.mode, decision.kv_cache_dtype, self.path)
+            if decision.contended_cores is not None:
+                logger.info("quantization auto: that decision was timed while other processes took %.2f cores; "
+                            "`python -m engine.model_setup --retime` times it again", decision.contended_cores)
         else:
             load = OtherLoad()
             decision = self.decide(load)
             if load.contends_with(torch.get_num_threads()):
                 logger.warning("quantization auto: other processes took %.2f cores while the modes were timed; "
-                               "%s runs now, but the decision is not kept, so the next start times again",
+                               "%s is kept marked so, for `python -m engine.model_setup --retime` to time again",
                                load.cores, decision.mode)
-            else:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                partial = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
-                partial.write_text(json.dumps(asdict(decision), indent=1))
-                partial.replace(self.path)
+                decision = replace(decision, contended_cores=round(load.cores, 2))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+            partial.write_text(json.dumps(asdict(decision), indent=1))
+            partial.replace(self.path)
         quality = Quality(**decision.quality) if decision.quality else None
         return Checked(self.build(decision.mode, last=True), decision.mode, quality,
                        getattr(torch, decision.kv_cache_dtype))

@@ -1,68 +1,180 @@
-"""The router's admission queue: ordered by the engine's ranking rule, bounded, O(log n).
+"""Admission, as the ingress sees it: one interface, the router in this process or a deployment.
 
-Owns: the order of waiting admissions (engine.scheduler.queue.rank_key, so the fleet-wide queue
-and each engine's waiting queue rank a request alike), the bounds (requests, work tokens), and
-per-priority depth counters. With one aging rate for all, a waiting request's key never changes,
-so the queue is a heap with lazy deletion (engine/lazy_heap.py, the engine queue's): push,
-pop, cancel and depth are O(log n) or O(1).
-Pure: time is passed in.
+`Admission` is what a job asks before it runs: `admit` (the replica to stream from, once one has
+headroom, or a refusal: 429 when the fleet-wide queue is full, 503 with no replica), `release`
+(the job ended), `replica_lost` (a replica's call failed: stop sending there), and readiness.
+
+`LocalAdmission` holds the Router itself (one ingress replica: the graph's one queue lives in its
+process, and each request's admission and release are calls in-process). `RouterClient` calls the
+Router deployment of the split graph, its admissions and releases sent in batches (CallBatcher):
+what arrives while a call is on its way goes in the next, the results that come at one moment
+come back in one message (Router.admit_many streams them). A job whose wait is cancelled (its
+client left) withdraws its admission: not yet sent, it is dropped; sent, it is released once the
+router has acknowledged its batch, so the release cannot reach the router before the request.
 """
-
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-from dataclasses import dataclass
+import contextlib
+import logging
+from typing import Any, Protocol
 
-from engine.lazy_heap import LazyHeap
-from engine.scheduler.queue import estimated_work, rank_key
-from serve_app.config import RouterConfig
-from serve_app.messages import AdmitRequest
+from serve_app.batching import CallBatcher
+from serve_app.messages import AdmitRequest, AdmitResult
+from serve_app.protocol import APIError
+from serve_app.router import Router
+from serve_app.serve_internals import own_serve_request_id
 
-
-@dataclass(slots=True)
-class QueueEntry:
-    request: AdmitRequest
-    arrival: float  # router clock
-    future: asyncio.Future | None = None  # set by Router; None in pure-queue tests
+logger = logging.getLogger("cbserve.ingress")
 
 
-class AdmissionQueue:
-    def __init__(self, config: RouterConfig):
-        self.config = config
-        self._heap: LazyHeap[QueueEntry] = LazyHeap()
-        self.num_tokens = 0  # work tokens (prompt + n * max_tokens) of the queued requests
-        self.depth_by_priority: Counter[int] = Counter()
+class Admission(Protocol):
+    async def admit(self, request: AdmitRequest) -> AdmitResult: ...
 
-    def __len__(self) -> int:
-        return len(self._heap)
+    def release(self, request_id: str) -> None: ...
 
-    def can_accept(self, request: AdmitRequest) -> bool:
-        return (len(self._heap) < self.config.max_queued_requests
-                and self.num_tokens + request.num_work_tokens <= self.config.max_queued_tokens)
+    def replica_lost(self, replica_id: str) -> None: ...
 
-    def key(self, request: AdmitRequest, arrival: float) -> float:
-        work = estimated_work(request.num_prompt_tokens, request.max_tokens)
-        return rank_key(self.config.policy, self.config.aging_rate, request.priority, work, arrival)
+    async def num_ready_replicas(self) -> int: ...
 
-    def push(self, request: AdmitRequest, now: float) -> QueueEntry:
-        self.remove(request.request_id)  # at most once
-        entry = QueueEntry(request, now)
-        self._heap.push(request.request_id, self.key(request, now), now, entry)
-        self.num_tokens += request.num_work_tokens
-        self.depth_by_priority[request.priority] += 1
-        return entry
+    async def check_health(self) -> None: ...
 
-    def remove(self, request_id: str) -> QueueEntry | None:
-        entry = self._heap.remove(request_id)
-        if entry is not None:
-            self.num_tokens -= entry.request.num_work_tokens
-            self.depth_by_priority[entry.request.priority] -= 1
-        return entry
 
-    def peek(self) -> QueueEntry | None:
-        """The best-ranked queued entry, or None."""
-        return self._heap.peek()
+class LocalAdmission:
+    """The Router in this process."""
 
-    def entries(self) -> list[QueueEntry]:
-        return self._heap.items()
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def admit(self, request: AdmitRequest) -> AdmitResult:
+        return await self.router.admit(request)
+
+    def release(self, request_id: str) -> None:
+        self.router.release_now([request_id])
+
+    def replica_lost(self, replica_id: str) -> None:
+        self.router.remove_replica_now(replica_id)
+
+    async def num_ready_replicas(self) -> int:
+        return await self.router.num_ready_replicas()
+
+    async def check_health(self) -> None:
+        await self.router.check_health()
+
+
+class _Asked:
+    """One admission sent (or to send) to the router, until its result or withdrawal."""
+    __slots__ = ("request", "future", "acknowledged")
+
+    def __init__(self, request: AdmitRequest) -> None:
+        self.request = request
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.acknowledged = False  # its batch is queued at the router: a release reaches it after
+
+
+class RouterClient:
+    """The Router deployment, by handle (with the request path's transport options)."""
+
+    def __init__(self, router: Any):
+        self._router, self._router_streams = router, router.options(stream=True)
+        self._admits: CallBatcher[_Asked] = CallBatcher(self._send_admits)
+        self._releases: CallBatcher[str] = CallBatcher(self._send_releases)
+        self._withdrawn: dict[str, _Asked] = {}  # cancelled before their batch's acknowledgement
+        self._background: set[asyncio.Task] = set()
+
+    async def admit(self, request: AdmitRequest) -> AdmitResult:
+        asked = _Asked(request)
+        self._admits.add(asked)
+        try:
+            return await asyncio.shield(asked.future)
+        except asyncio.CancelledError:
+            if self._admits.discard(asked) or _refused(asked):
+                pass  # never sent, or nothing of it at the router
+            elif asked.acknowledged:
+                self.release(request.request_id)
+            else:
+                self._withdrawn[request.request_id] = asked
+            raise
+
+    def release(self, request_id: str) -> None:
+        self._releases.add(request_id)
+
+    def replica_lost(self, replica_id: str) -> None:
+        self._in_background(self._router.remove_replica.remote(replica_id))
+
+    async def num_ready_replicas(self) -> int:
+        return await self._router.num_ready_replicas.remote()
+
+    async def check_health(self) -> None:
+        """Nothing of the router's is here: the Router deployment has its own health check."""
+
+    async def _send_admits(self, batch: list[_Asked]) -> None:
+        """One admit_many call: returns once the router has queued the batch (its first message),
+        the results read in the background as they come."""
+        own_serve_request_id()  # not the id of the request being served when the batch began
+        stream = self._router_streams.admit_many.remote([a.request for a in batch])
+        try:
+            first = await stream.__anext__()
+        except Exception as e:
+            logger.warning("admitting %d requests at the router failed: %r", len(batch), e)
+            _cancel(stream)
+            for asked in batch:
+                if not asked.future.done():
+                    asked.future.set_exception(APIError(503, f"router unavailable: {type(e).__name__}",
+                                                        "service_unavailable"))
+            return
+        by_id = {a.request.request_id: a for a in batch}
+        self._resolve(by_id, first)
+        for asked in batch:
+            asked.acknowledged = True
+            if self._withdrawn.pop(asked.request.request_id, None) is not None and not _refused(asked):
+                self.release(asked.request.request_id)
+        if any(not a.future.done() for a in batch):
+            self._in_background(self._read_results(stream, by_id))
+        else:
+            _cancel(stream)
+
+    async def _read_results(self, stream: Any, by_id: dict[str, _Asked]) -> None:
+        try:
+            async for answers in stream:
+                self._resolve(by_id, answers)
+        except Exception as e:
+            logger.warning("the router's admission results stopped: %r", e)
+        finally:
+            _cancel(stream)
+            for asked in by_id.values():  # no answer will come: a 503, not a hang
+                if not asked.future.done():
+                    asked.future.set_exception(APIError(503, "router unavailable", "service_unavailable"))
+
+    @staticmethod
+    def _resolve(by_id: dict[str, _Asked], answers: list[tuple[str, AdmitResult]]) -> None:
+        for request_id, result in answers:
+            asked = by_id.get(request_id)
+            if asked is not None and not asked.future.done():
+                asked.future.set_result(result)
+
+    async def _send_releases(self, request_ids: list[str]) -> None:
+        own_serve_request_id()
+        await self._router.release.remote(request_ids)
+
+    def _in_background(self, call: Any) -> None:
+        async def run() -> None:
+            with contextlib.suppress(Exception):
+                await call
+
+        task = asyncio.ensure_future(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _refused(asked: _Asked) -> bool:
+    """Whether the router refused it (nothing of it is there to release)."""
+    future = asked.future
+    return future.done() and not future.cancelled() and (future.exception() is not None
+                                                         or future.result().error is not None)
+
+
+def _cancel(stream: Any) -> None:
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()

@@ -1,13 +1,15 @@
-"""`build_app(config)`: the only place that applies `serve.deployment(...)` and `.bind(...)`.
+"""`build_app(config)`: the graph's shape, and the only place that applies `serve.deployment(...)`
+and `.bind(...)`.
 
-Graph: Ingress(config, router, replicas) -> Router (one replica, the global queue) and
-EngineReplica (num_replicas or autoscaling; pinned per call by PinnedReplicaRequestRouter).
-Replicas hold a router handle to push load reports, and, with speculative placement `actor`, the
-DraftModel deployment's (bound so Serve deploys it with the app; engines call it by name).
-With `config.router_in_ingress` (one ingress replica) there is no Router deployment: the ingress
-is a RouterIngress(config, replicas) holding the router, and replicas report to it by name.
-With `config.colocated` (one engine replica) the ingress, the router and the engine replica are
-one deployment, EngineIngress(config), which calls the other two in-process.
+Split: the ingress (serve_app.frontend.Frontend, with the Router's and the replicas' handles) ->
+Router (one replica, the global queue) and EngineReplica (num_replicas or autoscaling; each call
+pinned to the replica the router named by PinnedReplicaRequestRouter). Replicas hold the router's
+handle to push load reports, and, with speculative placement `actor`, the DraftModel deployment's
+(bound so Serve deploys it with the app; engines call it by name).
+Router in the ingress (`config.router_in_ingress`: one ingress replica): no Router deployment;
+the Frontend holds the router, and the replicas report to it by its deployment's name.
+Colocated (`config.colocated`: one engine replica): one deployment, the Frontend holding the
+router and the engine replica.
 `app_builder(args)` is the YAML entry point (`import_path: serve_app.app:app_builder`); unknown
 keys in `args` are errors.
 """
@@ -20,11 +22,9 @@ from engine.client import EngineClient
 from serve_app.autoscaling import POLICY as AUTOSCALING_POLICY
 from serve_app.config import AppConfig
 from serve_app.draft import DRAFT_DEPLOYMENT, DraftModel
-from serve_app.engine_ingress import EngineIngress
-from serve_app.ingress import Ingress
+from serve_app.frontend import Frontend
 from serve_app.replica import EngineReplica
 from serve_app.router import Router
-from serve_app.router_ingress import RouterIngress
 
 _QUIET = {"enable_access_log": False}
 
@@ -110,19 +110,20 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     if engine_config.speculative is not None and engine_config.speculative.placement == "actor":
         draft_dep = serve.deployment(DraftModel, **draft_deployment_options(config))
         draft = draft_dep.bind(engine_config, config.engine.draft.num_threads)
+    frontend = serve.ingress()(Frontend)
     if config.colocated:
         options = engine_ingress_deployment_options(config)
-        return serve.deployment(serve.ingress()(EngineIngress), **options).bind(config, engine_cls, draft)
+        return serve.deployment(frontend, **options).bind(config, None, None, engine_cls, draft)
     replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
     options = ingress_deployment_options(config)
-    if config.router_in_ingress:
+    if config.router_in_ingress:  # the replicas report to the router in the Frontend, by its name
         replicas = replica_dep.bind(config.engine, options["name"], engine_cls, metrics_enabled=True,
                                     slo=config.slo, draft=draft)
-        return serve.deployment(serve.ingress()(RouterIngress), **options).bind(config, replicas)
+        return serve.deployment(frontend, **options).bind(config, None, replicas)
     router = serve.deployment(Router, **router_deployment_options(config)).bind(config.router, metrics_enabled=True)
     replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,
                                 draft=draft)
-    return serve.deployment(serve.ingress()(Ingress), **options).bind(config, router, replicas)
+    return serve.deployment(frontend, **options).bind(config, router, replicas)
 
 
 def app_builder(args: dict[str, Any] | None = None):

@@ -1,8 +1,8 @@
 """The engine replicas' autoscaling policy: Serve's default rule on the requests inside them.
 
 Serve's default policy scales on the calls ongoing at a deployment's replicas. An ingress sends a
-replica the requests that come together in one call (serve_app.submissions), so Serve's count is
-of batches, not requests. Each replica reports the requests inside it
+replica the requests that come together in one call (serve_app.replicas), and their chunks come
+over one channel a caller, so Serve's count is of channels, not requests. Each replica reports the requests inside it
 (`EngineReplica.record_autoscaling_stats`), and this policy applies the default rule to those:
 as many replicas as the requests inside them and the calls queued at Serve's handles, over
 `target_ongoing_requests`. Serve applies the rest of the autoscaling config around it (bounds,

@@ -3,7 +3,7 @@
 Tokenizing a text prompt costs ~1 us a token (SmolLM2's tokenizer), and on the loop it holds up
 every stream the ingress serves: a burst of long prompts, or one of 100k tokens, stalls them all.
 Here the texts that arrive while a batch is being tokenized wait and go together as the next
-batch to the fast tokenizer's `encode_batch`, in a worker thread: it releases the GIL and spreads
+batch (serve_app.batching) to the fast tokenizer's `encode_batch`, in a worker thread: it releases the GIL and spreads
 a batch over the cores (as vLLM's micro-batching tokenizer does). The worker holds a copy of the
 Rust tokenizer, since the loop's transformers calls set options on the one they share (truncation,
 special tokens), a borrow that a running `encode_batch` would make fail. A tokenizer that is not
@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.tokenization import check_text, untokenizable
+from serve_app.batching import CallBatcher
 
 MAX_BATCH = 64  # texts a batch: a burst's next ones are not held up behind a very large one
 
@@ -32,38 +33,31 @@ class BatchTokenizer:
             backend.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
         self._tokenizer, self._backend = tokenizer, backend
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cbserve-tokenize")
-        self._queued: list[tuple[str, bool, asyncio.Future]] = []
-        self._draining: asyncio.Task | None = None
+        self._batches: CallBatcher[tuple[str, bool, asyncio.Future]] = CallBatcher(self._encode_in_worker, MAX_BATCH)
 
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """`engine.tokenization.encode_text`'s ids, and its errors (`param`: the field at fault)."""
         check_text(text, param)
         future = asyncio.get_running_loop().create_future()
-        self._queued.append((text, bool(add_special_tokens), future))
-        if self._draining is None:
-            self._draining = asyncio.ensure_future(self._drain())
+        self._batches.add((text, bool(add_special_tokens), future))
         result = await future
         if isinstance(result, Exception):
             raise untokenizable(param, result)
         return result
 
-    async def _drain(self) -> None:
+    async def _encode_in_worker(self, batch: list[tuple[str, bool, asyncio.Future]]) -> None:
         loop = asyncio.get_running_loop()
-        batch: list[tuple[str, bool, asyncio.Future]] = []
         try:
-            while self._queued:
-                batch, self._queued = self._queued[:MAX_BATCH], self._queued[MAX_BATCH:]
-                results = await loop.run_in_executor(self._worker, self._encode_all, [(t, s) for t, s, _ in batch])
-                for (_, _, future), result in zip(batch, results):
-                    if not future.done():  # else its request went away
-                        future.set_result(result)
-        except Exception as e:  # the worker is gone (the process shuts down): every waiting request fails
-            for _, _, future in batch + self._queued:
+            results = await loop.run_in_executor(self._worker, self._encode_all, [(t, s) for t, s, _ in batch])
+        except Exception as e:  # the worker is gone (the process shuts down): the batch's requests fail
+            results = [e] * len(batch)
+            for _, _, future in batch:
                 if not future.done():
                     future.set_exception(e)
-            self._queued = []
-        finally:
-            self._draining = None
+            return
+        for (_, _, future), result in zip(batch, results):
+            if not future.done():  # else its request went away
+                future.set_result(result)
 
     def _encode_all(self, texts: list[tuple[str, bool]]) -> list[list[int] | Exception]:
         """In the worker: each text's ids, or the error that text alone raises."""

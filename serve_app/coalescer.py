@@ -1,5 +1,5 @@
 """`StreamCoalescer`: turns one request's engine deltas into at most one StreamChunk per
-interval. Streaming capacity is bounded by messages, not tokens (DESIGN.md), so a replica sends
+interval. Streaming capacity is bounded by messages, not tokens (docs/DESIGN.md), so a replica sends
 the first token at once, then what accumulated every `interval_s`, and the last chunk at once.
 
 Owns: buffering (engine.outputs.merge_deltas), the flush deadline, and closing the engine

@@ -160,7 +160,7 @@ class RouterConfig(_Strict):
     num_cpus: float = Field(0.1, ge=0)
     in_ingress: bool | None = Field(
         None, description="In the split graph, the router inside the ingress replica's actor "
-                          "(serve_app.router_ingress): no router actor, and no hop to it for each request's "
+                          "(serve_app.frontend): no router actor, and no hop to it for each request's "
                           "admission and release. Needs ingress.num_replicas 1: a second ingress would hold a "
                           "second queue. None: in the ingress exactly then.")
 
@@ -206,19 +206,13 @@ class IngressConfig(_Strict):
                           "front door only.")
     colocated: bool | None = Field(
         None, description="The OpenAI front end and the router inside the engine replica's actor "
-                          "(serve_app.engine_ingress): no ingress or router actor and no hops between them, so "
+                          "(serve_app.frontend): no ingress or router actor and no hops between them, so "
                           "fewer processes wake and fewer messages are serialized per token. Needs one engine "
                           "replica and one ingress replica, without autoscaling; None: colocated exactly then.")
     default_completion_max_tokens: int = Field(16, ge=1, description="OpenAI's default.")
     grpc_transport: bool = Field(
-        True, description="Admission calls and replica streams over Serve's gRPC transport "
-                          "(_by_reference=False) instead of the object store.")
-    stream_channels: bool = Field(
-        True, description="Each engine replica sends the chunks of all of an ingress's requests over one stream "
-                          "(a channel), batched as the engine makes them ready, instead of one Serve message per "
-                          "request per chunk, and the requests go to it in batched calls (which carry their "
-                          "chunks until the channel is open) instead of a call each. Not used where the "
-                          "ingress runs the engine in-process (colocated).")
+        True, description="The request path's calls (admissions, submissions, the replicas' channels) over "
+                          "Serve's gRPC transport (_by_reference=False) instead of the object store.")
     ignore_unknown_fields: bool = Field(
         False, description="Accept request fields this server does not know, logging their names, for clients "
                            "that send vendor fields; off: such a request gets a 400 naming the field.")

@@ -6,11 +6,10 @@ error in OpenAI's shape, 404 and 405 included), auth and priorities (serve_app.a
 (`/health`: 503 until an engine replica is ready and the model's info is here), and validation
 with the engine's own rules: each prompt is templated and tokenized here, once, with the
 engine's tokenizer (ModelInfo), off the event loop (serve_app.batch_tokenizer), and the engine
-gets the token ids. Does not own: the jobs' flow
-(jobs.py), queueing, sampling.
-
-`router` and `replicas` are DeploymentHandles in Serve, or `serve_app.local` shims in tests;
-the code path is the same.
+gets the token ids. Does not own: the jobs' flow (jobs.py), admission (serve_app.admission: the
+router in this process or the Router deployment), the replicas (serve_app.replicas: in this
+process or the EngineReplica deployment), sampling. What those are is the graph's shape, chosen
+in app.py and put together by serve_app.frontend.
 """
 
 from __future__ import annotations
@@ -35,10 +34,9 @@ from starlette.exceptions import HTTPException
 from engine.errors import InvalidRequestError
 from engine.heap import collect_young_less_often
 from engine.tokenization import check_token_ids, render_chat
-from serve_app.admit_batches import AdmissionBatches
+from serve_app.admission import Admission
 from serve_app.auth import Authorizer, resolve_priority
 from serve_app.batch_tokenizer import BatchTokenizer
-from serve_app.channels import ReplicaChannels
 from serve_app.config import AppConfig
 from serve_app.formatting import ChatFormatter, CompletionFormatter
 from serve_app.jobs import check_fits_queue, make_job, respond
@@ -52,8 +50,8 @@ from serve_app.protocol import (
     TokenizeCompletionRequest,
     model_card,
 )
+from serve_app.replicas import Replicas
 from serve_app.shared_port import SharedPortServer
-from serve_app.submissions import Submissions
 
 logger = logging.getLogger("cbserve.ingress")
 _BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
@@ -65,35 +63,18 @@ def _refuse_constant(name: str) -> None:
 
 
 class Ingress:
-    """The ingress deployment (plain class; app.py wraps it with serve.ingress/deployment)."""
+    """The OpenAI front end over an admission and the engine replicas."""
 
-    def __init__(self, config: AppConfig, router: Any, replicas: Any):
+    def __init__(self, config: AppConfig, admission: Admission, replicas: Replicas):
         collect_young_less_often()  # each request's objects live as long as it does (Serve freezes the rest)
         self.config = config
-        # Data-plane calls (admit, release, token streams) over the gRPC transport when enabled:
-        # benchmarks/serve_hops.py measures it at about half the CPU per message.
-        rpc = {"_by_reference": False} if config.ingress.grpc_transport else {}
-        self.router = router.options(**rpc)
-        self.admissions = AdmissionBatches(self.router, self._in_background)
-        self.replicas = replicas
-        self.replica_streams = replicas.options(stream=True, **rpc)
-        self.submissions: Submissions | None = None
-        if config.ingress.stream_channels:
-            timeout_s = config.ingress.replica_accept_timeout_s
-            channels = ReplicaChannels(self.replica_streams, timeout_s)
-            self.submissions = Submissions(replicas.options(**rpc), self.replica_streams, channels, timeout_s,
-                                           self._in_background,
-                                           lambda replica_id: self.call_router_later("remove_replica", replica_id))
+        self.admission, self.replicas = admission, replicas
         self.model_name = config.engine.model_name
         self.auth = Authorizer(config.ingress, config.router)
         self._model_info: ModelInfo | None = None
         self._tokens: BatchTokenizer | None = None  # the model's tokenizer, off the event loop
         self._info_lock = asyncio.Lock()
-        self._background: set[asyncio.Task] = set()
         self._created = int(time.time())
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return self.build_asgi_app()
 
     # ------------------------------------------------------------ helpers
 
@@ -103,7 +84,7 @@ class Ingress:
         check load it once an engine replica is ready, so no request waits for it."""
         async with self._info_lock:
             if self._model_info is None:
-                info = await self.replicas.model_info.remote()
+                info = await self.replicas.model_info()
                 self._tokens = BatchTokenizer(info.tokenizer)
                 self._model_info = info
         return self._model_info
@@ -130,32 +111,18 @@ class Ingress:
             raise APIError.from_invalid(e) from None
 
     async def check_health(self) -> None:
-        """Serve's periodic check of this replica: loads the model's info once an engine replica
-        is ready. A failure to load it is logged, not raised: it is no fault of this replica."""
+        """Serve's periodic check: the admission's and the replicas' in this process, then the
+        model's info loaded once an engine replica is ready. A failure to load it is logged, not
+        raised: it is no fault of this replica."""
+        await self.admission.check_health()
+        await self.replicas.check_health()
         if self._model_info is not None:
             return
         try:
-            if await self.router.num_ready_replicas.remote():
+            if await self.admission.num_ready_replicas():
                 await self.model_info()
         except Exception:
             logger.warning("loading the model's info failed; the next request tries again", exc_info=True)
-
-    def call_router_later(self, method: str, arg: str | None) -> None:
-        """Fire-and-forget router call (remove_replica); survives our cancellation."""
-
-        async def _call() -> None:
-            try:
-                await getattr(self.router, method).remote(arg)
-            except Exception:
-                logger.warning("router.%s(%s) failed", method, arg, exc_info=True)
-
-        self._in_background(_call())
-
-    def _in_background(self, call: Any) -> None:
-        """Runs `call` to its end whatever happens to the request that started it."""
-        task = asyncio.ensure_future(call)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def _read_json(self, request: Request) -> dict:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
@@ -256,7 +223,7 @@ class Ingress:
             raise APIError.from_invalid(e) from None
         check_fits_queue(jobs, self.config.router.max_queued_tokens)
         fmt = CompletionFormatter(base_id, self.model_name, req, info.tokenizer, len(jobs) * req.n)
-        return await respond(self, jobs, fmt, req.stream)
+        return await respond(jobs, fmt, req.stream, self.admission, self.replicas)
 
     async def chat_completions(self, request: Request):
         req, priority, info = await self._accept(request, ChatCompletionRequest)
@@ -271,7 +238,7 @@ class Ingress:
             raise APIError.from_invalid(e) from None
         check_fits_queue([job], self.config.router.max_queued_tokens)
         fmt = ChatFormatter(base_id, self.model_name, req, info.tokenizer, req.n)
-        return await respond(self, [job], fmt, req.stream)
+        return await respond([job], fmt, req.stream, self.admission, self.replicas)
 
     async def tokenize(self, request: Request) -> dict:
         """vLLM's /tokenize: a prompt (completion form) or messages through the chat template."""
@@ -300,7 +267,7 @@ class Ingress:
         """Ready when the router knows an engine replica that takes requests and this ingress
         holds the model's info."""
         try:
-            ready = await asyncio.wait_for(self.router.num_ready_replicas.remote(), 5)
+            ready = await asyncio.wait_for(self.admission.num_ready_replicas(), 5)
             if ready:
                 await asyncio.wait_for(self.model_info(), 5)
         except Exception as e:

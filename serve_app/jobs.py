@@ -1,17 +1,18 @@
 """One HTTP request's engine requests ("jobs": one per prompt, n samples each): how they are
-built from a validated request, admitted, streamed and answered.
+built from a validated request, run, and answered.
 
-Owns: turning token ids into EngineRequest + AdmitRequest with the engine's own rules (token
-range, context length, SamplingParams, prefix block hashes), the per-job flow `admit at the
-router -> stream from the named replica (submitted in batches, its chunks over the replica's
-channel when one is open: serve_app.submissions) -> release`, and assembling the jobs' chunks
-into one JSON response or one SSE stream. Does not own: HTTP parsing or auth (ingress.py), wire
-shapes (protocol.py, formatting.py).
+A job runs top-down: admitted (serve_app.admission: the replica to stream from, or a refusal),
+streamed from that replica (serve_app.replicas), released as soon as it ends; a replica that
+failed is reported lost to the admission. Owns: turning token ids into EngineRequest +
+AdmitRequest with the engine's own rules (token range, context length, SamplingParams, prefix
+block hashes), the jobs' flow, and assembling their chunks into one JSON response or one SSE
+stream. Does not own: HTTP parsing or auth (ingress.py), wire shapes (protocol.py, formatting.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -24,12 +25,11 @@ from engine.beam_search import BeamSearchParams
 from engine.kv_cache.hashing import extend_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
-from serve_app.call_ids import own_serve_request_id
-from serve_app.config import AppConfig
+from serve_app.admission import Admission
 from serve_app.formatting import Formatter
-from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest, ModelInfo, StreamChunk
+from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
 from serve_app.protocol import SSE_DONE, APIError, sse_event
-from serve_app.submissions import Submissions
+from serve_app.replicas import Replicas, ReplicaUnavailable
 
 logger = logging.getLogger("cbserve.ingress")
 MAX_PREFIX_BLOCKS = 32  # the router's affinity key covers at most this many leading blocks
@@ -41,34 +41,6 @@ class SamplingRequest(Protocol):
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams: ...
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None: ...
-
-
-class _Method(Protocol):
-    def remote(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
-class Admissions(Protocol):
-    async def admit(self, request: AdmitRequest) -> AdmitResult: ...
-
-    def release_later(self, request_id: str) -> None: ...
-
-
-class ReplicaStreams(Protocol):
-    generate: _Method  # (EngineRequest, replica_hint=) -> a stream of StreamChunk
-
-
-class JobHost(Protocol):
-    """What a job's flow needs of the ingress that runs it: admission and release at the router
-    (batched, serve_app.admit_batches), the replicas as a Serve handle (or serve_app.local's
-    shim), the batches that submit requests beside the replicas' stream channels (None: each
-    request a call of its own), the replica accept timeout, and fire-and-forget router calls
-    that outlive the job."""
-    config: AppConfig
-    admissions: Admissions
-    replica_streams: ReplicaStreams
-    submissions: Submissions | None
-
-    def call_router_later(self, method: str, arg: str | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -108,142 +80,70 @@ def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:
                        param="max_tokens", code="request_too_large")
 
 
-class JobStream:
-    """One job's flow, as its own task: admit -> stream every chunk into the response's queue ->
-    release as soon as the job finishes. Releasing per job, not per response, is what lets a
-    request with more jobs than the fleet admits at once complete."""
-
-    def __init__(self, ingress: JobHost, job: Job, out: asyncio.Queue):
-        self.ingress, self.job, self._out = ingress, job, out
-        self._gen: Any = None  # the job's own call, where requests are not submitted in batches
-        # Submitted in a batch: its chunks, an APIError if the channel or the call failed, or None
-        # if the call ended without finishing it (serve_app.submissions)
-        self._chunks: asyncio.Queue | None = None
-        self._submitted = False
-        self._ended_at_replica = False  # its last chunk came: nothing to abort
-        self._admitted = False
-        self._replica_id: str | None = None
-        self.started: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    async def run(self) -> None:
-        """Puts (job, chunk) per chunk and (job, None) at the end on the queue; an error before
-        the first chunk fails `started` (it becomes the HTTP status), one after it goes on the
-        queue (it becomes an error event)."""
-        try:
-            await self._admit()
-            chunk = await self._next()
-            while chunk is not None:
-                self._ended_at_replica = chunk.finished
+async def job_chunks(job: Job, admission: Admission, replicas: Replicas) -> AsyncIterator[StreamChunk]:
+    """The job's chunks, last one `finished`: admitted, streamed from the replica the admission
+    names, released once it ends (however it ends). A refusal, an error chunk or a replica that
+    failed raises APIError (the replica then reported lost)."""
+    result = await admission.admit(job.admit)
+    if result.error is not None:
+        raise APIError.from_info(result.error)
+    try:
+        request = dataclasses.replace(job.engine_request, waited_s=result.queue_wait_s)
+        async with contextlib.aclosing(replicas.stream(result.replica_id, request)) as chunks:
+            async for chunk in chunks:
                 if chunk.error is not None:
                     raise APIError.from_info(chunk.error)
-                if not self.started.done():
-                    self.started.set_result(None)
-                self._out.put_nowait((self.job, chunk))
+                yield chunk
                 if chunk.finished:
-                    if self._gen is not None:
-                        await self._next()  # its call ends
-                    self._out.put_nowait((self.job, None))
                     return
-                chunk = await self._next()
-            raise APIError(503, "replica stream ended without finishing", "service_unavailable")
-        except APIError as e:
-            self._fail(e)
-        except Exception:
-            logger.exception("job %s failed", self.job.admit.request_id)
-            self._fail(APIError(500, "internal error while streaming", "internal_error"))
-        finally:
-            if not self.started.done():
-                self.started.cancel()
-            self.close()
-
-    def _fail(self, error: APIError) -> None:
-        if self.started.done():
-            self._out.put_nowait((self.job, error))
-        else:
-            self.started.set_exception(error)
-
-    async def _admit(self) -> None:
-        own_serve_request_id()
-        result = await self.ingress.admissions.admit(self.job.admit)
-        if result.error is not None:
-            raise APIError.from_info(result.error)
-        self._admitted = True
-        self._replica_id = result.replica_id
-        request = dataclasses.replace(self.job.engine_request, waited_s=result.queue_wait_s)
-        submissions = self.ingress.submissions
-        if submissions is not None:
-            self._submitted = True
-            self._chunks = await submissions.submit(result.replica_id, request)
-            return
-        self._gen = self.ingress.replica_streams.generate.remote(request, replica_hint=result.replica_id)
-        await self._accepted()
-
-    async def _accepted(self) -> None:
-        """Waits for the replica's acknowledgement of the job's own call. A call to a replica that
-        died after the router chose it waits in Serve's handle for a replica to exist, which may be
-        never (its node is gone and no other can host it): past the deadline the replica is
-        reported lost and the client gets a 503."""
-        timeout = self.ingress.config.ingress.replica_accept_timeout_s
-        try:
-            chunk = await asyncio.wait_for(self._next(), timeout)
-        except TimeoutError:
-            logger.warning("replica %s did not accept %s within %.1f s", self._replica_id,
-                           self.job.admit.request_id, timeout)
-            self.ingress.call_router_later("remove_replica", self._replica_id)
-            raise APIError(503, "the engine replica chosen for this request is unreachable; retry",
-                           "service_unavailable") from None
-        if chunk is None or not chunk.accepted:
-            raise APIError(503, "replica stream ended before accepting the request", "service_unavailable")
-
-    async def _next(self) -> StreamChunk | None:
-        if self._chunks is None:
-            return await self._next_on_call()
-        item = await self._chunks.get()
-        if isinstance(item, APIError):
-            raise item
-        return item
-
-    async def _next_on_call(self) -> StreamChunk | None:
-        try:
-            return await self._gen.__anext__()
-        except StopAsyncIteration:
-            return None
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # replica died / unavailable
-            logger.warning("replica stream failed: %r", e)
-            self.ingress.call_router_later("remove_replica", self._replica_id)
-            raise APIError(503, f"engine replica failed: {type(e).__name__}", "service_unavailable") from None
-
-    def close(self) -> None:
-        request_id = self.job.admit.request_id
-        if self._submitted:
-            self._submitted = False
-            assert self.ingress.submissions is not None
-            self.ingress.submissions.end(request_id, finished=self._ended_at_replica)
-        if self._gen is not None:
-            cancel = getattr(self._gen, "cancel", None)
-            if cancel is not None:
-                cancel()
-            self._gen = None
-        if self._admitted:
-            self._admitted = False
-            self.ingress.admissions.release_later(self.job.admit.request_id)
+        raise APIError(503, "replica stream ended without finishing", "service_unavailable")
+    except ReplicaUnavailable as e:
+        admission.replica_lost(e.replica_id)
+        raise
+    finally:
+        admission.release(job.admit.request_id)
 
 
-async def respond(ingress: JobHost, jobs: list[Job], fmt: Formatter, stream: bool):
-    """Starts every job; once all have their first chunk (any refusal before that is the
-    response) answers with one JSON body, or an SSE stream multiplexing the jobs' chunks."""
-    out: asyncio.Queue = asyncio.Queue()
-    streams = [JobStream(ingress, job, out) for job in jobs]
-    tasks = [asyncio.ensure_future(s.run()) for s in streams]
+async def _run_job(job: Job, admission: Admission, replicas: Replicas, out: asyncio.Queue,
+                   started: asyncio.Future) -> None:
+    """Puts (job, chunk) per chunk and (job, None) at the end on the response's queue. An error
+    before the first chunk fails `started` (it becomes the HTTP status), one after it goes on the
+    queue (it becomes an error event). Its own task: each job is released as soon as it ends, which
+    lets a request with more jobs than the fleet admits at once complete."""
     try:
-        await asyncio.gather(*(s.started for s in streams))
+        async with contextlib.aclosing(job_chunks(job, admission, replicas)) as chunks:
+            async for chunk in chunks:
+                if not started.done():
+                    started.set_result(None)
+                out.put_nowait((job, chunk))
+        out.put_nowait((job, None))
+    except Exception as e:
+        if not isinstance(e, APIError):
+            logger.exception("job %s failed", job.admit.request_id)
+            e = APIError(500, "internal error while streaming", "internal_error")
+        if started.done():
+            out.put_nowait((job, e))
+        else:
+            started.set_exception(e)
+    finally:
+        if not started.done():
+            started.cancel()
+
+
+async def respond(jobs: list[Job], fmt: Formatter, stream: bool, admission: Admission, replicas: Replicas):
+    """Runs every job; once all have their first chunk (any refusal before that is the response)
+    answers with one JSON body, or an SSE stream multiplexing the jobs' chunks."""
+    out: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    started = [loop.create_future() for _ in jobs]
+    tasks = [asyncio.ensure_future(_run_job(job, admission, replicas, out, s)) for job, s in zip(jobs, started)]
+    try:
+        await asyncio.gather(*started)
     except BaseException:
         await _cancel(tasks)
-        for s in streams:  # retrieve the other refusals: one is the answer
-            if s.started.done() and not s.started.cancelled():
-                s.started.exception()
+        for s in started:  # retrieve the other refusals: one is the answer
+            if s.done() and not s.cancelled():
+                s.exception()
         raise
     if not stream:
         try:

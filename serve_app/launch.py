@@ -43,6 +43,7 @@ import yaml
 
 from engine.cache_dir import cache_dir
 from serve_app.config import AppConfig
+from serve_app.serve_internals import joins_running_cluster
 
 FrontDoor = Literal["direct", "shared", "proxy"]
 HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
@@ -108,14 +109,6 @@ def with_shared_port(app: dict[str, Any], http: dict[str, Any]) -> dict[str, Any
     args = dict(app.get("args") or {})
     args["ingress"] = dict(args.get("ingress") or {}) | {"shared_port": shared_port_options(http)}
     return app | {"args": args}
-
-
-def joins_running_cluster() -> bool:
-    """Whether `serve run` will join a Ray cluster already running (RAY_ADDRESS, or one started
-    on this machine by `ray start`), whose Serve settings were fixed when it started."""
-    from ray._private.services import canonicalize_bootstrap_address
-
-    return canonicalize_bootstrap_address(None) is not None
 
 
 def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, proxy_port: int | None = None,

@@ -51,7 +51,6 @@ class StreamChunk:
     num_prompt_tokens: int = 0  # prompt length (every chunk; cheap)
     finished: bool = False  # True on the last chunk of the request
     error: ErrorInfo | None = None  # set instead of outputs when the request failed
-    accepted: bool = False  # the replica's first message: the call reached it (no outputs)
     prompt_logprobs: list[tuple[int, dict[int, float] | None]] | None = None  # (token, logprobs), once, if asked
 
 

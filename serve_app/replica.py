@@ -2,10 +2,10 @@
 
 Owns: building the engine through the EngineClient contract (`engine_cls` injectable, default
 engine.AsyncEngine), running an `EngineRequest` on it and streaming its coalesced chunks
-(serve_app.coalescer) on its own call (`generate`), or requests sent together (`submit`, aborted
-by `abort`) on their caller's channel, or on their call until the caller's channel is open (many
-requests' chunks a message either way; serve_app.channels and serve_app.submissions are the
-caller's end), mapping engine errors to error chunks, telling Serve whether the engine can serve
+(serve_app.coalescer): in-process (`stream`: the colocated graph), or to a caller's channel
+(`channel`, one Serve stream per caller carrying all its requests' chunks, batched as the engine
+makes them ready) for requests the caller submits in batches (`submit`, aborted by `abort`);
+mapping engine errors to error chunks, telling Serve whether the engine can serve
 (`check_health`), and reporting its load to the router when it changes (and at least every
 `stats_heartbeat_s`), at most once per output interval of the engine (its counts change no more
 often). Does not own: HTTP, admission, tokenization (the ingress sends token ids), sampling
@@ -32,6 +32,7 @@ from serve_app.config import EngineReplicaConfig
 from serve_app.draft import draft_transport
 from serve_app.messages import EngineRequest, ErrorInfo, ModelInfo, ReplicaStats, StreamChunk
 from serve_app.metrics import ReplicaMetrics
+from serve_app.router import Router
 from serve_app.slo import SLOTarget, SLOTracker
 
 logger = logging.getLogger("cbserve.replica")
@@ -40,8 +41,7 @@ CHANNEL_IDLE_S = 2.0  # a channel no request has used for this long ends: Serve'
 
 
 class _Outbox:
-    """A channel's (or a `submit` call's) chunks not yet sent, and how many requests send
-    through it."""
+    """A channel's chunks not yet sent, and how many requests send through it."""
 
     def __init__(self) -> None:
         self.items: list[tuple[str, StreamChunk]] = []
@@ -82,13 +82,12 @@ def error_info(error: Exception) -> ErrorInfo:
 class EngineReplica:
     """One engine; streams coalesced deltas; reports load to the router.
 
-    `router` is anything with `report.remote(ReplicaStats)` (a DeploymentHandle, or
-    serve_app.local.LocalHandle), or the name of the deployment of this app that takes the reports
-    (the ingress holding the router, which the graph cannot bind here: it binds the replicas);
-    None disables reporting.
+    `report_to`: where load reports go: the Router deployment's handle, the name of the deployment
+    of this app that holds the router (the ingress: the graph cannot bind it here, it binds the
+    replicas), or a Router in this process; None disables reporting.
     """
 
-    def __init__(self, config: EngineReplicaConfig, router: Any = None,
+    def __init__(self, config: EngineReplicaConfig, report_to: Any = None,
                  engine_cls: type[EngineClient] | None = None, replica_id: str | None = None,
                  metrics_enabled: bool = False, slo: dict[int, SLOTarget] | None = None, draft: Any = None):
         collect_young_less_often()  # each stream's objects live as long as it does (Serve freezes the rest)
@@ -107,11 +106,11 @@ class EngineReplica:
             metrics_enabled, self.replica_id, self.engine.model_report,
             {(priority, name): seconds for priority, target in self.slo.targets.items()
              for name, seconds in target.objectives().items()})
-        self._router = router
+        self._report_to = report_to
         self._num_received = 0
         self._unreported: dict[str, None] = {}  # received, not yet listed in a load report (ordered set)
         self._ended: dict[str, None] = {}  # ended, not yet listed in a load report (ordered set)
-        self._live: set[str] = set()  # requests inside `generate`, or submitted and not ended
+        self._live: set[str] = set()  # requests streaming, or submitted and not ended
         self._tasks: dict[str, asyncio.Task] = {}  # the submitted requests running, by id
         self._outboxes: dict[str, _Outbox] = {}  # by channel id: the callers' open channels
         self.num_misrouted = 0
@@ -145,11 +144,13 @@ class EngineReplica:
 
     async def channel(self, channel_id: str, replica_hint: str | None = None
                       ) -> AsyncIterator[str | list[tuple[str, StreamChunk]]]:
-        """One caller's stream of many requests' chunks: a request submitted naming this
+        """One caller's stream of its requests' chunks: a request submitted naming this
         `channel_id` sends its chunks here, (request id, chunk) pairs batched with the others
         ready at the same moment, so each stream message costs one Serve message per caller,
         not one per request. The first message is this replica's id (the caller checks the
-        channel reached the replica it names). Ends after CHANNEL_IDLE_S with no request on it."""
+        channel reached the replica it names). Ends after CHANNEL_IDLE_S with no request on it,
+        so Serve's drain, which waits for open calls, ends too. `replica_hint` is read by the
+        pinning request router in the caller."""
         outbox = self._outboxes[channel_id] = _Outbox()
         try:
             yield self.replica_id
@@ -166,48 +167,29 @@ class EngineReplica:
             if self._outboxes.get(channel_id) is outbox:
                 del self._outboxes[channel_id]
 
-    async def generate(self, request: EngineRequest, replica_hint: str | None = None) -> AsyncIterator[StreamChunk]:
-        """Streams the request's coalesced deltas after an acknowledgement; an error ends the
-        stream as a chunk with `error`. `replica_hint` is read by the pinning request router in
-        the caller. Callers with stream channels (serve_app.submissions) use `submit` instead."""
-        self._receive(request.request_id, replica_hint)
+    async def submit(self, requests: list[EngineRequest], channel_id: str, replica_hint: str | None = None) -> bool:
+        """Requests one caller sent together, each run as a task of its own putting its chunks on
+        the caller's channel. False, running none of them, when that channel is not open here
+        (it ended idle as they came, or the call reached another replica than the one named):
+        the caller opens another and sends them again."""
+        outbox = self._outboxes.get(channel_id)
+        if outbox is None:
+            return False
+        for request in requests:
+            self._start(request, replica_hint, outbox)
+        return True
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        """The request's coalesced chunks, for a caller in this process; closing it aborts the request."""
+        self._receive(request.request_id, None)
         try:
-            yield StreamChunk(accepted=True)
             async with contextlib.aclosing(self._outcome(request)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
-            self._end(request.request_id)  # a call cancelled at its acknowledgement never entered `_outcome`
+            self._end(request.request_id)
 
-    async def submit(self, requests: list[EngineRequest], channel: str | None, replica_hint: str | None = None
-                     ) -> AsyncIterator[bool | list[tuple[str, StreamChunk]]]:
-        """Requests one caller sent together, each run as a task of its own (serve_app.submissions:
-        a Serve call per request cost the caller and this process more than the rest of the
-        request's intake). The first message says whether their chunks go over the caller's
-        `channel` (True: it is open here); if not (None: the caller's is not open yet; or the call
-        reached another replica than the one it names, or the channel has just ended idle), they
-        follow on this call, (request id, chunk) pairs batched as a channel's are. The call ends
-        once every request has, so Serve's drain waits for them; its cancellation (the caller
-        gone) aborts them, as `abort` does one by one."""
-        outbox = self._outboxes.get(channel)
-        on_channel = outbox is not None
-        if outbox is None:
-            outbox = _Outbox()
-        tasks = [self._start(request, replica_hint, outbox) for request in requests]
-        try:
-            yield on_channel
-            if on_channel:
-                await asyncio.wait(tasks)
-                return
-            while outbox.num_live or outbox.items:
-                await outbox.ready.wait()
-                if batch := await outbox.take():
-                    yield batch
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    def abort(self, request_ids: list[str], replica_hint: str | None = None) -> None:
+    async def abort(self, request_ids: list[str], replica_hint: str | None = None) -> None:
         """Ends submitted requests whose clients left (the engine aborts each); ids not running
         here (ended already, or never sent here) are ignored."""
         for request_id in request_ids:
@@ -217,7 +199,7 @@ class EngineReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric (serve_app.autoscaling): the requests inside this
-        replica, which a batched `submit` call holds many of."""
+        replica, which a channel carries many of."""
         return {LIVE_REQUESTS: len(self._live)}
 
     def _receive(self, request_id: str, replica_hint: str | None) -> None:
@@ -228,7 +210,7 @@ class EngineReplica:
         if replica_hint is not None and replica_hint != self.replica_id:
             self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
 
-    def _start(self, request: EngineRequest, replica_hint: str | None, outbox: _Outbox) -> asyncio.Task:
+    def _start(self, request: EngineRequest, replica_hint: str | None, outbox: _Outbox) -> None:
         """The submitted request as a task putting its chunks in `outbox`."""
         request_id = request.request_id
         self._receive(request_id, replica_hint)
@@ -242,7 +224,6 @@ class EngineReplica:
             outbox.ready.set()
 
         task.add_done_callback(ended)
-        return task
 
     async def _put_chunks(self, request: EngineRequest, outbox: _Outbox) -> None:
         async with contextlib.aclosing(self._outcome(request)) as chunks:
@@ -318,7 +299,7 @@ class EngineReplica:
     # ------------------------------------------------------------ load reports
 
     def _maybe_start_reporting(self) -> None:
-        if self._router is None or (self._report_task and not self._report_task.done()):
+        if self._report_to is None or (self._report_task and not self._report_task.done()):
             return
         try:
             loop = asyncio.get_running_loop()
@@ -327,12 +308,15 @@ class EngineReplica:
         self._report_now = asyncio.Event()
         self._report_task = loop.create_task(self._report_loop())
 
-    def _report_target(self) -> Any:
-        if isinstance(self._router, str):
+    async def _report(self, stats: ReplicaStats) -> None:
+        if isinstance(self._report_to, Router):
+            await self._report_to.report(stats)
+            return
+        if isinstance(self._report_to, str):
             from ray import serve
 
-            self._router = serve.get_deployment_handle(self._router, serve.get_replica_context().app_name)
-        return self._router
+            self._report_to = serve.get_deployment_handle(self._report_to, serve.get_replica_context().app_name)
+        await self._report_to.report.remote(stats)
 
     async def _report_loop(self) -> None:
         """Sends the load snapshot when it changed (or requests arrived), and at least every
@@ -353,7 +337,7 @@ class EngineReplica:
                         self._ended.pop(request_id, None)
                     self.metrics.record_load(stats, self.engine.stats())
                     self.metrics.record_slo_window(self.slo.window())
-                    await self._report_target().report.remote(stats)
+                    await self._report(stats)
                     last_key, last_sent = key, time.monotonic()
             except asyncio.CancelledError:
                 raise

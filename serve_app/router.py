@@ -1,8 +1,9 @@
 """Global admission: one queue ordered by policy, dispatch to the replica with headroom.
 
 Owns: the Router deployment's flow: each request of an `admit_many()` call (an ingress's batch,
-serve_app.admit_batches) waits in the AdmissionQueue (serve_app.admission) until the ReplicaPool
-(serve_app.replica_pool) has a replica with headroom and names it; bounds (-> 429 +
+serve_app.admission.RouterClient), or of `admit()` in-process, waits in the AdmissionQueue
+(serve_app.admission_queue) until the ReplicaPool (serve_app.replica_pool) has a replica with
+headroom and names it; bounds (-> 429 +
 Retry-After); 503 when no replica is live. Does not own: tokens. The router is off the
 token path: the ingress streams from the named replica directly and calls `release()`.
 
@@ -29,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from serve_app.admission import AdmissionQueue, QueueEntry
+from serve_app.admission_queue import AdmissionQueue, QueueEntry
 from serve_app.config import RouterConfig
 from serve_app.messages import AdmitRequest, AdmitResult, ErrorInfo, ReplicaStats
 from serve_app.metrics import RouterMetrics
@@ -41,8 +42,8 @@ _IDLE_TICK_S = 1.0  # with none waiting only silent replicas expire (after secon
 
 class Router:
     """The Router deployment (plain class; `app.py` applies serve.deployment), or an object inside
-    the one ingress replica's actor (serve_app.router_ingress), which with one engine replica is
-    the engine's actor too (serve_app.engine_ingress)."""
+    the one ingress replica's actor (serve_app.frontend), which with one engine replica is the
+    engine's actor too."""
 
     def __init__(self, config: RouterConfig, metrics_enabled: bool = False,
                  clock: Callable[[], float] = time.monotonic):
@@ -58,12 +59,31 @@ class Router:
 
     # ------------------------------------------------------------ deployment methods
 
+    async def admit(self, request: AdmitRequest) -> AdmitResult:
+        """One request's admission, in-process (serve_app.admission.LocalAdmission): the replica to
+        stream from once one has headroom, or its refusal. Cancelled, it leaves the queue (or
+        its admission is released)."""
+        self._maybe_start_ticker()
+        queued = self._enqueue(request)
+        if isinstance(queued, AdmitResult):
+            return queued
+        self._dispatch()
+        assert queued.future is not None
+        try:
+            return await asyncio.shield(queued.future)
+        except asyncio.CancelledError:
+            if not queued.future.cancelled():  # not released while queued: the caller left
+                self._withdraw(queued)
+                self._dispatch()
+            raise
+
     async def admit_many(self, requests: list[AdmitRequest]) -> AsyncIterator[list[tuple[str, AdmitResult]]]:
-        """Admissions asked together (an ingress's that came while its previous batch was on its
-        way: each call costs the router and the ingress a Serve message, and a burst's requests
-        come together). The first message answers at once (an empty list too: the ingress's
-        acknowledgement that every request is queued here); then each later message holds the
-        results that came at one moment, until every request has one. A request released while
+        """Admissions asked together by an ingress of the split graph (serve_app.admission.RouterClient:
+        those that came while its previous batch was on its way; each call costs the router and the
+        ingress a Serve message, and a burst's requests come together). The first message answers
+        at once (an empty list too: the ingress's acknowledgement that every request is queued
+        here); then each later message holds the results that came at one moment, until every
+        request has one. A request released while
         queued (its client left) gets none. A call that ends first withdraws the ones it holds."""
         self._maybe_start_ticker()
         answers: list[tuple[str, AdmitResult]] = []
@@ -144,6 +164,10 @@ class Router:
         """Requests that ended at an ingress, those that ended together in one call (each call
         costs the router and the ingress a Serve message, and a burst's requests end together),
         or whose clients left while they were queued here: those leave the queue unanswered."""
+        self.release_now(request_ids)
+
+    def release_now(self, request_ids: list[str]) -> None:
+        """`release`, for a caller in this process."""
         for request_id in request_ids:
             entry = self._dequeue(request_id)
             if entry is None:
@@ -160,6 +184,10 @@ class Router:
         """Called by the ingress when a replica's stream failed (actor died): stop sending
         there now instead of waiting for its reports to go stale. A live replica that keeps
         reporting comes back with its next report."""
+        self.remove_replica_now(replica_id)
+
+    def remove_replica_now(self, replica_id: str) -> None:
+        """`remove_replica`, for a caller in this process."""
         self.pool.remove(replica_id)
         self._dispatch()
 

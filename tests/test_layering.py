@@ -1,6 +1,7 @@
-"""The import graph keeps its layers: benchmarks -> serve_app -> engine, nothing upward; inside
+"""The import graph keeps its layers: benchmarks -> serve_app -> engine, nothing upward and no
+production module importing the tests' stand-ins (tests/, e.g. tests/serve/fake_engine.py); inside
 the engine every import (lazy and annotation-only ones too) points to its own layer or below, and
-no modules import each other in a cycle. docs/MODULES.md draws the same map."""
+no modules import each other in a cycle. docs/DESIGN.md draws the same map."""
 from __future__ import annotations
 
 import ast
@@ -22,8 +23,11 @@ ENGINE_LAYERS = [
     ("engine", ["engine.llm_engine", "engine.output_processor", "engine.beam_groups"]),
     ("serving", ["engine.llm", "engine.client", "engine.engine_core", "engine.async_engine", "engine.cli"]),
 ]
-# what each top-level package must never import
-FORBIDDEN = {"engine": ("serve_app", "benchmarks", "cluster", "ray"), "serve_app": ("benchmarks", "cluster")}
+# the test suite's own modules, importable by their bare names where pytest puts their folders on the path
+TEST_MODULES = ("tests", *sorted({p.stem for p in (ROOT / "tests").rglob("*.py")} - {"__init__"}))
+# what each top-level package must never import: nothing above it, and no test stand-in
+FORBIDDEN = {"engine": ("serve_app", "benchmarks", "cluster", "ray", *TEST_MODULES),
+             "serve_app": ("benchmarks", "cluster", *TEST_MODULES), "cluster": TEST_MODULES}
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -108,3 +112,4 @@ def test_the_checks_see_what_they_check():
     assert "engine.batch" in graph["engine.attention.base"]  # an annotation-only or runtime import alike
     assert _layer("engine.runner.model_runner") > _layer("engine.attention.base")
     assert "ray" in {m.split(".")[0] for m in _imports("serve_app.draft", ROOT / "serve_app" / "draft.py")}
+    assert {"fake_engine", "handles", "conftest"} <= set(FORBIDDEN["serve_app"])

@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q (and k) with k and v written to their cache slots",
         py::call_guard<py::gil_scoped_release>());
-  // module_local: another build of these kernels (benchmarks/decode_kernels.py) loads beside this one
+  // module_local: another build of these kernels (another CPU family's, or another revision's) may load beside this one
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
                           "a decode step through block-quantized decoder layers in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, double, std::vector<int64_t>, int64_t>())

@@ -212,7 +212,7 @@ __attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int
 // blocks), not reduced across lanes first. At one or two tokens a pass reads several weight rows
 // (kWeightPassBytes): their instructions interleave and the activation bytes load once for them.
 // Without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) the byte form measured no faster, so other
-// builds keep widening (benchmarks/decode_kernels.py, BENCHMARKS.md).
+// builds keep widening (BENCHMARKS.md).
 constexpr int64_t kQuadBytes = 4 * 64;  // a group of four blocks' activation bytes in byte order
 // Weight rows a pass reads: at one token 4, 2 or 1, as many as fit in kWeightPassBytes; at two
 // tokens at most 2 (a pass keeps at most four rows of sums); past two, 1. One thread, one token,

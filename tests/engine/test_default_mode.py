@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import LLM
+from engine import LLM, cpu_load, model_setup
 from engine import quantization_check as qc
 from engine.config import ModelConfig
 from engine.cpu_kernels import load_cpu_kernels
@@ -113,33 +113,29 @@ def _spinners(count: int, seconds: float) -> list[subprocess.Popen]:
     return spinners
 
 
-def _wait_for_a_quiet_machine() -> None:
-    """Until other processes (an earlier test's Ray node winding down) take under a tenth of a core."""
-    for _ in range(50):
-        with OtherLoad() as load:
-            time.sleep(0.3)
-        if load.cores < 0.1:
-            return
-    pytest.fail(f"other processes kept taking {load.cores:.2f} cores")
-
-
-def test_other_load_counts_other_processes_cpu_and_not_this_ones():
-    with OtherLoad() as own:
-        end = time.perf_counter() + 0.5
-        while time.perf_counter() < end:  # this process on a core of its own
-            pass
-    [spinner] = _spinners(1, 1.5)
+def test_other_load_is_the_machine_s_busy_time_less_this_process_s():
+    # 1.5 busy CPU-s in a second of which this process took 0.9: the others took 0.6 of a core
+    assert cpu_load.others_cores((100.0, 10.0, 5.0), (101.5, 10.9, 6.0)) == pytest.approx(0.6)
+    assert cpu_load.others_cores((100.0, 10.0, 5.0), (100.5, 10.9, 6.0)) == 0.0  # clock ticks round: never below 0
+    assert cpu_load.others_cores((None, 10.0, 5.0), (101.0, 10.9, 6.0)) is None  # no /proc/stat
+    [spinner] = _spinners(1, 1.5)  # a spinning process is counted, however busy the rest of the machine
     with OtherLoad() as other:
         time.sleep(0.6)
     spinner.wait()
-    assert other.cores >= 0.6  # about one core
-    assert own.cores < 0.5
+    assert other.cores >= 0.6
 
 
-def test_a_decision_timed_while_other_processes_took_the_cores_is_not_kept(tiny_llama, tmp_path, monkeypatch):
+def _quiet_machine(monkeypatch) -> None:
+    """Other processes read as taking nothing, however busy the machine really is."""
+    monkeypatch.setattr(cpu_load, "others_cores", lambda start, end: 0.0)
+
+
+def test_a_decision_timed_while_other_processes_took_the_cores_is_kept_marked_and_retimed_later(
+        tiny_llama, tmp_path, monkeypatch):
     """Every core taken by a spinning process while the modes are timed: the timings are not the
-    machine's (each mode's skewed by how it shares a core), so the mode chosen runs but the
-    decision is not written, and the next start, on a quiet machine, times again and keeps it."""
+    machine's (each mode's skewed by how it shares a core), yet the decision is kept, marked with
+    that load, so the next start reads it instead of timing on a busy machine again; a retime on
+    a quiet machine replaces it with one unmarked."""
     monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(qc, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no block kernels needed
     timed = []
@@ -157,10 +153,31 @@ def test_a_decision_timed_while_other_processes_took_the_cores_is_not_kept(tiny_
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-    assert len(timed) == 2 and not list((tmp_path / "decisions").glob("*.json"))
-    _wait_for_a_quiet_machine()
-    assert load_model(ModelConfig(model=tiny_llama)).quantization == "none"
-    assert len(timed) == 4 and len(list((tmp_path / "decisions").glob("*.json"))) == 1
+    [marked] = qc.contended_decisions()
+    assert len(timed) == 2 and json.loads(marked.read_text())["contended_cores"] > 0.25
+    assert load_model(ModelConfig(model=tiny_llama)).quantization == "none"  # a start reads it, however busy
+    assert len(timed) == 2
+    _quiet_machine(monkeypatch)
+    assert load_model(ModelConfig(model=tiny_llama), retime_contended=True).quantization == "none"
+    assert len(timed) == 4 and qc.contended_decisions() == []
+    assert json.loads(marked.read_text())["contended_cores"] is None
+
+
+def test_a_retime_waits_for_a_quiet_span_and_does_nothing_with_no_marked_decision(tmp_path, monkeypatch):
+    monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing to retime: no model is loaded")
+
+    monkeypatch.setattr(model_setup, "load_model", refuse)
+    model_setup.main(["--retime"])
+    readings = iter([1.9, 1.9, 0.1])  # busy spans, then a quiet one
+    monkeypatch.setattr(cpu_load, "others_cores", lambda start, end: next(readings))
+    monkeypatch.setattr(model_setup.time, "sleep", lambda s: None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: os.cpu_count())
+    assert model_setup.wait_for_a_quiet_machine(wait_s=60) is True
+    readings = iter([1.9] * 1000)
+    assert model_setup.wait_for_a_quiet_machine(wait_s=0) is False
 
 
 def test_auto_is_fp32_where_the_quantized_kernels_do_not_run(tiny_llama):

@@ -1,4 +1,4 @@
-"""benchmarks/host_step.py drives the engine process's own loop with the GPU config's engine
+"""benchmarks/investigations/host_step.py drives the engine process's own loop with the GPU config's engine
 arguments: a steady batch of decodes is scheduled ahead every step, and a request arriving every
 step (through the loop's commands) makes every step a mixed one, scheduled anew."""
 from __future__ import annotations

@@ -24,9 +24,13 @@ sys.path.insert(0, str(HERE))
 from fake_engine import FakeAsyncEngine  # noqa: E402
 
 from benchmarks.serve_bench import wait_healthy  # noqa: E402
+from serve_app.admission import LocalAdmission  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
-from serve_app.local import build_local_app  # noqa: E402
+from serve_app.ingress import Ingress  # noqa: E402
+from serve_app.replica import EngineReplica  # noqa: E402
+from serve_app.replicas import LocalReplicas  # noqa: E402
+from serve_app.router import Router  # noqa: E402
 from tests.conftest import (  # noqa: E402, F401
     HEADER_TIMEOUT_S,
     KEEP_ALIVE_TIMEOUT_S,
@@ -42,6 +46,18 @@ def merge(base: dict, override: dict) -> dict:
     for k, v in override.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def build_local_app(config: AppConfig, num_replicas: int | None = None, engine_cls: type | None = None
+                    ) -> tuple[Any, Router, list[EngineReplica]]:
+    """The whole graph in this process, of the app's own parts (the router-in-ingress graph's shape
+    with the replicas in-process too): (the ingress's ASGI app, router, replicas). Replicas start
+    reporting load once an event loop runs (first request or `check_health`)."""
+    router = Router(config.router)
+    replicas = [EngineReplica(config.engine, router, engine_cls, replica_id=f"r{i}", slo=config.slo)
+                for i in range(num_replicas or config.engine.num_replicas)]
+    ingress = Ingress(config, LocalAdmission(router), LocalReplicas(replicas))
+    return ingress.build_asgi_app(), router, replicas
 
 
 @contextlib.asynccontextmanager

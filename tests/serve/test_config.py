@@ -58,7 +58,7 @@ def test_scaling_settings_reach_serve_under_its_names():
 
 
 def test_engine_replicas_scale_on_the_requests_inside_them_not_on_serves_calls():
-    """A replica's one call may hold many requests (serve_app.submissions): Serve's rule on the
+    """A replica's one call may hold many requests (serve_app.replicas): Serve's rule on the
     requests each replica reports, plus the calls queued at handles."""
     from ray.serve._private.common import DeploymentID
     from ray.serve.config import AutoscalingConfig, AutoscalingContext

@@ -15,7 +15,6 @@ from fake_engine import FakeAsyncEngine, FakeTokenizer
 from engine.heap import YOUNG_COLLECTION_OBJECTS
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
-from serve_app.local import LocalHandle, LocalReplicaSet
 from serve_app.messages import ModelInfo
 
 TOK = FakeTokenizer()
@@ -256,11 +255,14 @@ def test_models_health_and_api_keys():
 
 
 class _Fleet:
-    """The router as the ingress sees it: how many engine replicas take requests."""
+    """An admission as the ingress's health sees it: how many engine replicas take requests."""
     ready = 0
 
-    def num_ready_replicas(self) -> int:
+    async def num_ready_replicas(self) -> int:
         return self.ready
+
+    async def check_health(self) -> None:
+        pass
 
 
 class _Engines:
@@ -268,17 +270,19 @@ class _Engines:
     calls = 0
     fails = False
 
-    def model_info(self) -> ModelInfo:
+    async def model_info(self) -> ModelInfo:
         self.calls += 1
         if self.fails:
             raise RuntimeError("engine replica died")
         return ModelInfo("fake", 256, 16, 100, FakeTokenizer())
 
+    async def check_health(self) -> None:
+        pass
+
 
 def test_the_ingress_collects_its_requests_young_objects_less_often():
     gc.set_threshold(700)  # Python's default
-    Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), LocalHandle(_Fleet()),
-            LocalHandle(_Engines()))
+    Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), _Fleet(), _Engines())
     assert gc.get_threshold()[0] == YOUNG_COLLECTION_OBJECTS
 
 
@@ -288,8 +292,7 @@ def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready(
     engine replica is ready; a failed load is retried, and does not fail the ingress's check."""
     async def go():
         fleet, engines = _Fleet(), _Engines()
-        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), LocalHandle(fleet),
-                          LocalHandle(engines))
+        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, engines)
         transport = httpx.ASGITransport(app=ingress.build_asgi_app())
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             await ingress.check_health()
@@ -309,8 +312,7 @@ def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready(
             assert engines.calls == 3
 
         fresh = _Engines()
-        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), LocalHandle(fleet),
-                          LocalHandle(fresh))
+        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, fresh)
         transport = httpx.ASGITransport(app=ingress.build_asgi_app())
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             assert (await client.get("/health")).status_code == 200
@@ -574,91 +576,3 @@ def test_context_length_check_uses_chat_template_count():
 
 def test_http_transport_client_is_httpx():  # guard: tests above rely on httpx ASGI transport
     assert hasattr(httpx, "ASGITransport")
-
-
-def test_a_replica_that_never_acknowledges_is_a_503_not_a_hang():
-    """The router names a replica whose node died after it chose it: Serve's handle then holds
-    the call until some replica exists, maybe forever. Past ingress.replica_accept_timeout_s the
-    job fails with a 503 and the replica is reported lost to the router."""
-    import asyncio
-    import time
-    from types import SimpleNamespace
-
-    from engine.sampling_params import SamplingParams
-    from serve_app.config import AppConfig
-    from serve_app.jobs import Job, JobStream
-    from serve_app.messages import AdmitRequest, AdmitResult, EngineRequest
-    from serve_app.protocol import APIError
-
-    class Remote:
-        def __init__(self, fn):
-            self.remote = fn
-
-    async def admit(_):
-        return AdmitResult("lost-replica")
-
-    async def never_answers():
-        await asyncio.Event().wait()
-        yield None
-
-    reported = []
-    ingress = SimpleNamespace(
-        config=AppConfig.model_validate({"ingress": {"replica_accept_timeout_s": 0.2}}),
-        admissions=SimpleNamespace(admit=admit, release_later=lambda rid: reported.append(("release", rid))),
-        replica_streams=SimpleNamespace(generate=Remote(lambda request, replica_hint: never_answers())),
-        submissions=None,
-        call_router_later=lambda method, arg: reported.append((method, arg)))
-    job = Job(EngineRequest("j", [1, 2], SamplingParams(max_tokens=2)), AdmitRequest("j", 0, 2, 2), 0)
-
-    async def go():
-        stream = JobStream(ingress, job, asyncio.Queue())
-        t0 = time.monotonic()
-        await stream.run()
-        with pytest.raises(APIError) as refused:
-            stream.started.result()
-        return refused.value, time.monotonic() - t0
-
-    error, elapsed = run(go())
-    assert error.status == 503 and "unreachable" in error.message and elapsed < 2
-    assert ("remove_replica", "lost-replica") in reported and ("release", "j") in reported
-
-
-class _ReleasingRouter:
-    """Records each release call's ids; the first waits for `answer`, a call of "fails" raises."""
-
-    def __init__(self):
-        self.calls: list[list[str]] = []
-        self.answer = asyncio.Event()
-
-    async def release(self, request_ids: list[str]) -> None:
-        self.calls.append(list(request_ids))
-        if len(self.calls) == 1:
-            await self.answer.wait()
-        if "fails" in request_ids:
-            raise ConnectionError("router unreachable")
-
-
-def test_requests_that_end_while_a_release_is_on_its_way_go_together_in_the_next():
-    """Each release is a Serve call to the router: ends that come while one is on its way wait
-    and go in one call, each request released once; a failed call does not stop later ones."""
-    async def go():
-        router = _ReleasingRouter()
-        ingress = Ingress(AppConfig(), LocalHandle(router), LocalReplicaSet([]))
-
-        async def until(n: int) -> None:
-            while len(router.calls) < n or ingress._background:
-                await asyncio.sleep(0.001)
-
-        ingress.admissions.release_later("a")
-        while not router.calls:
-            await asyncio.sleep(0.001)
-        for request_id in ("b", "c", "fails"):  # each in a pass of the loop of its own
-            ingress.admissions.release_later(request_id)
-            await asyncio.sleep(0.001)
-        router.answer.set()
-        await until(2)
-        ingress.admissions.release_later("d")
-        await until(3)
-        return router.calls
-
-    assert run(go()) == [["a"], ["b", "c", "fails"], ["d"]]

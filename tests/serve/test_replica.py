@@ -29,10 +29,8 @@ def request(rid="x", max_tokens=40, prompt=(11, 12)) -> EngineRequest:
 
 
 async def collect(replica: EngineReplica, req: EngineRequest):
-    """The chunks after the replica's acknowledgement (checked here)."""
-    chunks = [c async for c in replica.generate(req)]
-    assert chunks[0].accepted and not chunks[0].outputs and not any(c.accepted for c in chunks[1:])
-    return chunks[1:]
+    """The request's chunks, streamed in-process."""
+    return [c async for c in replica.stream(req)]
 
 
 def test_streams_the_engine_output_coalesced():
@@ -61,7 +59,7 @@ def test_slo_verdicts_only_for_requests_the_service_answered():
     run(collect(replica, request("bad", prompt=[999], max_tokens=2)))
 
     async def leave_early():
-        gen = replica.generate(request("left", max_tokens=100))
+        gen = replica.stream(request("left", max_tokens=100))
         await gen.__anext__()
         await gen.__anext__()
         await gen.aclose()
@@ -74,8 +72,7 @@ def test_slo_verdicts_only_for_requests_the_service_answered():
 def test_cancelling_the_consumer_aborts_in_engine():
     async def go():
         replica = make(step_delay_s=0.01)
-        gen = replica.generate(request("z", max_tokens=100))
-        assert (await gen.__anext__()).accepted
+        gen = replica.stream(request("z", max_tokens=100))
         await gen.__anext__()
         task = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0.005)
@@ -93,23 +90,22 @@ def test_cancelling_the_consumer_aborts_in_engine():
 
 
 def test_a_report_lists_a_request_only_once_the_engine_counts_it():
-    """The replica has acknowledged a request, but the engine has not been handed it yet: the
+    """The replica has received a request, but the engine has not been handed it yet: the
     report must not list it, or the router would drop its pending admission while the load it
     sees leaves the request out. Once the engine holds it, the report lists it and counts it."""
     async def go():
         replica = make(step_delay_s=0.01, max_num_seqs=1)
-        gen = replica.generate(request("q", max_tokens=100))
-        assert (await gen.__anext__()).accepted
+        channel = replica.channel("c")
+        await channel.__anext__()
+        assert await replica.submit([request("q", max_tokens=100)], "c")
         before = replica.stats()
         assert before.received_ids == () and before.num_waiting == 0
-        task = asyncio.ensure_future(gen.__anext__())
         while not replica.engine.has_request("q"):
             await asyncio.sleep(0.001)
         after = replica.stats()
         assert after.received_ids == ("q",) and after.num_waiting + after.num_running == 1
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await gen.aclose()
+        await replica.abort(["q"])
+        await channel.aclose()
 
     run(go())
 

@@ -10,7 +10,7 @@ from admission_scenarios import ENGINE, SCENARIOS, Stack
 from conftest import admit_alone, merge, run, served_local_stack
 from fake_engine import FakeAsyncEngine
 
-from serve_app.admission import AdmissionQueue
+from serve_app.admission_queue import AdmissionQueue
 from serve_app.config import RouterConfig
 from serve_app.messages import AdmitRequest, ReplicaStats
 from serve_app.replica_pool import ReplicaPool

@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.queue import WaitingQueue
-from serve_app.admission import AdmissionQueue
+from serve_app.admission_queue import AdmissionQueue
 from serve_app.config import RouterConfig
 from serve_app.jobs import make_job
 from serve_app.messages import AdmitRequest, ModelInfo, ReplicaStats

@@ -4,7 +4,8 @@ dequantized blocks past 28 rows, the decode kernel and stack up to 28), two engi
 process, alternating rounds, the order swapped each round: single-stream decode, one 512-token
 prefill and the 64-request workload (benchmarks/quantization.py), with the CPU's features.
 
-    .venv/bin/python benchmarks/batch_kernels.py [--quantization gguf] [--kv-cache-dtype float16] [--repeats 3]
+    .venv/bin/python benchmarks/investigations/batch_kernels.py [--quantization gguf] [--kv-cache-dtype float16]
+        [--repeats 3]
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.quantization import bench_engine, cpu_features, prefill, single_stream, workload  # noqa: E402
 from benchmarks.workload import random_prompt  # noqa: E402

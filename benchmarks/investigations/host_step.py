@@ -18,8 +18,8 @@ then the Python functions that take the host's time (cProfile, `--steps` more st
 the engine process receives requests (an AddRequest command), so every step is a mixed one, the
 steady state of a server whose requests keep arriving (`--rows 255`: room for it in the batch).
 
-    python benchmarks/host_step.py [--rows 256] [--prompt 128] [--prefill 0] [--steps 200] [--repeats 3] [--profile]
-        [--json OUT]
+    python benchmarks/investigations/host_step.py [--rows 256] [--prompt 128] [--prefill 0] [--steps 200]
+        [--repeats 3] [--profile] [--json OUT]
 """
 import argparse
 import cProfile
@@ -38,10 +38,10 @@ import time
 import torch
 import yaml
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, _ROOT)
 from benchmarks.cuda_engine import SHAPES, shaped_model  # noqa: E402
-from benchmarks.cuda_step import timed_calls  # noqa: E402
+from benchmarks.investigations.cuda_step import timed_calls  # noqa: E402
 from benchmarks.quantization import cpu_features  # noqa: E402
 from benchmarks.workload import random_prompt  # noqa: E402
 from engine import SamplingParams  # noqa: E402

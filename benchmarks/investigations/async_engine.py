@@ -6,7 +6,7 @@ engine process removes it (compare with the offline `LLM` figure of serve_bench.
 `--idle-serve`, a local Ray instance with Serve started (controller and proxy, no application)
 runs alongside: what Ray's background activity alone takes from the forward.
 
-    .venv/bin/python benchmarks/async_engine.py [--threads 2] [--repeats 1] [--idle-serve]
+    .venv/bin/python benchmarks/investigations/async_engine.py [--threads 2] [--repeats 1] [--idle-serve]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 

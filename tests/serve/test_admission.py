@@ -1,5 +1,6 @@
-"""Admissions asked in batches: the ingress's AdmissionBatches against the real Router, in-process
-(the Router deployment's calls through serve_app.local's shim; through Serve: test_admission_e2e)."""
+"""Admission as the ingress asks it (serve_app.admission): the Router deployment's client, its
+admissions and releases in batches, against the real Router (its calls through a handle's
+stand-in, tests/serve/handles.py; through Serve: test_admission_e2e), and the Router in-process."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import contextlib
 
 import pytest
 from conftest import run
+from handles import Handle
 
-from serve_app.admit_batches import AdmissionBatches
+from serve_app.admission import LocalAdmission, RouterClient
 from serve_app.config import RouterConfig
-from serve_app.local import LocalHandle
 from serve_app.messages import AdmitRequest, ReplicaStats
 from serve_app.protocol import APIError
 from serve_app.router import Router
@@ -53,21 +54,15 @@ class _HeldRouter:
 
 
 class _Ingress:
-    """AdmissionBatches as an ingress holds it, calling `target` in-process."""
+    """A RouterClient as an ingress holds it, calling `target` through a handle's stand-in."""
 
     def __init__(self, target) -> None:
         self.target = target
-        self.tasks: set[asyncio.Task] = set()
-        self.admissions = AdmissionBatches(LocalHandle(target), self.in_background)
+        self.admissions = RouterClient(Handle(target))
 
     @property
     def released(self) -> list[str]:
         return self.target.released
-
-    def in_background(self, call) -> None:
-        task = asyncio.ensure_future(call)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
     def admit(self, rid: str) -> asyncio.Task:
         return asyncio.ensure_future(self.admissions.admit(req(rid)))
@@ -233,5 +228,69 @@ def test_a_batch_call_that_ends_early_withdraws_what_it_holds():
         await router.report(room())  # `a` admitted, its answer not read
         await answers.aclose()
         assert not router.queue and "a" not in router.pool.views["r0"].active
+
+    run(go())
+
+
+class _ReleasingRouter:
+    """Records each release call's ids; the first waits for `answer`, a call of "fails" raises."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.answer = asyncio.Event()
+
+    async def release(self, request_ids: list[str]) -> None:
+        self.calls.append(list(request_ids))
+        if len(self.calls) == 1:
+            await self.answer.wait()
+        if "fails" in request_ids:
+            raise ConnectionError("router unreachable")
+
+
+def test_requests_that_end_while_a_release_is_on_its_way_go_together_in_the_next():
+    """Each release is a Serve call to the router: ends that come while one is on its way wait
+    and go in one call, each request released once; a failed call does not stop later ones."""
+    async def go():
+        router = _ReleasingRouter()
+        admissions = RouterClient(Handle(router))
+
+        async def until(n: int) -> None:
+            while len(router.calls) < n or admissions._releases.busy:
+                await asyncio.sleep(0.001)
+
+        admissions.release("a")
+        while not router.calls:
+            await asyncio.sleep(0.001)
+        for request_id in ("b", "c", "fails"):  # each in a pass of the loop of its own
+            admissions.release(request_id)
+            await asyncio.sleep(0.001)
+        router.answer.set()
+        await until(2)
+        admissions.release("d")
+        await until(3)
+        return router.calls
+
+    assert run(go()) == [["a"], ["b", "c", "fails"], ["d"]]
+
+
+def test_the_router_in_process_admits_releases_and_withdraws_a_cancelled_wait():
+    """LocalAdmission: the replica named once one has room; a wait cancelled while queued leaves
+    the queue; a release frees the place for the next."""
+    async def go():
+        router = _router()
+        await router.report(full())
+        admission = LocalAdmission(router)
+        a, b = (asyncio.ensure_future(admission.admit(req(rid))) for rid in "ab")
+        await _settle()
+        assert len(router.queue) == 2
+        b.cancel()
+        await _settle()
+        assert [e.request.request_id for e in router.queue.entries()] == ["a"]
+        await router.report(room())
+        assert (await asyncio.wait_for(a, 1)).replica_id == "r0"
+        admission.release("a")
+        assert "a" not in router.pool.views["r0"].active
+        admission.replica_lost("r0")
+        assert await admission.num_ready_replicas() == 0
 
     run(go())

@@ -12,7 +12,7 @@ decodes and one prefill chunk, run eagerly and waited for), the steady state of 
 requests keep arriving; the Python functions that take the host's time in such steps are listed
 too (cProfile, 20 steps).
 
-    python benchmarks/cuda_step.py [--models llama-1b,smollm2-135m] [--rows 1] [--prefill 0] [--sync]
+    python benchmarks/investigations/cuda_step.py [--models llama-1b,smollm2-135m] [--rows 1] [--prefill 0] [--sync]
         [--json OUT]
 """
 import argparse
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 

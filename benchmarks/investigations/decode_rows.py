@@ -9,7 +9,8 @@ path's calls interleaved, median of `--repeats`. The kernel wins while its time 
 `--workload 8,20` then runs the 64-request workload (benchmarks/quantization.py) with each of
 those limits set on the model's matmuls, interleaved, `--workload-repeats` rounds.
 
-    python benchmarks/decode_rows.py [--quantization gguf] [--rows 1,2,4,6,8,10,12,16,24,32] [--repeats 30]
+    python benchmarks/investigations/decode_rows.py [--quantization gguf] [--rows 1,2,4,6,8,10,12,16,24,32]
+        [--repeats 30]
         [--workload 8,20] [--workload-repeats 2]
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parents[2]))
 from benchmarks.quantization import cpu_features  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.model_setup import load_model  # noqa: E402

@@ -5,7 +5,7 @@ does. SmolLM2's vocabulary (the workload's token ids) and two layers of 64: with
 CPU engine makes ~3,000 output tokens a second on one thread, so what serving costs each request
 and each stream message shows as it does beside a GPU. Writes OUT/model and OUT/serve.yaml:
 
-    python benchmarks/split_graph_cpu.py OUT
+    python benchmarks/investigations/split_graph_cpu.py OUT
     RAY_TMPDIR=$(mktemp -d) python benchmarks/serve_bench.py --launch --config OUT/serve.yaml \\
         --compare-offline --num-requests 256
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cuda_engine import SHAPES, shaped_model  # noqa: E402

@@ -5,7 +5,7 @@ of benchmarks/cuda_engine.py's shapes, bfloat16, the engine sizes of configs/ser
 the pool sized from the GPU, prefix caching off (so the second burst reuses no prefill); the
 workload of benchmarks/serve_bench.py, all at once, twice on the same engine.
 
-    python benchmarks/cuda_first_burst.py [--model smollm2-135m] [--num-requests 256] [--json OUT]
+    python benchmarks/investigations/cuda_first_burst.py [--model smollm2-135m] [--num-requests 256] [--json OUT]
 """
 import argparse
 import json
@@ -23,7 +23,7 @@ args = parser.parse_args()
 if not args.keep_cache:  # before Triton is imported
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import statistics  # noqa: E402
 
 import torch  # noqa: E402

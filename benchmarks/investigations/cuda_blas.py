@@ -5,7 +5,7 @@ more than the L2 holds), replayed from one CUDA graph: the whole step (16 layers
 and each shape's 16 calls, microseconds a replay (the mean of 50). The libraries run
 in turn, cuBLAS again last, so drift between them shows.
 
-    python benchmarks/cuda_blas.py [--rows 1,8]
+    python benchmarks/investigations/cuda_blas.py [--rows 1,8]
 """
 import argparse
 

@@ -1,0 +1,39 @@
+"""The documents a user reads stay references: the engine-argument reference is what the config's
+help strings generate, README.md and BENCHMARKS.md keep to their budgets, and every path they
+cite exists."""
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+README_LINES, BENCHMARKS_LINES = 250, 600
+
+
+def test_the_engine_argument_reference_is_what_the_config_generates():
+    generate = runpy.run_path(str(ROOT / "docs" / "generate.py"))
+    assert (ROOT / "docs" / "engine_args.md").read_text() == generate["render"](), \
+        "docs/engine_args.md is stale: run `.venv/bin/python docs/generate.py`"
+
+
+def test_readme_and_benchmarks_keep_to_their_budgets():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= README_LINES
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= BENCHMARKS_LINES
+
+
+def test_every_file_the_documents_cite_exists():
+    cited = set()
+    for doc in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md")]:
+        cited |= {(doc, m) for m in re.findall(r"`((?:engine|serve_app|benchmarks|configs|docs|tests|k8s|cluster)"
+                                               r"/[\w./-]+\.(?:py|md|yaml|json|cpp|sh))`", doc.read_text())}
+    missing = sorted(f"{doc.name}: {path}" for doc, path in cited if not (ROOT / path).exists())
+    assert not missing, missing
+
+
+def test_every_result_file_kept_is_cited():
+    """benchmarks/results/ keeps only the figures BENCHMARKS.md cites."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    uncited = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks" / "results").rglob("*")
+                     if p.is_file() and str(p.relative_to(ROOT)) not in text)
+    assert not uncited, uncited
