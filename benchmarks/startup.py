@@ -10,9 +10,12 @@ spawned, loaded and ready).
 `--baseline REV` alternates with a git worktree of REV (A B B A ...), run from there (its
 directory first on PYTHONPATH, so Ray's workers and the engine process import its code). Each
 tree's `make install` model step (`python -m engine.model_setup`) runs first, so no start times
-or scores `auto`.
+or scores `auto`. `--install-beside N` runs that step as a first `make install` does, on a
+cache with no decision or quality figures yet (the compiled kernels and the converted model
+linked in), beside N processes spinning on the CPU: the starts then show what a first start
+after an install on a busy machine takes.
 
-    python benchmarks/startup.py --rounds 5 [--baseline HEAD~3] [--json startup.json]
+    python benchmarks/startup.py --rounds 5 [--baseline HEAD~3] [--install-beside 2] [--json startup.json]
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.quantization import cpu_features  # noqa: E402
 from benchmarks.serve_bench import wait_healthy  # noqa: E402
+from engine.cache_dir import CACHE_ENV, cache_dir  # noqa: E402
+from engine.cpu_load import OtherLoad  # noqa: E402
 
 URL = "http://127.0.0.1:8000"
 # (phase, Serve log file glob, line pattern): the first matching line's time
@@ -101,11 +106,29 @@ def prepare(tree: Path, pythonpath: str | None) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def fresh_decisions_cache() -> Path:
+    """A cache root holding this machine's compiled kernels and converted models, and nothing
+    decided or scored yet; made this process's (and so its children's) CBSERVE_CACHE."""
+    root = Path(tempfile.mkdtemp(prefix="cbserve-cache-"))
+    for kind in ("kernels", "models"):
+        cache_dir(kind).mkdir(parents=True, exist_ok=True)
+        (root / kind).symlink_to(cache_dir(kind))
+    os.environ[CACHE_ENV] = str(root)
+    return root
+
+
+def spinning(count: int) -> list[subprocess.Popen]:
+    code = "while True: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--baseline", help="git revision to alternate with this tree")
     p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--install-beside", type=int, default=0, metavar="N",
+                   help="the install step on a cache with nothing decided, beside N spinning processes")
     p.add_argument("--json")
     args = p.parse_args()
     print(f"CPU: {cpu_features()}; {os.cpu_count()} cores")
@@ -116,7 +139,25 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), args.baseline], cwd=ROOT, check=True)
         trees = {f"baseline ({args.baseline})": (worktree, str(worktree))} | trees
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    install: dict[str, object] = {}
     try:
+        if args.install_beside:
+            cache = fresh_decisions_cache()
+            spinners = spinning(args.install_beside)
+            start = time.monotonic()
+            with OtherLoad() as load:
+                try:
+                    for tree, pythonpath in trees.values():
+                        prepare(tree, pythonpath)
+                finally:
+                    for spinner in spinners:
+                        spinner.kill()
+                        spinner.wait()
+            decisions = [json.loads(p.read_text()) for p in (cache / "decisions").glob("*.json")]
+            install = {"beside": args.install_beside, "seconds": time.monotonic() - start, "other_cores": load.cores,
+                       "contended_cores": [d.get("contended_cores") for d in decisions]}
+            print(f"install step beside {args.install_beside} spinning processes: {install['seconds']:.0f} s, "
+                  f"decisions marked with the cores others took: {install['contended_cores']}", flush=True)
         for tree, pythonpath in trees.values():
             prepare(tree, pythonpath)
         for r in range(args.rounds):
@@ -138,8 +179,8 @@ def main() -> None:
     for k in keys:
         print(f"| {k} | " + " | ".join(f"{medians[name].get(k, float('nan')):.2f}" for name in trees) + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "baseline": args.baseline, "runs": runs,
-                                               "medians": medians}, indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "baseline": args.baseline, "install": install,
+                                               "runs": runs, "medians": medians}, indent=1))
 
 
 if __name__ == "__main__":

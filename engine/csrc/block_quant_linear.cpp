@@ -516,11 +516,22 @@ Scratch<float> round_bf16(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
-// act(gate) for the gated prologues (kernels.h's kGated codes), in fp32 as torch computes them.
-inline float activate(float g, int64_t gated) {
-  if (gated == kGatedSilu) return g / (1.f + std::exp(-g));
-  if (gated == kGatedGeluTanh) return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-  return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f));
+// act(gate) * up over one row, for one of the gated prologues (kernels.h's kGated codes), in fp32 as torch
+// computes it; the activation is a template argument, chosen once for the rows, not per value.
+template <int64_t Gated>
+void gated_row(const float* gate, int64_t K, float* y) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float g = gate[k];
+    float a;
+    if constexpr (Gated == kGatedSilu) {
+      a = g / (1.f + std::exp(-g));
+    } else if constexpr (Gated == kGatedGeluTanh) {
+      a = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    } else {
+      a = 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f));
+    }
+    y[k] = a * gate[K + k];
+  }
 }
 
 // RMSNorm(x) * norm_weight, or the gated activation act(x[:, :K]) * x[:, K:] (x twice as wide as the weight):
@@ -530,9 +541,13 @@ Scratch<float> prologue(const float* x, int64_t M, int64_t K, const float* norm_
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* y = rows.get() + m * K;
-      if (gated) {
-        const float* gate = x + m * 2 * K;
-        for (int64_t k = 0; k < K; ++k) y[k] = activate(gate[k], gated) * gate[K + k];
+      const float* gate = x + m * 2 * K;
+      if (gated == kGatedSilu) {
+        gated_row<kGatedSilu>(gate, K, y);
+      } else if (gated == kGatedGeluTanh) {
+        gated_row<kGatedGeluTanh>(gate, K, y);
+      } else if (gated == kGatedGelu) {
+        gated_row<kGatedGelu>(gate, K, y);
       } else {
         rms_norm_row(x + m * K, norm_weight, K, eps, y);
       }

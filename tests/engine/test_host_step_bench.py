@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
-from benchmarks import host_step  # noqa: E402
+from benchmarks.investigations import host_step  # noqa: E402
 
 
 def test_decoding_rows_are_scheduled_ahead_and_arrivals_make_mixed_steps():
