@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLMEngine": "engine.llm_engine",
     "AsyncEngine": "engine.async_engine",
     "SamplingParams": "engine.sampling_params",
+    "PoolingParams": "engine.sampling_params",
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
     "CacheConfig": "engine.config",

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from engine.beam_search import BeamSearchParams
+from engine.chat_output import ChatOutputFormat
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
@@ -31,7 +32,7 @@ from engine.engine_core import AbortRequest, AddRequest, CoreOutputs, ProcessCor
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ class AsyncEngine(EngineClient):
         return self._info.tokenizer
 
     @property
+    def chat_format(self) -> ChatOutputFormat:
+        return self._info.chat_format
+
+    @property
+    def hidden_size(self) -> int:
+        return self._info.hidden_size
+
+    @property
     def max_model_len(self) -> int:
         return self._info.max_model_len
 
@@ -141,7 +150,17 @@ class AsyncEngine(EngineClient):
         Leaving early aborts it."""
         return self._stream(prompt_token_ids, params, request_id, priority, waited_s)
 
-    async def _stream(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams, request_id: str,
+    async def embed(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, priority: int = 0,
+                    waited_s: float = 0.0) -> RequestOutput:
+        """The prompt's embedding (`embedding` of the one output), computed in the step loop's
+        steps beside generation. Cancelling the call aborts it."""
+        async for output in self._stream(prompt_token_ids, params, request_id, priority, waited_s):
+            if output.finished:
+                return output
+        raise EngineDeadError("the embedding request ended without its output")
+
+    async def _stream(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams | PoolingParams,
+                      request_id: str,
                       priority: int, waited_s: float) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         await self._register(request_id, stream, AddRequest(request_id, prompt, params, priority, waited_s))

@@ -70,6 +70,11 @@ class ModelInputs:
     # (request, first position scored, number of positions)
     scored_indices: list[int] = field(default_factory=list)
     scored_prompts: list[tuple[Request, int, int]] = field(default_factory=list)
+    # embeddings: flat index of each token whose final hidden state is pooled, and per request
+    # (request, its first entry in pooled_indices, number of entries, the chunk's first position, whether its
+    # prompt ends here)
+    pooled_indices: list[int] = field(default_factory=list)
+    pooled: list[tuple[Request, int, int, int, bool]] = field(default_factory=list)
 
     @classmethod
     def one_sequence(cls, token_ids: torch.Tensor, start: int, num_blocks: int, block_size: int,

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.beam_search import BeamSearchParams
+from engine.chat_output import ChatOutputFormat
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 
 class EngineClient(ABC):
@@ -46,11 +47,22 @@ class EngineClient(ABC):
 
     @property
     @abstractmethod
+    def chat_format(self) -> ChatOutputFormat:
+        """How the model writes reasoning and tool calls (engine.chat_output): from its chat
+        template and the engine arguments reasoning_parser and tool_call_parser."""
+
+    @property
+    @abstractmethod
     def max_model_len(self) -> int: ...
 
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def hidden_size(self) -> int:
+        """The size of the model's embeddings."""
 
     @property
     @abstractmethod
@@ -72,6 +84,13 @@ class EngineClient(ABC):
     @abstractmethod
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
                  waited_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
+
+    @abstractmethod
+    async def embed(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, priority: int = 0,
+                    waited_s: float = 0.0) -> RequestOutput:
+        """An embedding (engine.sampling_params.PoolingParams), scheduled with the same priority
+        and aging as generation: the one finished output, its `embedding` set. Raises as
+        `generate` does; cancelling the call aborts it."""
 
     @abstractmethod
     def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,

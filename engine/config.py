@@ -21,6 +21,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash", "triton")
 MODEL_IMPLS = ("auto", "native", "transformers")
 VICTIM_ORDERS = ("lowest_priority_latest_arrival", "latest_arrival")
+REASONING_PARSERS = ("auto", "think", "harmony", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "harmony")
+POOLINGS = ("last", "mean")
 
 
 def _opt(default, help: str):
@@ -56,6 +59,15 @@ class ModelConfig:
     model_impl: str = _opt("auto", "how the model runs: 'auto' (its native family where engine/models/families.py "
                                    "has one, else transformers' own modeling code with the paged attention), "
                                    "'native' (refused for an architecture without a family) or 'transformers'")
+    reasoning_parser: str = _opt("auto", "how chat outputs' reasoning is told from the answer: 'auto' (from the chat "
+                                         "template: 'harmony' where it writes gpt-oss's channels, 'think' where it "
+                                         "writes </think>, else 'none'), 'think' (<think>...</think>), 'harmony' or "
+                                         "'none'")
+    tool_call_parser: str = _opt("auto", "the format tool calls are forced in and read from: 'auto' (from the chat "
+                                         "template's markers, else 'hermes'), 'hermes', 'llama3_json', 'mistral' or "
+                                         "'harmony'")
+    pooling: str = _opt("last", "embeddings: the final hidden states of a prompt's last token ('last') or their mean "
+                                "over its tokens ('mean'), L2-normalised")
     quality_check_tokens: int = _opt(6000, "tokens of the shipped English text a quantized mode is scored on against "
                                            "fp32 at start-up (cached per model and mode); 0 skips it, except for "
                                            "'auto'")
@@ -76,6 +88,10 @@ class ModelConfig:
         if self.quality_check_tokens < 0 or (self.quantization == "auto" and self.quality_check_tokens == 0):
             raise ValueError(f"quality_check_tokens must be >= 0, and > 0 with quantization 'auto' (the default: "
                              f"it keeps only modes that pass), got {self.quality_check_tokens}")
+        for name, allowed in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_CALL_PARSERS),
+                              ("pooling", POOLINGS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -148,6 +164,10 @@ class SchedulerConfig:
                                                      "measured online): decodes keep their time per token "
                                                      "under it, prefill chunks take the rest; None: "
                                                      "max_num_batched_tokens every step")
+    embedding_step_share: float = _opt(0.2, "while requests decode, embedding prompts take at most this fraction "
+                                            "more of a step's time than the decodes alone (the step-time model's "
+                                            "figures), so generation's time per token stays within 1 + this of "
+                                            "what it is without them; with nothing decoding they take the budget")
     async_scheduling: bool | None = _opt(None, "a steady batch of decodes schedules and queues its next step "
                                                "before this step's tokens reach the host, so the host's work "
                                                "between steps overlaps the device's (vLLM's async scheduling); "
@@ -169,6 +189,8 @@ class SchedulerConfig:
             raise ValueError(f"aging_rate must be >= 0, got {self.aging_rate}")
         if self.target_step_latency_s is not None and not self.target_step_latency_s > 0:
             raise ValueError(f"target_step_latency_s must be > 0, got {self.target_step_latency_s}")
+        if not self.embedding_step_share > 0:
+            raise ValueError(f"embedding_step_share must be > 0, got {self.embedding_step_share}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,11 +27,12 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from engine.beam_search import BeamSearchParams
+from engine.chat_output import ChatOutputFormat
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:  # built only where the loop runs: a ProcessCore's parent spawns the child without torch
     from engine.llm_engine import Event, LLMEngine
@@ -44,7 +45,7 @@ IDLE_WAIT_S = 0.5
 class AddRequest:
     request_id: str
     prompt: str | list[int]  # text (the engine tokenizes it) or token ids
-    params: SamplingParams | BeamSearchParams  # a beam search's: the loop runs the search
+    params: SamplingParams | BeamSearchParams | PoolingParams  # a beam search's: the loop runs the search
     priority: int = 0
     waited_s: float = 0.0  # already spent waiting upstream: aging goes on from there
 
@@ -77,8 +78,10 @@ TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"  # the base clas
 class CoreInfo:
     """What the caller's side needs of the engine, sent once when it is ready."""
     tokenizer: Any
+    chat_format: ChatOutputFormat
     max_model_len: int
     vocab_size: int
+    hidden_size: int
     eos_token_ids: frozenset[int]
     model_report: ModelReport
     stats: EngineStats
@@ -93,8 +96,8 @@ Emit = Callable[[CoreOutputs], None]
 
 
 def _info(engine: LLMEngine) -> CoreInfo:
-    return CoreInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size, engine.eos_token_ids,
-                    engine.model_report, engine.get_stats())
+    return CoreInfo(engine.tokenizer, engine.chat_format, engine.max_model_len, engine.vocab_size, engine.hidden_size,
+                    engine.eos_token_ids, engine.model_report, engine.get_stats())
 
 
 class StepLoop:

@@ -1,17 +1,18 @@
 """Offline batch API, vLLM-compatible: `LLM(...).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from tqdm.auto import tqdm
 
 from engine.beam_search import BeamSearchParams
+from engine.chat_output import ChatOutputFormat
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestError, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tools import forced_calls, parse_tools, resolve_tool_choice
+from engine.sampling_params import PoolingParams, SamplingParams
+from engine.tokenization import encode_text, render_chat
+from engine.tools import forced_tools, parse_tools, resolve_tool_choice
 
 Prompt = str | list[int]
 
@@ -39,8 +40,17 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         return self._run(self._add(prompts, params, priority or [0] * len(prompts)), use_tqdm)
 
-    def _add(self, prompts: list[Prompt], params: list[SamplingParams | BeamSearchParams], priorities: list[int]
-             ) -> list[str]:
+    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.embedding`, engine.sampling_params.PoolingParams),
+        computed in the same steps as any generation; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = [pooling_params or PoolingParams()] * len(prompts)
+        return self._run(self._add(prompts, params, priority or [0] * len(prompts)), use_tqdm)
+
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams | BeamSearchParams | PoolingParams],
+             priorities: list[int]) -> list[str]:
         """Adds every request, or (ValueError) none."""
         request_ids = [str(next(self._ids)) for _ in prompts]
         for i, (request_id, prompt, p) in enumerate(zip(request_ids, prompts, params)):
@@ -52,23 +62,31 @@ class LLM:
                 raise
         return request_ids
 
+    @property
+    def chat_format(self) -> ChatOutputFormat:
+        """How the model writes reasoning and tool calls: `chat_format.parse(prompt_text, text,
+        calls=True)` splits an output of `chat` into them."""
+        return self.engine.chat_format
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-             parallel_tool_calls: bool = True) -> list[RequestOutput]:
+             parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation (OpenAI-format messages, tool
-        calls and results included), then generates. `tools`, `tool_choice`: as OpenAI's; a
-        `required` or named choice constrains the output to calls whose arguments validate.
-        `engine.tools.parse_tool_calls` reads the calls out of an output's text."""
+        calls and results included; `chat_template_kwargs` such as `enable_thinking` reach the
+        template), then generates. `tools`, `tool_choice`: as OpenAI's; a `required` or named
+        choice constrains the output to calls in the model's own format whose arguments validate;
+        a structured output constrains the answer after any reasoning (`chat_format`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         offered = parse_tools(tools)
-        params = sampling_params or SamplingParams()
-        forced = forced_calls(offered, resolve_tool_choice(tool_choice, offered), parallel_tool_calls)
-        if forced is not None:
-            if params.structured_outputs is not None:
-                raise InvalidRequestError("tool_choice", "a required or named tool_choice constrains the output; "
-                                                         "it cannot be given with structured_outputs")
-            params = dataclasses.replace(params, structured_outputs=forced)
-        return self.generate([self.engine.encode_chat(c, offered) for c in conversations], params, use_tqdm)
+        choice = resolve_tool_choice(tool_choice, offered)
+        forced = forced_tools(offered, choice, parallel_tool_calls)
+        base = sampling_params or SamplingParams()
+        prompts, params = [], []
+        for conversation in conversations:
+            text = render_chat(self.tokenizer, conversation, True, offered, chat_template_kwargs)
+            prompts.append(encode_text(self.tokenizer, text, add_special_tokens=False, param="messages"))
+            params.append(self.chat_format.sampling_params(base, text, forced, calls=choice != "none"))
+        return self.generate(prompts, params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, use_tqdm: bool = False
                     ) -> list[RequestOutput]:

@@ -13,6 +13,7 @@ Not thread-safe: AsyncEngine drives it from one thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.selector import kv_block_bytes, resolve_kv_cache_dtype, select_backend
 from engine.beam_groups import BeamGroups
 from engine.beam_search import BeamSearchParams
+from engine.chat_output import ChatOutputFormat
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.errors import InvalidRequestError, RequestFailedError
@@ -40,10 +42,9 @@ from engine.runner.gpu_memory import kv_pool_bytes, peak_step_bytes
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.speculation.draft_model import DraftModelDrafter, load_draft_worker
 from engine.runner.speculation.self_draft import SelfDraft
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 from engine.scheduler.scheduler import PreemptionCosts, Scheduler
-from engine.tokenization import check_context_length, check_logit_bias, check_token_ids, encode_chat, encode_text
-from engine.tools import Tool
+from engine.tokenization import check_context_length, check_logit_bias, check_token_ids, encode_text
 
 logger = logging.getLogger(__name__)
 Event = RequestOutput | RequestError
@@ -63,10 +64,13 @@ class LLMEngine:
             torch.set_num_threads(config.model.num_threads)
         self.loaded = loaded = loaded or load_model(config.model, config.cache.kv_cache_dtype)
         model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.chat_format = ChatOutputFormat.of(self.tokenizer, config.model.reasoning_parser,
+                                               config.model.tool_call_parser)
         self.max_model_len = config.model.max_model_len or loaded.max_model_len
         if self.max_model_len > loaded.max_model_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the loaded model's {loaded.max_model_len}")
         self.vocab_size = model.vocab_size
+        self.hidden_size = model.hidden_size
         self.eos_token_ids = loaded.eos_token_ids
         cache = config.cache
         device = torch.device(config.model.device)
@@ -171,33 +175,43 @@ class LLMEngine:
         check_context_length(len(token_ids), None, self.max_model_len)
         return token_ids
 
-    def encode_chat(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
-        return encode_chat(self.tokenizer, messages, tools=tools)
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams,
-                    priority: int = 0, waited_s: float = 0.0) -> None:
-        """Queues a request, or with BeamSearchParams a beam search (validated first: ValueError
-        leaves the engine unchanged). `waited_s`: time it already waited upstream (a router's
-        queue): it arrived that much earlier, so its aging goes on from there instead of
-        starting over."""
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | BeamSearchParams | PoolingParams, priority: int = 0,
+                    waited_s: float = 0.0) -> None:
+        """Queues a request, with BeamSearchParams a beam search, or with PoolingParams an
+        embedding (validated first: ValueError leaves the engine unchanged). `waited_s`: time it
+        already waited upstream (a router's queue): it arrived that much earlier, so its aging
+        goes on from there instead of starting over."""
         if self.output_processor.has_request(request_id) or request_id in self.beams:
             raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
         if isinstance(params, BeamSearchParams):
             self.beams.add(request_id, self.encode_prompt(prompt), params, priority, self.clock() - waited_s)
             return
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling = self._pooling(params)
+            params = SamplingParams(max_tokens=1, temperature=0)  # scheduled as a prompt, never sampled from
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(None, f"params must be a SamplingParams or BeamSearchParams, got "
+            raise InvalidRequestError(None, f"params must be a SamplingParams, BeamSearchParams or PoolingParams, got "
                                             f"{type(params).__name__}")
         token_ids = self.encode_prompt(prompt)
         check_logit_bias(params, self.vocab_size)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        request = Request(request_id, token_ids, params, priority=priority, arrival_time=self.clock() - waited_s)
+        request = Request(request_id, token_ids, params, priority=priority, arrival_time=self.clock() - waited_s,
+                          pooling=pooling)
         if params.structured_outputs is not None:
             self._compiling[request_id] = (request, self.grammars.compile(params.structured_outputs))
         else:
             self.scheduler.add_request(request)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                   request.arrival_time)
+
+    def _pooling(self, params: PoolingParams) -> PoolingParams:
+        """`params` with the engine's pooling where it gives none, checked against the model."""
+        if params.dimensions is not None and params.dimensions > self.hidden_size:
+            raise InvalidRequestError("dimensions", f"dimensions must be at most the model's hidden size "
+                                                    f"{self.hidden_size}, got {params.dimensions}")
+        return dataclasses.replace(params, pooling=params.pooling or self.config.model.pooling)
 
     def _admit_compiled(self) -> list[Event]:
         """Hands the requests whose constraint compiled to the scheduler; refuses those whose

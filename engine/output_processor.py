@@ -35,6 +35,7 @@ class _SampleState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     finish_emitted: bool = False
@@ -53,6 +54,7 @@ class _RequestState:
     emitted: bool = False  # an output of it went out
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked, until emitted
+    embedding: list[float] | None = None  # an embedding request's, once its prompt is computed
 
 
 class OutputProcessor:
@@ -106,13 +108,15 @@ class OutputProcessor:
                 sample = state.samples.get(request.sample_index)
                 if sample is None:
                     sample = state.samples[request.sample_index] = _SampleState(
-                        DecodeStream(skip_special_tokens=True), request.spec)
+                        DecodeStream(skip_special_tokens=state.params.skip_special_tokens), request.spec)
                 if state.metrics.first_token_time is None:
                     self._first_token(state, request)
                 if state.behind:
                     state.behind.pop(request.sample_index, None)
-                if self._append(sample, request, logprobs.get(request.request_id) if logprobs else None,
-                                request.is_finished):
+                if request.embedding is not None:  # an embedding request: done, no tokens
+                    state.embedding, sample.finish_reason = request.embedding, request.finish_reason.value
+                elif self._append(sample, request, logprobs.get(request.request_id) if logprobs else None,
+                                  request.is_finished):
                     stopped.append(request.request_id)
                 changed[request.group_id] = state
             except Exception as e:  # detokenizing this request failed: it fails alone
@@ -150,7 +154,8 @@ class OutputProcessor:
         except Exception as e:
             return self._fail(request_id, e)
         for index in range(state.params.best_of):
-            sample = state.samples.setdefault(index, _SampleState(DecodeStream(skip_special_tokens=True), SpecCounts()))
+            sample = state.samples.setdefault(index, _SampleState(
+                DecodeStream(skip_special_tokens=state.params.skip_special_tokens), SpecCounts()))
             sample.finish_reason = sample.finish_reason or FinishReason.ABORT.value
         state.metrics.finished_time = self._clock() + self._wall_offset
         return self._emit(request_id, state)
@@ -198,17 +203,18 @@ class OutputProcessor:
         previous_len = len(sample.text)
         if finished:  # flush bytes the stream decoder still holds; a stop token is not text
             text_ids = sample.token_ids[:-1] if request.ended_on_stop_token else sample.token_ids
-            sample.text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+            sample.text = self.tokenizer.decode(text_ids, skip_special_tokens=request.params.skip_special_tokens)
         else:
             sample.text += sample.decoder.step(self.tokenizer, token_id) or ""
         stops = request.params.stop
         if not stops or len(sample.token_ids) < request.params.min_tokens:  # nothing ends it before min_tokens
             return False
         search_from = max(0, previous_len - max(map(len, stops)) + 1)
-        hits = [i for i in (sample.text.find(s, search_from) for s in stops) if i >= 0]
+        hits = [(i, s) for s in stops if (i := sample.text.find(s, search_from)) >= 0]
         if not hits:
             return False
-        sample.text = sample.text[:min(hits)]
+        at, sample.stop_string = min(hits)
+        sample.text = sample.text[:at]
         was_running = sample.finish_reason is None
         sample.finish_reason = FinishReason.STOP.value
         return was_running
@@ -239,7 +245,7 @@ class OutputProcessor:
             sample.finish_emitted = sample.finish_reason is not None
             deltas.append(CompletionOutput(index, text, tokens, sample.finish_reason,
                                            sample.logprobs[sample.num_emitted_tokens:]
-                                           if params.logprobs is not None else None))
+                                           if params.logprobs is not None else None, sample.stop_string))
             sample.num_emitted_chars, sample.num_emitted_tokens = end, len(sample.token_ids)
         # one sample's counts are its request's own, kept up to date by the scheduler: no sum to make
         state.metrics.spec = (next(iter(samples.values())).spec if len(samples) == 1
@@ -248,7 +254,7 @@ class OutputProcessor:
             del self.states[request_id]
             state.metrics.finished_time = state.metrics.finished_time or self._clock() + self._wall_offset
         output = RequestOutput(request_id, prompt, prompt_token_ids, deltas, finished,
-                               state.metrics, state.num_cached_tokens, state.prompt_logprobs)
+                               state.metrics, state.num_cached_tokens, state.prompt_logprobs, state.embedding)
         state.prompt_logprobs = None  # sent once, with the first output
         return output
 

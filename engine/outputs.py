@@ -16,6 +16,7 @@ class ModelRunnerOutput:
     draft_catch_up_tokens: int = 0  # tokens the draft model computed first, for requests it did not hold
     # request id -> (the first position scored, the logprobs of the prompt tokens after each position)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # embedding request id -> its embedding, when done
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
     logprobs: list[dict[int, float]] | None = None  # per token: sampled + top tokens
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(slots=True)
@@ -90,6 +92,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (None for the first), once
+    embedding: list[float] | None = None  # an embedding request's, with its one output
 
     def merge(self, delta: RequestOutput) -> None:
         """Folds a delta of the same request into this cumulative output."""
@@ -100,11 +103,13 @@ class RequestOutput:
         self.metrics = delta.metrics
         self.num_cached_tokens = delta.num_cached_tokens
         self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
+        self.embedding = self.embedding or delta.embedding
 
 
 def merge_deltas(by_index: dict[int, CompletionOutput], deltas: list[CompletionOutput], offset: int = 0) -> None:
     """The one way deltas accumulate: each delta's text, tokens and logprobs are appended to the
-    output at `offset + delta.index` (created empty when new), and its finish reason kept."""
+    output at `offset + delta.index` (created empty when new), and its finish reason (and stop
+    string) kept."""
     for d in deltas:
         mine = by_index.get(offset + d.index)
         if mine is None:
@@ -114,7 +119,7 @@ def merge_deltas(by_index: dict[int, CompletionOutput], deltas: list[CompletionO
         if d.logprobs is not None:
             mine.logprobs = (mine.logprobs or []) + d.logprobs
         if d.finish_reason is not None:
-            mine.finish_reason = d.finish_reason
+            mine.finish_reason, mine.stop_string = d.finish_reason, d.stop_string
 
 
 @dataclass(slots=True)

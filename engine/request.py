@@ -11,7 +11,7 @@ import time
 from typing import Protocol
 
 from engine.outputs import SpecCounts
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -48,9 +48,11 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group_id: str | None = None, sample_index: int = 0, priority: int = 0,
                  arrival_time: float | None = None, constraint: OutputConstraint | None = None,
-                 beam: bool = False):
+                 beam: bool = False, pooling: PoolingParams | None = None):
         """`beam`: a beam of a beam search (engine.beam_groups): parked after its one sampled
-        token, which its search replaces by the tokens it extends the beam with."""
+        token, which its search replaces by the tokens it extends the beam with. `pooling`: an
+        embedding request (its pooling resolved): its prompt is computed, never sampled from, and
+        it ends with `embedding` set."""
         self.request_id = request_id
         self.group_id = group_id or request_id  # the user request this sample belongs to
         self.sample_index = sample_index
@@ -60,6 +62,8 @@ class Request:
         self.params = params
         self.constraint = constraint  # advanced by every appended token
         self.beam = beam
+        self.pooling = pooling
+        self.embedding: list[float] | None = None
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
@@ -106,7 +110,10 @@ class Request:
     @property
     def num_cacheable_tokens(self) -> int:
         """Leading tokens the prefix cache may serve: not the last (its logits are needed), nor
-        a prompt token whose next token's logprobs are still to be computed."""
+        a prompt token whose next token's logprobs are still to be computed, nor any of a prompt
+        whose hidden states are all pooled."""
+        if self.pooling is not None and self.pooling.pooling == "mean":
+            return 0
         unscored = self.first_unscored_position
         return self.num_tokens - 1 if unscored is None else min(self.num_tokens - 1, unscored)
 

@@ -54,6 +54,7 @@ _RULES = (  # field, accepts, rule as the error message states it
     ("min_p", _number_in(0, 1), "must be a number in [0, 1]"),
     ("seed", lambda v: v is None or _int_in(INT64_MIN, INT64_MAX)(v), "must be a 64-bit signed int or null"),
     ("ignore_eos", lambda v: isinstance(v, bool), "must be a bool"),
+    ("skip_special_tokens", lambda v: isinstance(v, bool), "must be a bool"),
     ("presence_penalty", _number_in(-2, 2), "must be a number in [-2, 2]"),
     ("frequency_penalty", _number_in(-2, 2), "must be a number in [-2, 2]"),
     ("repetition_penalty", _number_in(0, math.inf, lo_open=True), "must be a finite number > 0"),
@@ -162,6 +163,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     best_of: int | None = None  # samples generated, the n with the highest cumulative logprob returned; None: n
     structured_outputs: StructuredOutputsParams | None = None  # what the output must match (constrained decoding)
+    skip_special_tokens: bool = True  # special tokens left out of the text (kept: a parser reads its markers)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -212,3 +214,19 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass(slots=True, frozen=True)
+class PoolingParams:
+    """An embedding request (vLLM's PoolingParams): the prompt's final hidden states (after the
+    model's final norm) pooled, its last token's (`last`) or the mean over its tokens (`mean`;
+    None: the engine's `pooling` argument), L2-normalised; `dimensions`: only the first ones kept,
+    then normalised again (Matryoshka-style truncation, at most the hidden size)."""
+    pooling: str | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self):
+        if self.pooling not in (None, "last", "mean"):
+            raise InvalidRequestError("pooling", f"pooling must be 'last' or 'mean', got {_show(self.pooling)}")
+        if self.dimensions is not None and not _int_in(1, INT32_MAX)(self.dimensions):
+            raise InvalidRequestError("dimensions", f"dimensions must be an int >= 1, got {_show(self.dimensions)}")

@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.tool_formats import tool_format_for
 from engine.tools import Tool, conversation, template_reads_tools
 
 
@@ -31,25 +32,31 @@ def untokenizable(param: str, error: Exception) -> InvalidRequestError:
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[Tool] | None = None) -> list[int]:
+                tools: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """`render_chat`'s text tokenized as transformers' `apply_chat_template` tokenizes it: the
     template writes every special token, so none is added."""
-    return encode_text(tokenizer, render_chat(tokenizer, messages, add_generation_prompt, tools),
+    return encode_text(tokenizer, render_chat(tokenizer, messages, add_generation_prompt, tools, template_kwargs),
                        add_special_tokens=False, param="messages")
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[Tool] | None = None) -> str:
+                tools: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """The chat template applied to OpenAI-format messages (tool calls and results included),
-    with the `tools` offered and the assistant's generation prompt unless told otherwise."""
+    with the `tools` offered and the assistant's generation prompt unless told otherwise.
+    `template_kwargs`: variables the template reads (`enable_thinking`, `reasoning_effort`);
+    one it does not mention is refused, so no client believes it was applied."""
     if not messages:
         raise InvalidRequestError("messages", "messages must not be empty")
-    native = template_reads_tools(getattr(tokenizer, "chat_template", None))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    unread = [name for name in template_kwargs or {} if name not in template]
+    if unread:
+        raise InvalidRequestError(unread[0], f"this model's chat template does not take {unread[0]}")
+    native = template_reads_tools(template)
     extra = {"tools": [t.as_openai() for t in tools]} if native and tools else {}
-    messages = conversation(messages, tools or [], native)
+    messages = conversation(messages, tools or [], native, short_call_ids=tool_format_for(template) == "mistral")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **extra)
+                                             **extra, **(template_kwargs or {}))
     except Exception as e:  # the template refuses the conversation (roles, order, content)
         raise InvalidRequestError("messages", f"could not apply the chat template: {e}") from None
 

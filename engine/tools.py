@@ -1,18 +1,14 @@
-"""Tool calls in the Hermes format (vLLM's `hermes` parser reads the same): the tools rendered
-into the prompt, the calls a `tool_choice` forces as an output constraint, and the calls parsed
-back out of the output. A call is written
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-A chat template that knows tools (it reads `tools`) renders them itself; for one that does not
-(the embedded SmolLM2's), the tools go into the system message, earlier calls into the
-assistant's text and tool results into `<tool_response>` user turns, the way Hermes-trained
-models read them. Torch-free: the ingress uses it as the offline API does.
+"""Tools and tool calls as OpenAI's API has them, checked, and rendered into the prompt: a chat
+template that knows tools (it reads `tools`) renders them, earlier calls and their results itself;
+for one that does not (the embedded SmolLM2's), the tools go into the system message, earlier calls
+into the assistant's text and tool results into `<tool_response>` user turns, in the Hermes format,
+the way Hermes-trained models read them. How each family writes calls in its output, and how they
+are forced and read back: engine/tool_formats.py. Torch-free: the ingress uses it as the offline
+API does.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -20,13 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import StructuredOutputsParams, check_json_schema
+from engine.sampling_params import check_json_schema
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 TOOL_CHOICES = ("none", "auto", "required")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# the JSON of forced calls, written as the engine's JSON constraints write it
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _SYSTEM_PROMPT = """# Tools
 
 You may call one or more functions to assist with the user query.
@@ -123,26 +117,14 @@ def resolve_tool_choice(tool_choice: Any, tools: list[Tool]) -> str:
     return tool_choice
 
 
-def forced_calls(tools: list[Tool], choice: str, parallel: bool = True) -> StructuredOutputsParams | None:
-    """The constraint a `required` or named choice puts on the output: Hermes calls to the
-    allowed functions with arguments valid against their parameters (one call when named or
-    not `parallel`); None when the model chooses."""
+def forced_tools(tools: list[Tool], choice: str, parallel: bool = True) -> tuple[list[Tool], bool] | None:
+    """What a `required` or named choice forces: the tools a call may name, and whether several
+    calls may come (`required` with parallel calls); None when the model chooses."""
     if choice in ("none", "auto"):
         return None
-    allowed = tools if choice == "required" else [t for t in tools if t.name == choice]
-    calls = " | ".join(f"%json {json.dumps(_call_schema(t))}" for t in allowed)
-    repeat = ' ("\\n" call)*' if parallel and choice == "required" else ""
-    return StructuredOutputsParams(grammar=f'start: call{repeat}\ncall: "{_lark(CALL_START)}\\n" ({calls}) '
-                                           f'"\\n{_lark(CALL_END)}"')
-
-
-def _call_schema(tool: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_STYLE}
-
-
-def _lark(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"')
+    if choice == "required":
+        return tools, parallel
+    return [t for t in tools if t.name == choice], False
 
 
 # ---------------------------------------------------------------- the prompt
@@ -152,12 +134,14 @@ def template_reads_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def conversation(messages: list[dict], tools: list[Tool], native: bool) -> list[dict]:
+def conversation(messages: list[dict], tools: list[Tool], native: bool, short_call_ids: bool = False) -> list[dict]:
     """OpenAI-format messages as the chat template gets them. `native`: the template renders
     tools, calls and tool results itself (calls' arguments as objects, as Hugging Face templates
-    take them); otherwise all three become text here."""
+    take them); otherwise all three become text here. `short_call_ids`: call ids as Mistral's
+    templates require them (nine letters and digits), each id mapped the same way wherever it
+    stands."""
     if native:
-        return [_native(m) for m in messages]
+        return [_native(m, short_call_ids) for m in messages]
     rendered: list[dict] = []
     for previous, m in zip([None, *messages], messages):
         if m["role"] == "tool":
@@ -180,10 +164,15 @@ def conversation(messages: list[dict], tools: list[Tool], native: bool) -> list[
     return rendered
 
 
-def _native(message: dict) -> dict:
+def _native(message: dict, short_call_ids: bool) -> dict:
+    def call_id(value: str | None) -> str | None:
+        return hashlib.sha256(value.encode()).hexdigest()[:9] if short_call_ids and value is not None else value
+
+    if message.get("tool_call_id") is not None:
+        return message | {"tool_call_id": call_id(message["tool_call_id"])}
     if not message.get("tool_calls"):
         return message
-    calls = [{"id": c.get("id"), "type": "function", "function": _call_dict(c)} for c in message["tool_calls"]]
+    calls = [{"id": call_id(c.get("id")), "type": "function", "function": _call_dict(c)} for c in message["tool_calls"]]
     return message | {"content": message.get("content") or "", "tool_calls": calls}
 
 
@@ -196,86 +185,3 @@ def _call_dict(call: dict) -> dict:
         raise InvalidRequestError("messages", f"the arguments of the call to {function['name']!r:.70} are not "
                                               "JSON") from None
     return {"name": function["name"], "arguments": arguments}
-
-
-# ---------------------------------------------------------------- the output
-
-
-class ToolCallParser:
-    """Splits an output, as its text arrives, into content and complete calls. The text of a
-    call is held until its end tag; a call whose JSON is not a call is content. Whitespace
-    between and after calls is dropped."""
-
-    def __init__(self) -> None:
-        self._pending = ""  # text not yet returned
-        self._space = ""  # whitespace after a call, returned if something else follows
-        self._in_call = False
-        self.num_calls = 0
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content that can be returned now and the calls completed by `text`."""
-        self._pending += text
-        content, calls = [], []
-        while True:
-            if self._in_call:
-                end = self._pending.find(CALL_END)
-                if end < 0:
-                    break
-                body, self._pending, self._in_call = self._pending[:end], self._pending[end + len(CALL_END):], False
-                call = _call(body)
-                if call is None:
-                    content.append(CALL_START + body + CALL_END)
-                else:
-                    calls.append(call)
-                    self.num_calls += 1
-                continue
-            start = self._pending.find(CALL_START)
-            if start >= 0:
-                content.append(self._pending[:start])
-                self._pending, self._in_call = self._pending[start + len(CALL_START):], True
-                continue
-            held = _partial_tag(self._pending)
-            content.append(self._pending[:len(self._pending) - held])
-            self._pending = self._pending[len(self._pending) - held:]
-            break
-        return self._visible("".join(content)), calls
-
-    def finish(self) -> str:
-        """The rest of the content: an unfinished call is text."""
-        rest = self._space + (CALL_START if self._in_call else "") + self._pending
-        self._pending, self._space, self._in_call = "", "", False
-        return rest if rest.strip() or not self.num_calls else ""
-
-    def _visible(self, content: str) -> str:
-        if self.num_calls and not content.strip():
-            self._space += content
-            return ""
-        content, self._space = self._space + content, ""
-        return content
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole output's content (None if nothing but calls) and its calls."""
-    parser = ToolCallParser()
-    content, calls = parser.feed(text)
-    content = (content + parser.finish()).strip()
-    return (content or None) if calls else content, calls
-
-
-def _call(body: str) -> ToolCall | None:
-    try:
-        call = json.loads(body)
-    except ValueError:
-        return None
-    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    return ToolCall.new(call["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _partial_tag(text: str) -> int:
-    """The length of the end of `text` that may begin a call's start tag."""
-    for n in range(min(len(text), len(CALL_START) - 1), 0, -1):
-        if CALL_START.startswith(text[-n:]):
-            return n
-    return 0

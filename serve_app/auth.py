@@ -27,18 +27,20 @@ class Authorizer:
     def is_open(self) -> bool:
         return not self._keys
 
-    def authorize(self, authorization: str | None) -> PriorityRange:
-        """The priority range of the bearer token in the Authorization header; 401 if the server
-        has keys and this is none of them. Every key is compared, in constant time each."""
+    def authorize(self, authorization: str | None, api_key: str | None = None) -> PriorityRange:
+        """The priority range of the bearer token in the Authorization header, or of `api_key`
+        (an x-api-key header, as Anthropic's clients send the key); 401 if the server has keys and
+        this is none of them. Every key is compared, in constant time each."""
         if self.is_open:
             return self._default
-        token = authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " else ""
+        token = authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " \
+            else (api_key or "").strip()
         granted = None
         for key, allowed in self._keys:
             if hmac.compare_digest(key, token.encode("utf-8", "surrogatepass")) and granted is None:
                 granted = allowed
         if granted is None:
-            raise APIError(401, "Invalid or missing API key (use 'Authorization: Bearer <key>').",
+            raise APIError(401, "Invalid or missing API key (use 'Authorization: Bearer <key>' or 'x-api-key: <key>').",
                            code="invalid_api_key")
         return granted
 

@@ -27,6 +27,7 @@ class StreamCoalescer:
         self.metrics: RequestMetrics | None = None  # the engine's timings, from the latest output
         self.finished = False  # the engine's final output arrived
         self._prompt_logprobs: list[tuple[int, dict[int, float] | None]] | None = None  # until sent
+        self._embedding: list[float] | None = None  # an embedding request's, until sent
 
     async def coalesce(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[StreamChunk]:
         """Yields merged deltas: on the first token, then when `interval_s` has passed since the
@@ -59,6 +60,7 @@ class StreamCoalescer:
                 self.metrics, num_prompt = output.metrics, len(output.prompt_token_ids)
                 if output.prompt_logprobs is not None:
                     self._prompt_logprobs = list(zip(output.prompt_token_ids, output.prompt_logprobs))
+                self._embedding = output.embedding or self._embedding
                 merge_deltas(buffer, output.outputs)
                 finished = self.finished = output.finished
                 if finished or self.clock() - last_flush >= self.interval_s:
@@ -83,4 +85,5 @@ class StreamCoalescer:
         outputs = [buffer[i] for i in sorted(buffer)]
         self.num_output_tokens += sum(len(o.token_ids) for o in outputs)
         prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
-        return StreamChunk(outputs, num_prompt, finished, prompt_logprobs=prompt_logprobs)
+        embedding, self._embedding = self._embedding, None
+        return StreamChunk(outputs, num_prompt, finished, prompt_logprobs=prompt_logprobs, embedding=embedding)

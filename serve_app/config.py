@@ -216,6 +216,11 @@ class IngressConfig(_Strict):
     ignore_unknown_fields: bool = Field(
         False, description="Accept request fields this server does not know, logging their names, for clients "
                            "that send vendor fields; off: such a request gets a 400 naming the field.")
+    max_stored_responses: int = Field(
+        1024, ge=0, description="Responses API: responses kept (store: true) for previous_response_id and GET, "
+                                "the least recently used dropped first. Kept in each ingress replica's memory: "
+                                "with several ingress replicas a later request may reach one that does not hold "
+                                "the response (a 404 that says so).")
 
 
 class AppConfig(_Strict):

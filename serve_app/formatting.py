@@ -7,19 +7,69 @@ merge_deltas), logprobs shaping. Does not own: transport (jobs.py frames the eve
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from engine.chat_output import ChatDelta, ChatOutputParser
 from engine.outputs import CompletionOutput, merge_deltas
-from engine.tools import ToolCallParser, parse_tool_calls
+from engine.tools import ToolCall
 from serve_app.messages import StreamChunk
 from serve_app.protocol import (
+    SSE_DONE,
+    APIError,
     ChatChoice,
     ChatCompletionResponse,
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
     Usage,
+    sse_event,
 )
+
+
+@dataclass(slots=True)
+class Block:
+    """One part of a choice's output: its reasoning, its text, or one tool call."""
+    kind: str  # "reasoning", "text" or "call"
+    index: int  # its place among the output's blocks
+    text: str = ""  # the reasoning or text so far; a call's arguments
+    call: ToolCall | None = None
+
+
+class OutputBlocks:
+    """One output's parts as blocks, opened, grown and closed as its parsed deltas arrive: the
+    Responses API's output items and the Messages API's content blocks. Reasoning and text each
+    grow the open block of their kind, or close it and open one; a call is a block of its own."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+        self._open: Block | None = None
+
+    def feed(self, delta: ChatDelta) -> list[tuple[str, Block, str]]:
+        """("open" | "delta" | "close", block, the text it grew by), for each change in order."""
+        events: list[tuple[str, Block, str]] = []
+        for kind, text in (("reasoning", delta.reasoning), ("text", delta.content)):
+            if not text:
+                continue
+            if self._open is None or self._open.kind != kind:
+                events += self.close()
+                self._open = Block(kind, len(self.blocks))
+                self.blocks.append(self._open)
+                events.append(("open", self._open, ""))
+            self._open.text += text
+            events.append(("delta", self._open, text))
+        for call in delta.calls:
+            events += self.close()
+            block = Block("call", len(self.blocks), call.arguments, call)
+            self.blocks.append(block)
+            events += [("open", block, ""), ("delta", block, call.arguments), ("close", block, "")]
+        return events
+
+    def close(self) -> list[tuple[str, Block, str]]:
+        """Closes the open block, if any."""
+        block, self._open = self._open, None
+        return [("close", block, "")] if block is not None else []
 
 
 class Formatter:
@@ -75,6 +125,21 @@ class Formatter:
             return None
         return {"id": self.response_id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": [], "usage": self.usage().model_dump()}
+
+    # the stream's framing: each API's own (OpenAI's chat and completions: data lines, then [DONE])
+
+    def stream_text(self, chunk: StreamChunk, offset: int) -> str:
+        """The SSE text of a chunk of the job whose choices start at `offset`."""
+        return "".join(sse_event(event) for event in self.stream_events(chunk, offset))
+
+    def stream_end(self) -> str:
+        """What ends a stream whose jobs all ended."""
+        usage_event = self.usage_event()
+        return (sse_event(usage_event) if usage_event is not None else "") + SSE_DONE
+
+    def stream_error(self, error: APIError) -> str:
+        """What ends a stream a job failed."""
+        return sse_event(error.body()) + SSE_DONE
 
     def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
@@ -145,15 +210,17 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
-    """With tools offered (tool_choice other than `none`), each choice's calls are parsed out of
-    its text: `message.tool_calls`, streamed as each call completes, and finish_reason
-    `tool_calls` (OpenAI's `stop` when the call was forced by name)."""
+    """Each choice's text split by the model's chat format (engine.chat_output) into reasoning
+    (`reasoning_content`, and vLLM's newer `reasoning`), content and, with tools offered
+    (tool_choice other than `none`), `message.tool_calls`, streamed as each call completes, with
+    finish_reason `tool_calls` (OpenAI's `stop` when the call was forced by name)."""
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, output_parser: Callable[[], ChatOutputParser], **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._role_sent: set[int] = set()
-        self._parsers: dict[int, ToolCallParser] | None = {} if self.req.chosen_tool != "none" else None
+        self._new_parser = output_parser
+        self._parsers: dict[int, ChatOutputParser] = {}
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         s = self._token_str(token_id)
@@ -172,33 +239,35 @@ class ChatFormatter(Formatter):
         return "tool_calls" if reason == "stop" and called and self.req.chosen_tool in ("auto", "required") else reason
 
     def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": d.text}
-        finish_reason = d.finish_reason
-        if self._parsers is not None:
-            parser = self._parsers.setdefault(index, ToolCallParser())
-            content, calls = parser.feed(d.text)
-            if d.finish_reason is not None:
-                content += parser.finish()
-            delta["content"] = content or (None if calls else "")
-            if calls:
-                first = parser.num_calls - len(calls)
-                delta["tool_calls"] = [{"index": first + i} | call.as_openai() for i, call in enumerate(calls)]
-            finish_reason = self._finish_reason(d.finish_reason, parser.num_calls > 0)
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self._new_parser()
+        parts = parser.feed(d.text)
+        if d.finish_reason is not None:
+            parts += parser.finish()
+        delta: dict[str, Any] = {"content": parts.content or (None if parts.calls or parts.reasoning else "")}
+        if parts.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = parts.reasoning
+        if parts.calls:
+            first = parser.num_calls - len(parts.calls)
+            delta["tool_calls"] = [{"index": first + i} | call.as_openai() for i, call in enumerate(parts.calls)]
         if index not in self._role_sent:
             self._role_sent.add(index)
             delta["role"] = "assistant"
         lp = None
         if d.logprobs is not None:
             lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": lp,
+                "finish_reason": self._finish_reason(d.finish_reason, parser.num_calls > 0)}
 
     def _choice_out(self, c: CompletionOutput) -> ChatChoice:
-        message, finish_reason = ChatMessageOut(content=c.text), c.finish_reason
-        if self._parsers is not None:
-            content, calls = parse_tool_calls(c.text)
-            message = ChatMessageOut(content=content, tool_calls=[call.as_openai() for call in calls])
-            finish_reason = self._finish_reason(c.finish_reason, bool(calls))
-        return ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+        parser = self._new_parser()
+        parts = parser.feed(c.text) + parser.finish()
+        content, calls, reasoning = parts.content, parts.calls, parts.reasoning or None
+        message = ChatMessageOut(content=(content.strip() or None) if calls else content, reasoning_content=reasoning,
+                                 reasoning=reasoning, tool_calls=[call.as_openai() for call in calls])
+        return ChatChoice(index=c.index, message=message,
+                          finish_reason=self._finish_reason(c.finish_reason, bool(calls)),
                           logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
 
     def response(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,15 +31,20 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
+from engine.chat_output import ChatOutputParser
 from engine.errors import InvalidRequestError
 from engine.heap import collect_young_less_often
 from engine.tokenization import check_token_ids, render_chat
+from engine.tools import Tool
 from serve_app.admission import Admission
+from serve_app.anthropic_api import CountTokensRequest, MessagesFormatter, MessagesRequest
+from serve_app.anthropic_api import error_body as anthropic_error
 from serve_app.auth import Authorizer, resolve_priority
 from serve_app.batch_tokenizer import BatchTokenizer
 from serve_app.config import AppConfig
+from serve_app.embeddings_api import EmbeddingRequest, EmbeddingsFormatter
 from serve_app.formatting import ChatFormatter, CompletionFormatter
-from serve_app.jobs import check_fits_queue, make_job, respond
+from serve_app.jobs import Job, check_fits_queue, complete, make_embedding_job, make_job, respond
 from serve_app.messages import ModelInfo
 from serve_app.protocol import (
     APIError,
@@ -51,10 +56,21 @@ from serve_app.protocol import (
     model_card,
 )
 from serve_app.replicas import Replicas
+from serve_app.responses_api import (
+    ResponsesFormatter,
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    chat_messages,
+    output_history,
+    stored_items,
+)
 from serve_app.shared_port import SharedPortServer
 
 logger = logging.getLogger("cbserve.ingress")
 _BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
+           "/v1/responses": (ResponsesRequest,), "/v1/messages": (MessagesRequest,),
+           "/v1/messages/count_tokens": (CountTokensRequest,), "/v1/embeddings": (EmbeddingRequest,),
            "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest), "/detokenize": (DetokenizeRequest,)}
 
 
@@ -75,6 +91,7 @@ class Ingress:
         self._tokens: BatchTokenizer | None = None  # the model's tokenizer, off the event loop
         self._info_lock = asyncio.Lock()
         self._created = int(time.time())
+        self.responses = ResponseStore(config.ingress.max_stored_responses, config.ingress.num_replicas)
 
     # ------------------------------------------------------------ helpers
 
@@ -89,26 +106,22 @@ class Ingress:
                 self._model_info = info
         return self._model_info
 
-    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        return await self._encode(prompt) if isinstance(prompt, str) else prompt
+    async def _prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        return await self._encode(prompt, param=param) if isinstance(prompt, str) else prompt
 
-    async def _chat_ids(self, info: ModelInfo, req: ChatCompletionRequest | TokenizeChatRequest,
-                        add_generation_prompt: bool = True) -> list[int]:
-        """engine.tokenization.encode_chat's ids: the template applied here, its text (every
-        special token written out, none to add) tokenized off the event loop."""
-        try:
-            text = render_chat(info.tokenizer, req.template_messages(), add_generation_prompt, req.offered_tools)
-        except InvalidRequestError as e:
-            raise APIError.from_invalid(e) from None
-        return await self._encode(text, add_special_tokens=False, param="messages")
+    async def _chat_prompt(self, info: ModelInfo, messages: list[dict], tools: list[Tool],
+                           add_generation_prompt: bool = True, template_kwargs: dict | None = None
+                           ) -> tuple[str, list[int]]:
+        """engine.tokenization.encode_chat's text and ids for OpenAI-format `messages`: the
+        template applied here, its text (every special token written out, none to add)
+        tokenized off the event loop."""
+        text = render_chat(info.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        return text, await self._encode(text, add_special_tokens=False, param="messages")
 
     async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """A text's token ids (the model's info already here), tokenized off the event loop."""
         assert self._tokens is not None
-        try:
-            return await self._tokens.encode(text, add_special_tokens, param)
-        except InvalidRequestError as e:
-            raise APIError.from_invalid(e) from None
+        return await self._tokens.encode(text, add_special_tokens, param)
 
     async def check_health(self) -> None:
         """Serve's periodic check: the admission's and the replicas' in this process, then the
@@ -193,7 +206,10 @@ class Ingress:
 
     async def _authorized_json(self, request: Request) -> tuple[Any, dict]:
         """What the caller's key allows, and the body."""
-        return self.auth.authorize(request.headers.get("authorization")), await self._read_json(request)
+        return self._authorize(request), await self._read_json(request)
+
+    def _authorize(self, request: Request) -> Any:
+        return self.auth.authorize(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
     async def _validated(self, model_cls: type[BaseModel], data: dict) -> tuple[Any, ModelInfo]:
         """The body as `model_cls` with its model name checked, and the served model's info."""
@@ -214,31 +230,120 @@ class Ingress:
         _log_user(base_id, req)
         prompt_ids = ([await self._prompt_ids(prompts[0])] if len(prompts) == 1
                       else await asyncio.gather(*map(self._prompt_ids, prompts)))  # a batch's texts together
-        try:
-            jobs = [make_job(f"{base_id}-{i}", ids, req=req, info=info, max_tokens=req.max_tokens,
-                             default_max_tokens=self.config.ingress.default_completion_max_tokens,
-                             num_logprobs=req.logprobs, priority=priority, choice_offset=i * req.n, param="prompt")
-                    for i, ids in enumerate(prompt_ids)]
-        except InvalidRequestError as e:
-            raise APIError.from_invalid(e) from None
+        jobs = [make_job(f"{base_id}-{i}", ids, req=req, info=info, max_tokens=req.max_tokens,
+                         default_max_tokens=self.config.ingress.default_completion_max_tokens,
+                         num_logprobs=req.logprobs, priority=priority, choice_offset=i * req.n, param="prompt")
+                for i, ids in enumerate(prompt_ids)]
         check_fits_queue(jobs, self.config.router.max_queued_tokens)
         fmt = CompletionFormatter(base_id, self.model_name, req, info.tokenizer, len(jobs) * req.n)
         return await respond(jobs, fmt, req.stream, self.admission, self.replicas)
+
+    async def _chat_job(self, info: ModelInfo, job_id: str, req: Any, messages: list[dict], template_kwargs: dict,
+                        max_tokens: int | None, num_logprobs: int | None, priority: int, param: str
+                        ) -> tuple[Job, Callable[[], ChatOutputParser]]:
+        """One chat turn's job (chat completions, Responses, Messages): `messages` through the
+        template with `req`'s tools (offered_tools, chosen_tool, forced), its parameters a chat
+        turn's in the model's format (engine.chat_output), and the parser its output is read with."""
+        calls, forced = req.chosen_tool != "none", req.forced
+        text, ids = await self._chat_prompt(info, messages, req.offered_tools, template_kwargs=template_kwargs)
+        job = make_job(job_id, ids, req=req, info=info, max_tokens=max_tokens, default_max_tokens=info.max_model_len,
+                       num_logprobs=num_logprobs, priority=priority, choice_offset=0, param=param,
+                       chat_turn=lambda params: info.chat_format.sampling_params(params, text, forced, calls))
+        check_fits_queue([job], self.config.router.max_queued_tokens)
+        return job, lambda: info.chat_format.parser(text, calls)
 
     async def chat_completions(self, request: Request):
         req, priority, info = await self._accept(request, ChatCompletionRequest)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         _log_user(base_id, req)
-        ids = await self._chat_ids(info, req)
-        try:
-            job = make_job(f"{base_id}-0", ids, req=req, info=info, max_tokens=req.requested_max_tokens,
-                           default_max_tokens=info.max_model_len, num_logprobs=req.num_logprobs, priority=priority,
-                           choice_offset=0, param="messages")
-        except InvalidRequestError as e:
-            raise APIError.from_invalid(e) from None
-        check_fits_queue([job], self.config.router.max_queued_tokens)
-        fmt = ChatFormatter(base_id, self.model_name, req, info.tokenizer, req.n)
+        job, parser = await self._chat_job(info, f"{base_id}-0", req, req.template_messages(), req.template_kwargs,
+                                           req.requested_max_tokens, req.num_logprobs, priority, "messages")
+        fmt = ChatFormatter(base_id, self.model_name, req, info.tokenizer, req.n, output_parser=parser)
         return await respond([job], fmt, req.stream, self.admission, self.replicas)
+
+    async def create_response(self, request: Request):
+        """OpenAI's Responses API (serve_app.responses_api): one chat turn over the items given,
+        after a kept response's conversation where previous_response_id names one."""
+        req, priority, info = await self._accept(request, ResponsesRequest)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        _log_user(response_id, req)
+        items = req.input_items()
+        history = self.responses.get(req.previous_response_id, "previous_response_id").history \
+            if req.previous_response_id is not None else []
+        conversation = history + chat_messages(items)
+        instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        if not conversation:
+            raise APIError(400, "input must hold at least one item", param="input")
+        job, parser = await self._chat_job(info, response_id, req, instructions + conversation,
+                                           req.template_kwargs(_template(info)), req.max_output_tokens, None, priority,
+                                           "input")
+        kept = StoredResponse({}, [], stored_items(items))
+
+        def keep(body: dict, blocks: list) -> None:
+            kept.body, kept.history = body, conversation + [output_history(blocks)]
+
+        fmt = ResponsesFormatter(response_id, self.model_name, req, info.tokenizer, parser, keep)
+        if req.store:
+            self.responses.put(response_id, kept)
+        if req.background:
+            kept.body = fmt.skeleton("queued")
+            kept.task = asyncio.ensure_future(self._background(job, fmt, kept))
+            return JSONResponse(kept.body)
+        return await respond([job], fmt, req.stream, self.admission, self.replicas)
+
+    async def _background(self, job: Job, fmt: ResponsesFormatter, kept: StoredResponse) -> None:
+        """A background response run to its end in this process, its state kept as it goes."""
+        kept.body = fmt.skeleton("in_progress")
+        try:
+            await complete([job], fmt, self.admission, self.replicas)
+        except asyncio.CancelledError:
+            kept.body = fmt.skeleton("cancelled")
+        except APIError as e:
+            kept.body = fmt.skeleton("failed") | {"error": {"code": e.code or "server_error", "message": e.message}}
+        except Exception as e:
+            logger.exception("background response %s failed", fmt.response_id)
+            kept.body = fmt.skeleton("failed") | {"error": {"code": "server_error", "message": type(e).__name__}}
+        finally:
+            kept.task = None
+
+    async def create_message(self, request: Request):
+        """Anthropic's Messages API (serve_app.anthropic_api); its errors in Anthropic's shape."""
+        req, priority, info = await self._accept(request, MessagesRequest)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        job, parser = await self._chat_job(info, message_id, req, req.chat_messages(),
+                                           req.template_kwargs(_template(info)), req.max_tokens, None, priority,
+                                           "messages")
+        fmt = MessagesFormatter(message_id, req.model, req, info.tokenizer, parser)
+        return await respond([job], fmt, req.stream, self.admission, self.replicas)
+
+    async def count_message_tokens(self, request: Request) -> dict:
+        """Anthropic's count_tokens: the prompt tokens a Messages request would take."""
+        _, data = await self._authorized_json(request)
+        req, info = await self._validated(CountTokensRequest, data)
+        _, ids = await self._chat_prompt(info, req.chat_messages(), req.offered_tools,
+                                         template_kwargs=req.template_kwargs(_template(info)))
+        return {"input_tokens": len(ids)}
+
+    async def create_embeddings(self, request: Request):
+        """OpenAI's embeddings API (serve_app.embeddings_api): one engine request per input."""
+        req, priority, info = await self._accept(request, EmbeddingRequest)
+        inputs = req.inputs()
+        limit = min(self.config.ingress.max_prompts_per_request, self.config.router.max_queued_requests)
+        if len(inputs) > limit:
+            raise APIError(400, f"A request may hold at most {limit} inputs, got {len(inputs)}.", param="input",
+                           code="too_many_inputs")
+        base_id = f"embd-{uuid.uuid4().hex}"
+        _log_user(base_id, req)
+        ids = await asyncio.gather(*(self._prompt_ids(x, param="input") for x in inputs))
+        pooling = req.pooling_params()
+        if pooling.dimensions is not None and pooling.dimensions > info.hidden_size:
+            raise InvalidRequestError("dimensions", f"dimensions must be at most the model's embedding size "
+                                                    f"{info.hidden_size}, got {pooling.dimensions}")
+        jobs = [make_embedding_job(f"{base_id}-{i}", prompt, info=info, pooling=pooling, priority=priority,
+                                   index=i) for i, prompt in enumerate(ids)]
+        check_fits_queue(jobs, self.config.router.max_queued_tokens)
+        return JSONResponse(await complete(jobs, EmbeddingsFormatter(self.model_name, req, len(jobs)), self.admission,
+                                           self.replicas))
 
     async def tokenize(self, request: Request) -> dict:
         """vLLM's /tokenize: a prompt (completion form) or messages through the chat template."""
@@ -246,7 +351,8 @@ class Ingress:
         req, info = await self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest,
                                           data)
         if isinstance(req, TokenizeChatRequest):
-            ids = await self._chat_ids(info, req, req.add_generation_prompt)
+            _, ids = await self._chat_prompt(info, req.template_messages(), req.offered_tools,
+                                             req.add_generation_prompt, req.chat_template_kwargs)
         else:
             ids = await self._encode(req.prompt, req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
@@ -257,10 +363,7 @@ class Ingress:
     async def detokenize(self, request: Request) -> dict:
         _, data = await self._authorized_json(request)
         req, info = await self._validated(DetokenizeRequest, data)
-        try:
-            check_token_ids(req.tokens, info.vocab_size, "tokens", "tokens")
-        except InvalidRequestError as e:
-            raise APIError.from_invalid(e) from None
+        check_token_ids(req.tokens, info.vocab_size, "tokens", "tokens")
         return {"prompt": info.tokenizer.decode(req.tokens)}
 
     async def health(self) -> JSONResponse:
@@ -298,33 +401,75 @@ class Ingress:
     def build_asgi_app(self) -> FastAPI:
         app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=self._lifespan)
 
+        def answer(request: Request, e: APIError, headers: dict | None = None) -> JSONResponse:
+            """The error in the shape of the API the request was for: Anthropic's, or OpenAI's."""
+            body = anthropic_error(e) if request.url.path.startswith("/v1/messages") else e.body()
+            return JSONResponse(body, status_code=e.status, headers=headers)
+
         @app.exception_handler(APIError)
-        async def _api_error(_: Request, e: APIError) -> JSONResponse:
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        async def _api_error(request: Request, e: APIError) -> JSONResponse:
+            return answer(request, e, e.headers)
+
+        @app.exception_handler(InvalidRequestError)
+        async def _invalid(request: Request, e: InvalidRequestError) -> JSONResponse:  # the engine's rules refuse it
+            return answer(request, APIError.from_invalid(e))
 
         @app.exception_handler(HTTPException)
-        async def _http_error(_: Request, e: HTTPException) -> JSONResponse:  # 404, 405 from routing
+        async def _http_error(request: Request, e: HTTPException) -> JSONResponse:  # 404, 405 from routing
             err = APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
-            return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+            return answer(request, err, getattr(e, "headers", None))
 
         @app.exception_handler(Exception)
-        async def _internal(_: Request, e: Exception) -> JSONResponse:
+        async def _internal(request: Request, e: Exception) -> JSONResponse:
             logger.exception("unhandled error")
-            err = APIError(500, f"Internal error: {type(e).__name__}", "internal_error")
-            return JSONResponse(err.body(), status_code=500)
+            return answer(request, APIError(500, f"Internal error: {type(e).__name__}", "internal_error"))
 
         # Routes are matched in the order they are added: the requests that come most, first.
-        for path, endpoint in (("/v1/completions", self.completions), ("/v1/chat/completions", self.chat_completions)):
+        for path, endpoint in (("/v1/completions", self.completions), ("/v1/chat/completions", self.chat_completions),
+                               ("/v1/responses", self.create_response), ("/v1/messages", self.create_message),
+                               ("/v1/embeddings", self.create_embeddings),
+                               ("/v1/messages/count_tokens", self.count_message_tokens)):
             app.add_api_route(path, endpoint, methods=["POST"])
+
+        @app.get("/v1/responses/{response_id}")
+        async def get_response(response_id: str, request: Request) -> dict:
+            self._authorize(request)
+            return self.responses.get(response_id, "response_id").body
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str, request: Request) -> dict:
+            self._authorize(request)
+            kept = self.responses.delete(response_id)
+            if kept.task is not None:
+                kept.task.cancel()
+            return {"id": response_id, "object": "response", "deleted": True}
+
+        @app.post("/v1/responses/{response_id}/cancel")
+        async def cancel_response(response_id: str, request: Request) -> dict:
+            self._authorize(request)
+            kept = self.responses.get(response_id, "response_id")
+            if kept.task is None:
+                raise APIError(400, f"Response '{response_id}' is not a background response still running: only "
+                                    "those can be cancelled.", param="response_id")
+            kept.task.cancel()
+            await asyncio.gather(kept.task, return_exceptions=True)
+            return kept.body
+
+        @app.get("/v1/responses/{response_id}/input_items")
+        async def input_items(response_id: str, request: Request) -> dict:
+            self._authorize(request)
+            items = self.responses.get(response_id, "response_id").input_items
+            return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                    "last_id": items[-1]["id"] if items else None, "has_more": False}
 
         @app.get("/v1/models")
         async def models(request: Request) -> dict:
-            self.auth.authorize(request.headers.get("authorization"))
+            self._authorize(request)
             return {"object": "list", "data": [await self._model_card()]}
 
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str, request: Request) -> dict:
-            self.auth.authorize(request.headers.get("authorization"))
+            self._authorize(request)
             self._check_model(model_id)
             return await self._model_card()
 
@@ -336,7 +481,7 @@ class Ingress:
 
         @app.get("/openapi.json", include_in_schema=False)
         async def openapi(request: Request) -> dict:
-            self.auth.authorize(request.headers.get("authorization"))
+            self._authorize(request)
             if not schema:
                 schema.update(openapi_schema(app))
             return schema
@@ -345,6 +490,11 @@ class Ingress:
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         return app
+
+
+def _template(info: ModelInfo) -> str:
+    """The model's chat template: what a request's template variables are checked against."""
+    return getattr(info.tokenizer, "chat_template", None) or ""
 
 
 def _log_user(request_id: str, req: Any) -> None:

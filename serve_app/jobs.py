@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.beam_search import BeamSearchParams
 from engine.kv_cache.hashing import extend_block_hashes
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
 from serve_app.admission import Admission
 from serve_app.formatting import Formatter
 from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
-from serve_app.protocol import SSE_DONE, APIError, sse_event
+from serve_app.protocol import APIError
 from serve_app.replicas import Replicas, ReplicaUnavailable
 
 logger = logging.getLogger("cbserve.ingress")
@@ -52,22 +52,42 @@ class Job:
 
 def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, info: ModelInfo,
              max_tokens: int | None, default_max_tokens: int, num_logprobs: int | None, priority: int,
-             choice_offset: int, param: str) -> Job:
+             choice_offset: int, param: str,
+             chat_turn: Callable[[SamplingParams], SamplingParams] | None = None) -> Job:
     """`max_tokens`: the request's own, else the largest of `default_max_tokens` that fits the
     context; `choice_offset`: where this job's choice indices start in the response; `param`: the
-    field a refused prompt is reported under. Raises engine.errors.InvalidRequestError (a 400)
-    for what the engine would refuse."""
+    field a refused prompt is reported under; `chat_turn`: the request's parameters made a chat
+    turn's (engine.chat_output.ChatOutputFormat.sampling_params). Raises
+    engine.errors.InvalidRequestError (a 400) for what the engine would refuse."""
     check_token_ids(prompt_ids, info.vocab_size)
     num_prompt = len(prompt_ids)
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, info.max_model_len - num_prompt))
     params = req.sampling_params(max_tokens, num_logprobs)
+    if chat_turn is not None:
+        params = chat_turn(params)
     check_logit_bias(params, info.vocab_size)
     check_context_length(num_prompt, max_tokens, info.max_model_len, param)
-    bs = info.block_size
-    hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs))
     return Job(EngineRequest(request_id, prompt_ids, params, priority, beam_search=req.beam_search_params(max_tokens)),
-               AdmitRequest(request_id, priority, num_prompt, max_tokens, params.best_of, tuple(hashes)), choice_offset)
+               _admission(request_id, prompt_ids, info, priority, max_tokens, params.best_of), choice_offset)
+
+
+def make_embedding_job(request_id: str, prompt_ids: list[int], *, info: ModelInfo, pooling: PoolingParams,
+                       priority: int, index: int) -> Job:
+    """An input's embedding as an engine request, admitted as a prompt with one token to come;
+    `index`: its place in the response. Raises InvalidRequestError for what the engine would refuse."""
+    check_token_ids(prompt_ids, info.vocab_size, "input")
+    check_context_length(len(prompt_ids), 1, info.max_model_len, "input")
+    return Job(EngineRequest(request_id, prompt_ids, pooling, priority),
+               _admission(request_id, prompt_ids, info, priority, 1, 1), index)
+
+
+def _admission(request_id: str, prompt_ids: list[int], info: ModelInfo, priority: int, max_tokens: int, n: int
+               ) -> AdmitRequest:
+    """What the router sees of a job: its size, and its prompt's leading block hashes (the engine's)."""
+    num_prompt, bs = len(prompt_ids), info.block_size
+    hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs))
+    return AdmitRequest(request_id, priority, num_prompt, max_tokens, n, tuple(hashes))
 
 
 def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:
@@ -133,6 +153,21 @@ async def _run_job(job: Job, admission: Admission, replicas: Replicas, out: asyn
 async def respond(jobs: list[Job], fmt: Formatter, stream: bool, admission: Admission, replicas: Replicas):
     """Runs every job; once all have their first chunk (any refusal before that is the response)
     answers with one JSON body, or an SSE stream multiplexing the jobs' chunks."""
+    out, tasks = await _started(jobs, admission, replicas)
+    if not stream:
+        return JSONResponse(await _completed(out, tasks, fmt))
+    return EventStreamResponse(_sse(out, tasks, fmt), headers={"Cache-Control": "no-cache"})
+
+
+async def complete(jobs: list[Job], fmt: Formatter, admission: Admission, replicas: Replicas) -> dict[str, Any]:
+    """Runs every job to its end: the formatter's whole response (an error raises APIError)."""
+    return await _completed(*await _started(jobs, admission, replicas), fmt)
+
+
+async def _started(jobs: list[Job], admission: Admission, replicas: Replicas
+                   ) -> tuple[asyncio.Queue, list[asyncio.Task]]:
+    """The jobs running, each with its first chunk in: their chunks' queue and their tasks. A
+    refusal before that raises (the other jobs cancelled)."""
     out: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in jobs]
@@ -145,15 +180,17 @@ async def respond(jobs: list[Job], fmt: Formatter, stream: bool, admission: Admi
             if s.done() and not s.cancelled():
                 s.exception()
         raise
-    if not stream:
-        try:
-            async for batch, _ in _arrived(out, len(jobs)):
-                for job, chunk in batch:
-                    fmt.add(chunk, job.choice_offset)
-        finally:
-            await _cancel(tasks)
-        return JSONResponse(fmt.response())
-    return EventStreamResponse(_sse(out, tasks, fmt), headers={"Cache-Control": "no-cache"})
+    return out, tasks
+
+
+async def _completed(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> dict[str, Any]:
+    try:
+        async for batch, _ in _arrived(out, len(tasks)):
+            for job, chunk in batch:
+                fmt.add(chunk, job.choice_offset)
+    finally:
+        await _cancel(tasks)
+    return fmt.response()
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
@@ -187,22 +224,20 @@ async def _arrived(out: asyncio.Queue, num_jobs: int) -> AsyncIterator[tuple[lis
 
 async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> AsyncIterator[tuple[str, bool]]:
     """The stream as (text, more) pieces: one per batch of chunks that arrived together, the last
-    one with the usage event and [DONE]."""
+    one with what ends the stream in the formatter's API."""
     last = ""
     try:
         async for batch, ended in _arrived(out, len(tasks)):
-            text = "".join(sse_event(event) for job, chunk in batch
-                           for event in fmt.stream_events(chunk, job.choice_offset))
+            text = "".join(fmt.stream_text(chunk, job.choice_offset) for job, chunk in batch)
             if ended:
-                usage_event = fmt.usage_event()
-                last = text + (sse_event(usage_event) if usage_event is not None else "")
+                last = text + fmt.stream_end()
             elif text:
                 yield text, True
     except APIError as e:
-        last = sse_event(e.body())
+        last = fmt.stream_error(e)
     finally:
         await _cancel(tasks)
-    yield last + SSE_DONE, False
+    yield last, False
 
 
 class EventStreamResponse(StreamingResponse):

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.beam_search import BeamSearchParams
+from engine.chat_output import ChatOutputFormat
 from engine.outputs import CompletionOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,14 +33,16 @@ class ModelInfo:
     max_model_len: int  # prompt + output tokens a request may use
     block_size: int  # KV block size, for prefix hashes and block estimates
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
+    hidden_size: int  # an embedding's size
     tokenizer: Any  # the engine's tokenizer: the ingress tokenizes with it, once per prompt
+    chat_format: ChatOutputFormat  # how the model writes reasoning and tool calls
 
 
 @dataclass(slots=True, frozen=True)
 class EngineRequest:
     request_id: str  # unique per engine request (one prompt, n samples)
     prompt_token_ids: list[int]  # tokenized (and chat-templated) once, at the ingress
-    params: SamplingParams  # validated at the ingress
+    params: SamplingParams | PoolingParams  # validated at the ingress; PoolingParams: an embedding
     priority: int = 0  # lower = sooner
     waited_s: float = 0.0  # time already spent in the router's queue: the engine ages it from there
     beam_search: BeamSearchParams | None = None  # set: a beam search (params' n and max_tokens are its own)
@@ -52,6 +55,7 @@ class StreamChunk:
     finished: bool = False  # True on the last chunk of the request
     error: ErrorInfo | None = None  # set instead of outputs when the request failed
     prompt_logprobs: list[tuple[int, dict[int, float] | None]] | None = None  # (token, logprobs), once, if asked
+    embedding: list[float] | None = None  # an embedding request's, on its last chunk
 
 
 @dataclass(slots=True, frozen=True)

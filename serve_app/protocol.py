@@ -20,7 +20,7 @@ from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tokenization import all_ints
-from engine.tools import Tool, forced_calls, parse_tools, resolve_tool_choice
+from engine.tools import Tool, forced_tools, parse_tools, resolve_tool_choice
 
 # ---------------------------------------------------------------- errors
 
@@ -66,7 +66,7 @@ class APIError(Exception):
 # ---------------------------------------------------------------- requests
 
 
-class _Wire(BaseModel):
+class WireModel(BaseModel):
     """Request bodies: strict JSON types as OpenAI's API has them (no "5" for 5, no true for 1,
     no 2.0 for an int); unknown fields refused. Value ranges are the engine's
     (engine.sampling_params), checked when the SamplingParams is built."""
@@ -74,19 +74,19 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Wire):
+class StreamOptions(WireModel):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="Usage so far on every chunk (vLLM's).")
 
 
-class JsonSchemaFormat(_Wire):
+class JsonSchemaFormat(WireModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema; none: any JSON object.")
     strict: bool | None = Field(None, description="Accepted; outputs always follow the schema.")
 
 
-class ResponseFormat(_Wire):
+class ResponseFormat(WireModel):
     """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -98,7 +98,7 @@ class ResponseFormat(_Wire):
         return self
 
 
-class StructuredOutputs(_Wire):
+class StructuredOutputs(WireModel):
     """vLLM's structured_outputs: exactly one of a JSON schema, a regex, choices, a grammar
     (Lark or GBNF), or any JSON object."""
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -108,7 +108,7 @@ class StructuredOutputs(_Wire):
     json_object: bool | None = None
 
 
-class _SamplingFields(_Wire):
+class _SamplingFields(WireModel):
     """Fields shared by /v1/completions and /v1/chat/completions (incl. vLLM extensions)."""
 
     model: str | None = None
@@ -285,34 +285,37 @@ class CompletionRequest(_SamplingFields):
         return [p] if isinstance(p, str) or _is_token_ids(p) else list(p)
 
 
-class ContentPart(_Wire):
+class ContentPart(WireModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Wire):
+class FunctionCall(WireModel):
     name: str
     arguments: str = Field(description="The arguments as JSON text.")
 
 
-class ToolCallIn(_Wire):
+class ToolCallIn(WireModel):
     """A call the assistant made earlier in the conversation."""
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(_Wire):
+class ChatMessage(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = Field(None, description="An assistant turn's reasoning, as responses return it "
+                                                            "(templates that keep earlier reasoning render it).")
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls is only for assistant messages")
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"{name} is only for assistant messages")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("a tool message needs the tool_call_id it answers, and only a tool message takes one")
         return self
@@ -328,31 +331,33 @@ class ChatMessage(_Wire):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:  # as Qwen3's template reads it, and gpt-oss's
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 
-class FunctionDefinition(_Wire):
+class FunctionDefinition(WireModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object.")
     strict: bool | None = Field(None, description="Accepted; forced calls always follow the schema.")
 
 
-class ToolDefinition(_Wire):
+class ToolDefinition(WireModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Wire):
+class NamedFunction(WireModel):
     name: str
 
 
-class NamedToolChoice(_Wire):
+class NamedToolChoice(WireModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class _ChatFields(_Wire):
+class _ChatFields(WireModel):
     """The conversation and its tools (chat completions and chat-form /tokenize)."""
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
@@ -372,6 +377,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatFields):
     top_logprobs: int | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="Reaches the chat template as reasoning_effort, where the template takes it.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Variables the chat template reads, such "
+                                                                          "as enable_thinking (vLLM's).")
 
     @cached_property
     def chosen_tool(self) -> str:
@@ -379,9 +388,15 @@ class ChatCompletionRequest(_SamplingFields, _ChatFields):
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         return resolve_tool_choice(choice, self.offered_tools)
 
-    def _constraint_fields(self) -> dict[str, dict[str, Any] | None]:
-        forced = forced_calls(self.offered_tools, self.chosen_tool, self.parallel_tool_calls)
-        return super()._constraint_fields() | {"tool_choice": {"grammar": forced.grammar} if forced else None}
+    @property
+    def forced(self) -> tuple[list[Tool], bool] | None:
+        """The calls a `required` or named tool_choice forces (engine.tools.forced_tools)."""
+        return forced_tools(self.offered_tools, self.chosen_tool, self.parallel_tool_calls)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        return (self.chat_template_kwargs or {}) | effort
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -392,7 +407,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeCompletionRequest(_Wire):
+class TokenizeCompletionRequest(WireModel):
     """/tokenize, completion form (vLLM's)."""
     model: str | None = None
     prompt: str = Field(min_length=1)
@@ -405,9 +420,10 @@ class TokenizeChatRequest(_ChatFields):
     model: str | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Variables the chat template reads.")
 
 
-class DetokenizeRequest(_Wire):
+class DetokenizeRequest(WireModel):
     model: str | None = None
     tokens: list[int] = Field(min_length=1)
 
@@ -448,6 +464,8 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name of reasoning_content: both are sent
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 

@@ -26,6 +26,8 @@ from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.heap import collect_young_less_often
 from engine.metrics import EngineStats
+from engine.outputs import RequestOutput
+from engine.sampling_params import PoolingParams
 from serve_app.autoscaling import LIVE_REQUESTS
 from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
@@ -126,7 +128,8 @@ class EngineReplica:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.config.model_name, self.engine.max_model_len, self.engine.block_size,
-                         self.engine.vocab_size, self.engine.tokenizer)
+                         self.engine.vocab_size, self.engine.hidden_size, self.engine.tokenizer,
+                         self.engine.chat_format)
 
     def stats(self) -> ReplicaStats:
         """Lists a received request only once the engine's stats count it (or it has ended), so
@@ -240,7 +243,9 @@ class EngineReplica:
         `error`. Records the request's metrics and SLO verdict when it ends."""
         coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
         failed = False
-        if request.beam_search is None:
+        if isinstance(request.params, PoolingParams):
+            stream = self._embedding(request)
+        elif request.beam_search is None:
             stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
                                           request.priority, request.waited_s)
         else:
@@ -263,6 +268,10 @@ class EngineReplica:
                 self._record_slo(request.priority, coalescer, ok=not failed)
             if self._report_now is not None:
                 self._report_now.set()
+
+    async def _embedding(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        yield await self.engine.embed(request.prompt_token_ids, request.params, request.request_id, request.priority,
+                                      request.waited_s)
 
     def _record_slo(self, priority: int, coalescer: StreamCoalescer, ok: bool) -> None:
         timings = coalescer.metrics

@@ -33,17 +33,17 @@ WORDS = ("the cat sat on a mat while dogs ran fast over green hills and blue lak
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tokenizer(kind: str = "bpe") -> PreTrainedTokenizerFast:
-    """'bpe': a byte-level BPE (decodes any id sequence) trained on a small generated corpus.
-    'words': one token per word of WORDS (and chat role), decoded as words joined by spaces, so
-    tests can pick a generated word as a stop string and read outputs."""
+def build_tokenizer(kind: str = "bpe", special_tokens: list[str] = SPECIAL_TOKENS) -> PreTrainedTokenizerFast:
+    """'bpe': a byte-level BPE (decodes any id sequence) trained on a small generated corpus, with
+    `special_tokens`. 'words': one token per word of WORDS (and chat role), decoded as words joined
+    by spaces, so tests can pick a generated word as a stop string and read outputs."""
     if kind == "bpe":
         rng = random.Random(0)
         corpus = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(300)]
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special_tokens,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(corpus, trainer)
     elif kind == "words":
@@ -106,12 +106,54 @@ NATIVE_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3
 TRANSFORMERS_ARCHS = ("gpt2", "gpt_neox", "opt", "olmo2", "phi", "starcoder2")
 
 
-def save_tiny_model(path, arch: str = "llama", seed: int = 0, tokenizer: str = "bpe", **sizes) -> str:
-    """A tiny random checkpoint of `arch` (TINY_ARCHS) saved with its tokenizer; `sizes`: config
-    fields to override (hidden_size, num_hidden_layers, ...)."""
+# family -> (its chat template in tests/data/chat_templates, special tokens (EOS tokens first, the first also
+# padding; the BOS token next where the template writes one), tokens added as plain text): the tokens each
+# family's tokenizer holds for what its template and outputs write
+CHAT_FAMILIES = {
+    "qwen3": ("qwen3.jinja", ["<|im_end|>", "<|endoftext|>", "<|im_start|>"],
+              ["<think>", "</think>", "<tool_call>", "</tool_call>"]),
+    "llama3": ("llama3_1.jinja", ["<|eot_id|>", "<|eom_id|>", "<|begin_of_text|>", "<|start_header_id|>",
+                                  "<|end_header_id|>", "<|python_tag|>"], []),
+    "mistral": ("mistral_nemo.jinja", ["</s>", "<s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                       "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], []),
+    "gpt_oss": ("gpt_oss.jinja", ["<|return|>", "<|call|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>",
+                                  "<|channel|>", "<|constrain|>"], []),
+    "deepseek_r1": ("deepseek_r1_distill_qwen.jinja", ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>",
+                                                       "<｜Assistant｜>"], []),
+}
+CHAT_EOS = {"qwen3": 1, "llama3": 2, "mistral": 1, "gpt_oss": 2, "deepseek_r1": 1}  # how many EOS tokens lead
+CHAT_BOS = {"llama3": "<|begin_of_text|>", "mistral": "<s>", "deepseek_r1": "<｜begin▁of▁sentence｜>"}
+
+
+def build_chat_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """The byte-level BPE with `family`'s tokens (CHAT_FAMILIES) and its real chat template."""
+    template, special, plain = CHAT_FAMILIES[family]
+    fast = build_tokenizer("bpe", special)
+    fast.add_tokens(plain)
+    fast.eos_token, fast.pad_token = special[0], special[0]
+    fast.bos_token = CHAT_BOS.get(family)
+    fast.chat_template = (ROOT / "tests" / "data" / "chat_templates" / template).read_text()
+    return fast
+
+
+def save_tiny_chat_model(path, family: str, arch: str = "qwen3") -> str:
+    """A tiny random `arch` checkpoint with `family`'s tokenizer and chat template (its EOS tokens
+    the model's), for reasoning and tool calls as that family writes them."""
+    tokenizer = build_chat_tokenizer(family)
+    special = CHAT_FAMILIES[family][1]
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in special[:CHAT_EOS[family]]]
+    return save_tiny_model(path, arch, tokenizer=tokenizer, eos_token_id=eos if len(eos) > 1 else eos[0],
+                           max_position_embeddings=4096)
+
+
+def save_tiny_model(path, arch: str = "llama", seed: int = 0, tokenizer: str | PreTrainedTokenizerFast = "bpe",
+                    **sizes) -> str:
+    """A tiny random checkpoint of `arch` (TINY_ARCHS) saved with its tokenizer (a kind of
+    build_tokenizer's, or one built); `sizes`: config fields to override (hidden_size,
+    num_hidden_layers, ...)."""
     import transformers
 
-    tokenizer = build_tokenizer(tokenizer)
+    tokenizer = build_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     config_name, model_name, fields = TINY_ARCHS[arch]
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

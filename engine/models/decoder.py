@@ -193,6 +193,7 @@ class PagedDecoder(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size  # an embedding's size
         self.eps = config.rms_norm_eps
         windows = layer_windows(config, [layer.self_attn for layer in body.layers])
         self.kv_layout = KVLayout.for_windows(windows, max_model_len)
@@ -256,10 +257,10 @@ class PagedDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata: list, sample_indices,
-                num_layers: int | None = None):
+                num_layers: int | None = None, pooled_indices=None):
         """Returns logits (R, vocab) for the tokens at sample_indices; `metadata`: per KV group the
         backend's; `num_layers`: through the first layers only (a self-draft), then the final norm
-        and LM head."""
+        and LM head. With `pooled_indices`: (logits, the final norm's output at those tokens)."""
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
@@ -279,12 +280,18 @@ class PagedDecoder(nn.Module):
                     hidden, residual, cos[layer.rope], sin[layer.rope], kv_cache[layer.cache_slot], backend,
                     metadata[layer.kv_group], ops)
             _, normed = ops.add_rms_norm(hidden[sample_indices], residual[sample_indices], self.norm, self.eps)
-            return self._capped(self.lm_head(normed))
+            logits = self._capped(self.lm_head(normed))
+            if pooled_indices is None:
+                return logits
+            return logits, ops.add_rms_norm(hidden[pooled_indices], residual[pooled_indices], self.norm, self.eps)[1]
         else:
             for layer in layers:
                 hidden = layer(hidden, cos[layer.rope], sin[layer.rope], kv_cache[layer.cache_slot], backend,
                                metadata[layer.kv_group])
-        return self._capped(self.lm_head(hidden[sample_indices], norm=(self.norm, self.eps)))
+        logits = self._capped(self.lm_head(hidden[sample_indices], norm=(self.norm, self.eps)))
+        if pooled_indices is None:
+            return logits
+        return logits, rms_norm(hidden[pooled_indices], self.norm, self.eps)
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.final_softcap is None:

@@ -136,6 +136,7 @@ class TransformersDecoder(nn.Module):
         self.head_dim = getattr(first, "head_dim", None) or config.hidden_size // self.num_heads
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size  # an embedding's size
         self.kv_layout = KVLayout.for_windows(layer_windows(config, _attention_modules(hf_model)), max_model_len)
         softcap = getattr(first, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None)
         self.attention = AttentionParams(getattr(first, "scaling", None) or self.head_dim ** -0.5, softcap)
@@ -157,15 +158,17 @@ class TransformersDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata: list, sample_indices,
-                num_layers: int | None = None):
-        """Logits (R, vocab) for the tokens at sample_indices, as PagedDecoder.forward."""
+                num_layers: int | None = None, pooled_indices=None):
+        """Logits (R, vocab) for the tokens at sample_indices, as PagedDecoder.forward (with
+        `pooled_indices`, also the last hidden states there: the model's final norm's output)."""
         if num_layers is not None:
             raise ValueError("self-drafting needs a natively served family")
         step = PagedStep(kv_cache, backend, metadata, self.kv_layout)
-        kwargs = {"logits_to_keep": sample_indices} if self._keeps_logits else {}
-        logits = self.hf_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, paged=step,
-                               **kwargs).logits[0]
-        return logits if self._keeps_logits else logits[sample_indices]
+        kwargs = {"logits_to_keep": sample_indices} if self._keeps_logits and pooled_indices is None else {}
+        out = self.hf_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, paged=step,
+                            output_hidden_states=pooled_indices is not None, **kwargs)
+        logits = out.logits[0] if kwargs else out.logits[0][sample_indices]
+        return logits if pooled_indices is None else (logits, out.hidden_states[-1][0][pooled_indices])
 
 
 def _as_engine_matmuls(layers: nn.Module) -> None:

@@ -48,7 +48,7 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
     slots: list[list[int]] = [[] for _ in range(num_groups)]
     tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     query_start_loc, sample_indices, sampled_requests, sampled_drafts, verified = [0], [], [], [], []
-    scored_indices, scored_prompts = [], []
+    scored_indices, scored_prompts, pooled_indices, pooled = [], [], [], []
     num_decodes = 0
     for item in ordered:
         n, start = len(item.token_ids), item.start_pos
@@ -83,7 +83,14 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
                 row0 = query_start_loc[-1] - n - start
                 scored_indices.extend(range(row0 + first, row0 + end))
                 scored_prompts.append((item.request, first, end - first))
-        if item.sample:  # the last token's logits, and each draft's: the target's token after it
+        pooling = item.request.pooling
+        if pooling is not None:  # an embedding request: hidden states pooled, nothing sampled
+            end = query_start_loc[-1]
+            rows = range(end - n, end) if pooling.pooling == "mean" else range(end - 1, end) if item.sample else ()
+            if rows:
+                pooled.append((item.request, len(pooled_indices), len(rows), start, item.sample))
+                pooled_indices.extend(rows)
+        elif item.sample:  # the last token's logits, and each draft's: the target's token after it
             drafts = item.draft_token_ids
             verified.append((item.request, drafts, len(sample_indices)))
             sampled_requests.append(item.request)
@@ -114,4 +121,6 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         verified=verified,
         scored_indices=scored_indices,
         scored_prompts=scored_prompts,
+        pooled_indices=pooled_indices,
+        pooled=pooled,
     )

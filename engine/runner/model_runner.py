@@ -38,7 +38,8 @@ class LaunchedStep:
     out: SchedulerOutput
     inputs: ModelInputs | None = None  # None: nothing was scheduled
     logits: torch.Tensor | None = None  # (R + scored prompt positions, vocab)
-    sampled: SampledBatch | None = None
+    sampled: SampledBatch | None = None  # None: no row samples (the step computes embeddings' prompts only)
+    pooled: torch.Tensor | None = None  # (pooled positions, hidden): final hidden states, for embeddings
     draft_passes: int = 0
     draft_seconds: float = 0.0
     drafts_unfilled: bool = False
@@ -76,6 +77,7 @@ class ModelRunner:
             self.host_cache = self.host_cache.pin_memory()
         self.blocks = BlockMover(self.kv_cache, self.host_cache, backend.block_dim())
         self.sampler = Sampler(seed, device, eos_token_ids)
+        self._pool_sums: dict[str, tuple[torch.Tensor, int]] = {}  # mean pooling: each prompt's sum so far
         self.graphs = None
         if graphs is not None and device.type == "cuda" and backend.captures_decodes:
             self.graphs = DecodeGraphs(model, backend, self.kv_cache, num_blocks, block_size, graphs)
@@ -111,6 +113,8 @@ class ModelRunner:
         before this one and not yet collected, whose samples are this step's input tokens (the
         scheduler's placeholders: every row of `out` continues a request `previous` samples for)."""
         self.sampler.forget(out.finished_ids)
+        for request_id in out.finished_ids:
+            self._pool_sums.pop(request_id, None)
         if self.drafter is not None:
             self.drafter.forget(out.finished_ids)
         self.blocks.move(out)
@@ -125,7 +129,7 @@ class ModelRunner:
         inputs = step.inputs = build_inputs(out.scheduled, self.block_size, self.device, self.windows)
         if previous is not None:
             inputs.input_ids = previous.next_input_ids(inputs)
-        size = self.graphs.bucket(inputs) if self.graphs is not None else None
+        size = self.graphs.bucket(inputs) if self.graphs is not None and not inputs.pooled else None
         if size is not None:
             logits = self.graphs.run(inputs, size)
             if len(inputs.sample_indices) < logits.shape[0]:  # increasing indices: as many as rows is every row
@@ -136,10 +140,17 @@ class ModelRunner:
             if inputs.scored_indices:
                 indices = torch.cat([indices, torch.tensor(inputs.scored_indices, dtype=torch.long,
                                                            device=self.device)])
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata, indices)
+            if inputs.pooled:
+                logits, step.pooled = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
+                                                 metadata, indices,
+                                                 pooled_indices=to_device(inputs.pooled_indices, self.device))
+            else:
+                logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,
+                                    indices)
         step.logits = logits
-        step.sampled = self.sampler.launch(logits[:len(inputs.sample_indices)], inputs.sampled_requests,
-                                           inputs.sampled_drafts)
+        if inputs.sampled_requests:
+            step.sampled = self.sampler.launch(logits[:len(inputs.sample_indices)], inputs.sampled_requests,
+                                               inputs.sampled_drafts)
         return step
 
     @torch.inference_mode()
@@ -148,6 +159,11 @@ class ModelRunner:
         inputs = step.inputs
         if inputs is None:
             return ModelRunnerOutput({}, {})
+        pooled = self._pool(inputs.pooled, step.pooled) if inputs.pooled else {}
+        num_sampled = len(inputs.sample_indices)
+        prompt_logprobs = _prompt_logprobs(step.logits[num_sampled:], inputs.scored_prompts)
+        if step.sampled is None:  # prompt chunks only
+            return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         result = step.sampled.result()
         sampled, logprobs = {}, {}
         token_ids, errors = result.token_ids, result.errors
@@ -158,10 +174,31 @@ class ModelRunner:
             sampled[request.request_id] = tokens
             if request.params.keeps_logprobs:
                 logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
-        num_sampled = len(inputs.sample_indices)
         return ModelRunnerOutput(sampled, logprobs, result.errors, step.draft_passes, step.draft_seconds,
-                                 step.drafts_unfilled, step.catch_up_tokens,
-                                 _prompt_logprobs(step.logits[num_sampled:], inputs.scored_prompts))
+                                 step.drafts_unfilled, step.catch_up_tokens, prompt_logprobs, pooled)
+
+    def _pool(self, pooled: list, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """The embeddings of the requests whose prompt this step ends: the last token's hidden state,
+        or the mean of all of them (summed over the chunks of earlier steps; a chunk at position 0
+        starts the sum over, as after a recomputing preemption), cut to `dimensions` and
+        L2-normalised."""
+        done = {}
+        for request, first, count, start, ends in pooled:
+            rows = hidden[first:first + count].float()
+            vector = rows[-1]
+            if request.pooling.pooling == "mean":
+                total, num = self._pool_sums.pop(request.request_id, (0.0, 0))
+                if start == 0:  # this chunk starts the prompt
+                    total, num = 0.0, 0
+                total, num = total + rows.sum(0), num + count
+                if not ends:
+                    self._pool_sums[request.request_id] = (total, num)
+                    continue
+                vector = total / num
+            if request.pooling.dimensions is not None:
+                vector = vector[:request.pooling.dimensions]
+            done[request.request_id] = torch.nn.functional.normalize(vector, dim=0).tolist()
+        return done
 
 
 def _prompt_logprobs(logits: torch.Tensor, scored: list) -> dict[str, tuple[int, list[dict[int, float]]]]:

@@ -45,6 +45,7 @@ class WaitingQueue:
         self.predictor = predictor
         self._heap: LazyHeap[Request] = LazyHeap()
         self.num_tokens = 0  # tokens of the waiting requests (prompt, plus outputs for re-queued ones)
+        self.num_embeddings = 0  # waiting embedding requests
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -62,12 +63,14 @@ class WaitingQueue:
         self.remove(request.request_id)  # at most once
         self._heap.push(request.request_id, self.key(request), request.arrival_time, request)
         self.num_tokens += request.num_tokens
+        self.num_embeddings += request.pooling is not None
 
     def remove(self, request_id: str) -> Request | None:
         """Takes the request out; None if it is not waiting."""
         request = self._heap.remove(request_id)
         if request is not None:
             self.num_tokens -= request.num_tokens
+            self.num_embeddings -= request.pooling is not None
         return request
 
     def peek(self) -> Request | None:
@@ -78,6 +81,7 @@ class WaitingQueue:
         request = self._heap.pop()
         if request is not None:
             self.num_tokens -= request.num_tokens
+            self.num_embeddings -= request.pooling is not None
         return request
 
     def requests(self) -> list[Request]:

@@ -26,6 +26,7 @@ from engine.scheduler.speculation.ngram import NgramProposer
 from engine.scheduler.speculation.pending import PendingDrafts
 from engine.scheduler.step_time import StepTimeModel
 
+EMBEDDING_CREDIT_STEPS = 8  # embeddings' earned step time is kept up to this many decode steps' time
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
 CATCH_UP_DECAY = 0.7  # weight of the past per newly timed draft-model catch-up
 
@@ -89,6 +90,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last schedule(): the runner drops their state
         self._static_batch_open = True
         self.step_time = StepTimeModel()  # fed by the engine; sizes steps and speculation
+        self._embedding_budget: int | None = None  # this step's embedding tokens left (None: no limit)
+        self._embedding_credit = 0.0  # step seconds embeddings have earned and not spent (embedding_budget)
         self.draft_pass_time = StepTimeModel()  # a draft-model pass's seconds by the requests it drafts for
         self.catch_up_seconds_per_token: float | None = None  # a draft model's first pass over a request
         self.output_lengths = OutputLengths()  # of requests that ended by a stop or at their cap
@@ -179,6 +182,7 @@ class Scheduler:
         self._finished_ids = []
         if self.config.policy == "priority":
             self._preempt_for_priority(out)
+        self._embedding_budget = self.embedding_budget()
         budget = self._schedule_running(out, self.token_budget())
         budget = self._schedule_swapped(out, budget)
         if self.config.policy != "static" or self._static_batch_open:
@@ -274,6 +278,39 @@ class Scheduler:
         num_decodes = sum(r.is_decoding for r in self.running)
         return min(limit, max(fits, num_decodes + MIN_PREFILL_CHUNK))
 
+    def embedding_budget(self) -> int | None:
+        """Embedding prompt tokens this step may take, so they never hold up generation: while
+        requests decode, embeddings earn `embedding_step_share` of each decode step's time (the
+        step-time model's figure for the decodes alone) and spend it on the extra time their
+        tokens add to a step; a step takes them once the time earned pays for MIN_PREFILL_CHUNK
+        tokens or more, as many as it pays for (a step with embeddings can cost far more than
+        the decodes' alone: it leaves the decode kernels). None (the whole budget) with nothing
+        decoding."""
+        decodes = sum(r.is_decoding for r in self.running)
+        waiting = self.waiting.num_embeddings or any(r.pooling is not None for r in self.running)
+        if not decodes or not waiting:
+            self._embedding_credit = 0.0
+            return None
+        alone = self.step_time.estimate(decodes)
+        if alone is None:
+            return MIN_PREFILL_CHUNK
+        self._embedding_credit = min(self._embedding_credit + self.config.embedding_step_share * alone,
+                                     EMBEDDING_CREDIT_STEPS * alone)
+        budget = self.config.max_num_batched_tokens - decodes
+        while budget >= MIN_PREFILL_CHUNK and self._extra_seconds(decodes, budget) > self._embedding_credit:
+            budget //= 2
+        return budget if budget >= MIN_PREFILL_CHUNK else 0
+
+    def _extra_seconds(self, decodes: int, tokens: int) -> float:
+        """What `tokens` more tokens add to a step of `decodes` decodes (the step-time model's estimate)."""
+        return max(self.step_time.estimate(decodes + tokens) - self.step_time.estimate(decodes), 0.0)
+
+    def _embedding_tokens(self, request: Request, num_new: int) -> int:
+        """`num_new` cut to what is left of this step's embedding budget, for an embedding request."""
+        if request.pooling is None or self._embedding_budget is None:
+            return num_new
+        return min(num_new, self._embedding_budget)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Best first; a prefill chunk leaves room for the decodes ranked behind it, so a long
         prompt never makes a running stream skip a step."""
@@ -289,7 +326,7 @@ class Scheduler:
                 drafts = planned.get(request.request_id, [])[:max(room, 0)]
                 num_new = 1
             else:
-                num_new = min(request.num_uncomputed_tokens, budget - decodes_behind)
+                num_new = self._embedding_tokens(request, min(request.num_uncomputed_tokens, budget - decodes_behind))
                 if num_new <= 0:
                     continue
             copies = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
@@ -338,7 +375,7 @@ class Scheduler:
         for request in sorted(self.swapped, key=self._victim_rank):
             if request.request_id in preempted:
                 continue
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = self._embedding_tokens(request, min(request.num_uncomputed_tokens, budget))
             if (num_new == 0 or len(self.running) >= self.config.max_num_seqs
                     or (best_waiting is not None and self._victim_rank(best_waiting) < self._victim_rank(request))):
                 break
@@ -356,18 +393,34 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Admits waiting requests best first while the budget and the batch have room; an
+        embedding request past this step's embedding budget is passed over (it keeps its place
+        for the next step), so a burst of them never holds up generation's admissions."""
+        passed: list[Request] = []
+        try:
+            self._admit_waiting(out, budget, now, passed)
+        finally:
+            for request in passed:
+                self.waiting.add(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, passed: list[Request]) -> None:
         while (request := self.waiting.peek()) is not None:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if request.pooling is not None and self._embedding_budget is not None and self._embedding_budget <= 0:
+                if len(self.waiting) == self.waiting.num_embeddings:
+                    return  # only embeddings wait
+                passed.append(self.waiting.pop())
+                continue
             computed = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - computed.num_tokens
-            num_new = min(remaining, budget)
+            num_new = self._embedding_tokens(request, min(remaining, budget))
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 return
             copies = self.kv.allocate_slots(request, num_new, computed)
             if copies is None and self._reclaim_parked():
                 computed = self.kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - computed.num_tokens, budget)
+                num_new = self._embedding_tokens(request, min(request.num_tokens - computed.num_tokens, budget))
                 copies = self.kv.allocate_slots(request, num_new, computed)
             if copies is None:
                 return  # no head-of-line bypass: lower ranks wait behind this one
@@ -385,6 +438,10 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
                        copies: list[tuple[int, int]], drafts: list[int] | None = None) -> None:
+        if request.pooling is not None and self._embedding_budget is not None:
+            decodes = sum(r.is_decoding for r in self.running)
+            self._embedding_credit -= self._extra_seconds(decodes, num_new)
+            self._embedding_budget -= num_new
         start = request.num_computed_tokens
         if copies:
             out.blocks_to_copy.extend(copies)
@@ -472,7 +529,7 @@ class Scheduler:
         now = self.clock()
         update = SchedulerUpdate()
         self.counters.num_spec_unfilled_steps += result.drafts_unfilled
-        errors, prompt_logprobs, sampled = result.errors, result.prompt_logprobs, result.sampled
+        errors, prompt_logprobs, sampled, pooled = result.errors, result.prompt_logprobs, result.sampled, result.pooled
         for item in out.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
@@ -482,7 +539,7 @@ class Scheduler:
                 try:
                     if prompt_logprobs and request.request_id in prompt_logprobs:
                         request.record_prompt_logprobs(*prompt_logprobs[request.request_id])
-                    if self._advance(request, item, sampled, now):
+                    if self._advance(request, item, sampled, pooled, now):
                         update.updated.append(request)
                 except Exception as e:  # this request's fault only
                     error = e
@@ -492,8 +549,9 @@ class Scheduler:
         return update
 
     def _advance(self, request: Request, item: ScheduledRequest, sampled: dict[str, list[int]],
-                 now: float) -> bool:
-        """Applies one scheduled chunk to its request; True if it sampled a token. A speculating
+                 pooled: dict[str, list[float]], now: float) -> bool:
+        """Applies one scheduled chunk to its request; True if it sampled a token (or, an embedding
+        request, ended its prompt: it ends with its embedding). A speculating
         decode gets its accepted drafts and one more token, each stop-checked in turn; the KV of
         rejected drafts is dropped (computed tokens end at the last accepted one, and blocks that
         held only rejected positions are freed)."""
@@ -504,6 +562,11 @@ class Scheduler:
         self.kv.cache_full_blocks(request)
         if not item.sample:
             return False
+        if request.pooling is not None:
+            request.embedding = pooled[request.request_id]
+            request.first_token_time = now
+            self.finish_request(request.request_id, FinishReason.STOP)
+            return True
         tokens = sampled[request.request_id]
         if item.draft_token_ids:
             self._observe_verification(request, len(item.draft_token_ids), len(tokens) - 1)
@@ -587,5 +650,5 @@ def _samples_ahead(request: Request) -> bool:
     """Whether the request's next token can be sampled before the token before it reaches the
     host: its sampling reads nothing of its output but that token's place."""
     params = request.params
-    return (not request.beam and request.constraint is None and not params.has_penalties
+    return (not request.beam and request.pooling is None and request.constraint is None and not params.has_penalties
             and (not params.min_tokens or request.num_output_tokens >= params.min_tokens))

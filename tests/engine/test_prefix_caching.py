@@ -7,6 +7,7 @@ import os
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from engine.tokenization import encode_chat
 from tests.engine.helpers import make_request, make_scheduler, sampled, step
 
 BS = 4
@@ -184,7 +185,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[in
 def _multi_turn_prompts(model_dir: str) -> list[list[int]]:
     """Three users, one shared system prompt; turn 2 extends turn 1 with its greedy reply."""
     engine = LLMEngine.from_engine_args(model_dir, enable_prefix_caching=False)
-    turn1 = [engine.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+    turn1 = [encode_chat(engine.tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
              for q in FIRST]
     replies = [tokens for tokens, _ in _generate(engine, turn1)]
     tok = engine.tokenizer

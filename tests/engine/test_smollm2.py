@@ -6,6 +6,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_loader import load_hf
+from engine.tokenization import encode_chat
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -21,7 +22,7 @@ def test_embedded_model_matches_transformers_on_chat_prompts():
     hf_model, tokenizer = load_hf(None)
     for chat, out in zip(CHATS, outputs):
         prompt = out.prompt_token_ids
-        assert prompt == llm.engine.encode_chat(chat) and len(prompt) > 16
+        assert prompt == encode_chat(llm.tokenizer, chat) and len(prompt) > 16
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
         eos = tokenizer.eos_token_id

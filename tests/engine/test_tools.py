@@ -1,7 +1,8 @@
 """Tool calls: the Hermes parser on whole and streamed outputs, the tools, calls and results
 through the chat template (one that knows tools and one that does not), the choices' rules, and
 forced calls through the engine's real path (LLM.chat): a `required` or named choice gives calls
-to the allowed functions whose arguments validate, sampled with n > 1 and under speculation."""
+to the allowed functions whose arguments validate, sampled with n > 1 and under speculation. The
+other families' formats: test_chat_formats.py."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,11 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.chat_output import ChatOutputFormat
 from engine.errors import InvalidRequestError
 from engine.tokenization import encode_chat
-from engine.tools import Tool, ToolCallParser, conversation, parse_tool_calls, parse_tools, resolve_tool_choice
+from engine.tool_formats import Hermes
+from engine.tools import Tool, conversation, parse_tools, resolve_tool_choice
 from tests.conftest import build_tokenizer, save_tiny_model
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -34,6 +37,12 @@ def _calls(calls) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
+def parse_tool_calls(text: str):
+    """A whole Hermes output's content (None if nothing but calls) and its calls."""
+    parsed = ChatOutputFormat(None, "hermes").parse("", text, calls=True)
+    return ((parsed.content.strip() or None) if parsed.calls else parsed.content), parsed.calls
+
+
 def test_a_whole_output_splits_into_content_and_calls():
     content, calls = parse_tool_calls(OUTPUT)
     assert content == "Let me check."
@@ -50,7 +59,7 @@ def test_a_whole_output_splits_into_content_and_calls():
 def test_the_streamed_parse_equals_the_whole_one_at_every_split(text):
     whole_content, whole_calls = parse_tool_calls(text)
     for pieces in [list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]:
-        parser, content, calls = ToolCallParser(), "", []
+        parser, content, calls = Hermes().parser(), "", []
         for piece in pieces:
             c, new = parser.feed(piece)
             content, calls = content + c, calls + new
@@ -60,7 +69,7 @@ def test_the_streamed_parse_equals_the_whole_one_at_every_split(text):
 
 
 def test_tool_text_is_held_only_while_it_may_be_a_call():
-    parser = ToolCallParser()
+    parser = Hermes().parser()
     assert parser.feed("see <tool") == ("see ", [])
     assert parser.feed("s below") == ("<tools below", [])
     assert parser.feed("<tool_call>\n{") == ("", [])
@@ -184,7 +193,7 @@ def test_forced_calls_under_speculation_equal_those_without(llm, tools_model):
 def test_a_forced_choice_and_a_structured_output_together_are_refused(llm):
     from engine.sampling_params import StructuredOutputsParams
 
-    with pytest.raises(InvalidRequestError, match="cannot be given with structured_outputs"):
+    with pytest.raises(InvalidRequestError, match="cannot be given with a structured output"):
         llm.chat(CHAT, SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False,
                  tools=TOOLS, tool_choice="required")
     assert not llm.engine.has_unfinished_requests()

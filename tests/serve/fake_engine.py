@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.chat_output import ChatOutputFormat
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 VOCAB = 64
 
@@ -54,6 +55,15 @@ class FakeTokenizer:
         return [f"t{i}" for i in ids]
 
 
+def fake_embedding(prompt_ids: list[int], dimensions: int | None = None) -> list[float]:
+    """The fake's embedding: hidden_size values from the prompt's ids, the first `dimensions`
+    kept, L2-normalised."""
+    values = [1.0 + (sum(prompt_ids) * (k + 3) + len(prompt_ids)) % 17 for k in range(FakeAsyncEngine.hidden_size)]
+    values = values[:dimensions]
+    norm = sum(v * v for v in values) ** 0.5
+    return [v / norm for v in values]
+
+
 @dataclass
 class _Live:
     request_id: str
@@ -68,9 +78,11 @@ class FakeAsyncEngine(EngineClient):
     block_size = 16
     max_model_len = 256
     vocab_size = VOCAB
+    hidden_size = 8
     eos_token_ids = frozenset()
     is_ready = True
     tokenizer = FakeTokenizer()
+    chat_format = ChatOutputFormat(None, "hermes")
     model_report = ModelReport("none", "float32", "float32", "cpu", 0, "LlamaForCausalLM", "native", 1.0, 0.0)
 
     def __init__(self) -> None:
@@ -142,6 +154,14 @@ class FakeAsyncEngine(EngineClient):
         metrics = RequestMetrics(time.time() - waited_s)
         async for out in self._generate(ids, prompt, params, request_id, metrics):
             yield out
+
+    async def embed(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, priority: int = 0,
+                    waited_s: float = 0.0) -> RequestOutput:
+        """fake_embedding(prompt) after a step delay (the slot rules of generation do not apply)."""
+        await asyncio.sleep(self.step_delay_s)
+        return RequestOutput(request_id, None, list(prompt_token_ids), [CompletionOutput(0, "", [], "stop")], True,
+                             RequestMetrics(time.time() - waited_s),
+                             embedding=fake_embedding(prompt_token_ids, params.dimensions))
 
     async def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
                           priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:

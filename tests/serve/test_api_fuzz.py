@@ -2,7 +2,8 @@
 stack (real ingress, router and replica code) on the real engine (tiny random Llama, step loop
 in its child process) behind uvicorn. Every operation gets bounded positive examples (valid per
 the schema) and negative ones (violating it). No response may be a 5xx, and every error is in
-OpenAI's shape; the server still answers a normal request at the end. Counts are printed
+its API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere); the server still answers a
+normal request at the end. Counts are printed
 (`-s`) for RELIABILITY.md."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def test_no_generated_request_gets_a_5xx_and_every_error_is_openai_shaped(server
     statuses: collections.Counter = collections.Counter()
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                                              "/detokenize", "/v1/models/{model_id}", "/version"}
+                                              "/detokenize", "/v1/models/{model_id}", "/version", "/v1/responses",
+                                              "/v1/responses/{response_id}", "/v1/messages", "/v1/embeddings"}
     for operation in operations:
         has_body = bool(list(operation.body))  # a path's free-form string (a model id) has no invalid value
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)[:1 + has_body]:
@@ -42,7 +44,11 @@ def test_no_generated_request_gets_a_5xx_and_every_error_is_openai_shaped(server
                 response = case.call(base_url=server, headers=KEY, timeout=60)
                 statuses[response.status_code // 100] += 1
                 assert response.status_code < 500, (case.body, response.text)
-                if response.status_code >= 400:
+                if response.status_code >= 400 and case.operation.path.startswith("/v1/messages"):  # Anthropic's shape
+                    body = response.json()
+                    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, response.text
+                    assert body["error"]["message"], response.text
+                elif response.status_code >= 400:
                     error = response.json()["error"]
                     assert set(error) == {"message", "type", "param", "code"}, response.text
                     assert error["message"], response.text

@@ -274,7 +274,7 @@ class _Engines:
         self.calls += 1
         if self.fails:
             raise RuntimeError("engine replica died")
-        return ModelInfo("fake", 256, 16, 100, FakeTokenizer())
+        return ModelInfo("fake", 256, 16, 100, 8, FakeTokenizer(), FakeAsyncEngine.chat_format)
 
     async def check_health(self) -> None:
         pass
@@ -395,7 +395,7 @@ BAD = [
      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "not in tools"),
     ("tool_choice with response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-     "response_format": {"type": "json_object"}}, 400, "give one output constraint, got response_format, tool_choice"),
+     "response_format": {"type": "json_object"}}, 400, "it cannot be given with a structured output"),
     ("beam search with temperature", "/v1/completions", {"prompt": "x", "use_beam_search": True, "temperature": 0.7},
      400, "temperature does not apply to beam search"),
     ("beam search with logprobs", "/v1/completions", {"prompt": "x", "use_beam_search": True, "logprobs": 2}, 400,

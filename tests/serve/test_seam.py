@@ -10,6 +10,7 @@ import pytest
 from conftest import admit_alone, local_stack, run
 from fake_engine import FakeTokenizer
 
+from engine.chat_output import ChatOutputFormat
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.llm_engine import LLMEngine
@@ -93,7 +94,8 @@ def test_the_routers_prefix_hashes_are_the_engines_block_hashes():
     """The prefix hashes the ingress sends to the router for a prompt are the hashes under which
     an engine's KV cache stores that prompt's full blocks."""
     block_size, prompt = 4, [random.Random(3).randrange(1, 1000) for _ in range(23)]
-    info = ModelInfo("m", max_model_len=256, block_size=block_size, vocab_size=1000, tokenizer=None)
+    info = ModelInfo("m", max_model_len=256, block_size=block_size, vocab_size=1000, hidden_size=8, tokenizer=None,
+                     chat_format=ChatOutputFormat(None, "hermes"))
     job = make_job("j", prompt, req=CompletionRequest(prompt=prompt), info=info, max_tokens=4, default_max_tokens=16,
                    num_logprobs=None, priority=0, choice_offset=0, param="prompt")
     kv = KVCacheManager(num_blocks=16, block_size=block_size, enable_prefix_caching=True)

@@ -1,0 +1,325 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`): the request as a
+chat turn (system, text, tool_use, tool_result and thinking blocks as OpenAI chat messages; tools
+and tool_choice as the engine's), its output as content blocks (thinking, text, tool_use), streamed
+as Anthropic's events, and errors in Anthropic's shape (`{"type": "error", "error": {...}}`).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.tools import Tool, forced_tools, parse_tools, resolve_tool_choice
+from serve_app.formatting import Block, Formatter, OutputBlocks
+from serve_app.messages import StreamChunk
+from serve_app.protocol import APIError, WireModel
+
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 415: "invalid_request_error",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    """An error as Anthropic's API answers it."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(error.status, "api_error"), "message": error.message}}
+
+
+# ---------------------------------------------------------------- the request
+
+
+class TextBlock(WireModel):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = Field(None, description="Accepted; the prefix cache works unasked.")
+
+
+class ToolUseBlock(WireModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(WireModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+class ThinkingBlock(WireModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class Message(WireModel):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolDefinition(WireModel):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+    def as_chat(self) -> dict[str, Any]:
+        function = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class ToolChoice(WireModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(WireModel):
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1, description="Accepted; the reasoning ends when the model ends it.")
+    display: Literal["summarized", "omitted"] | None = Field(None, description="omitted: thinking blocks come "
+                                                                               "with their text left out.")
+
+
+class JsonOutputFormat(WireModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(WireModel):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
+        None, description="The template's reasoning_effort (xhigh and max: high), where the template takes it.")
+    format: JsonOutputFormat | None = Field(None, description="A JSON schema the answer follows.")
+
+
+class Metadata(WireModel):
+    user_id: str | None = None
+
+
+class MessagesRequest(WireModel):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = 1.0
+    top_k: int = 0
+    stream: bool = False
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    metadata: Metadata | None = None
+    priority: int | None = Field(None, description="Lower is served sooner; None: the API key's default.")
+
+    @property
+    def offered_tools(self) -> list[Tool]:
+        return parse_tools([t.as_chat() for t in self.tools or []])
+
+    @property
+    def chosen_tool(self) -> str:
+        choice = self.tool_choice
+        if choice is None:
+            return resolve_tool_choice(None, self.offered_tools)
+        if choice.type == "tool":
+            if choice.name is None:
+                raise APIError(400, "tool_choice of type tool names the tool", param="tool_choice")
+            return resolve_tool_choice({"type": "function", "function": {"name": choice.name}}, self.offered_tools)
+        return resolve_tool_choice({"any": "required"}.get(choice.type, choice.type), self.offered_tools)
+
+    @property
+    def forced(self) -> tuple[list[Tool], bool] | None:
+        parallel = not (self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use)
+        return forced_tools(self.offered_tools, self.chosen_tool, parallel)
+
+    def template_kwargs(self, template: str) -> dict[str, Any]:
+        """`thinking` as the template's enable_thinking where it reads one (else only where it asks
+        for nothing the template could not do: thinking off for a model that never thinks), and
+        output_config.effort as its reasoning_effort where it reads one."""
+        return _thinking(self.thinking, template) | _effort(self.output_config, template)
+
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        fmt = self.output_config.format if self.output_config is not None else None
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              stop=self.stop_sequences,
+                              structured_outputs=StructuredOutputsParams(json=fmt.schema_) if fmt else None)
+
+    def beam_search_params(self, max_tokens: int) -> None:
+        return None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The conversation as OpenAI chat messages (engine.tokenization.render_chat's)."""
+        system = self.system if isinstance(self.system, str) or self.system is None \
+            else "".join(b.text for b in self.system)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        for message in self.messages:
+            blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) \
+                else message.content
+            if message.role == "user":
+                for block in blocks:
+                    if isinstance(block, ToolResultBlock):
+                        messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+                    elif not isinstance(block, TextBlock):
+                        raise APIError(400, f"a user message cannot hold a {block.type} block", param="messages")
+                text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+                if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                    messages.append({"role": "user", "content": text})
+                continue
+            if any(isinstance(b, ToolResultBlock) for b in blocks):
+                raise APIError(400, "an assistant message cannot hold a tool_result block", param="messages")
+            turn: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in blocks
+                                                                           if isinstance(b, TextBlock))}
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                     for b in blocks if isinstance(b, ToolUseBlock)]
+            if calls:
+                turn["tool_calls"] = calls
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            if thinking:
+                turn["reasoning_content"] = turn["thinking"] = thinking
+            messages.append(turn)
+        return messages
+
+
+def _thinking(thinking: ThinkingConfig | None, template: str) -> dict[str, Any]:
+    if thinking is None:
+        return {}
+    if "enable_thinking" in template:
+        return {"enable_thinking": thinking.type != "disabled"}
+    if thinking.type == "enabled":
+        raise APIError(400, "thinking: this model's chat template has no thinking to turn on", param="thinking")
+    return {}
+
+
+def _effort(config: OutputConfig | None, template: str) -> dict[str, Any]:
+    if config is None or config.effort is None:
+        return {}
+    if "reasoning_effort" not in template:
+        raise APIError(400, "output_config.effort: this model's chat template takes no reasoning effort",
+                       param="output_config.effort")
+    return {"reasoning_effort": {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)}
+
+
+class CountTokensRequest(WireModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+
+    def template_kwargs(self, template: str) -> dict[str, Any]:
+        return _thinking(self.thinking, template) | _effort(self.output_config, template)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        counted = MessagesRequest(model=self.model, max_tokens=1, messages=self.messages, system=self.system)
+        return counted.chat_messages()
+
+    @property
+    def offered_tools(self) -> list[Tool]:
+        return parse_tools([t.as_chat() for t in self.tools or []])
+
+
+# ---------------------------------------------------------------- the output
+
+
+def _sse(kind: str, payload: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n"
+
+
+class MessagesFormatter(Formatter):
+    """A message from the engine's chunks, or its stream of Anthropic's events."""
+
+    def __init__(self, message_id: str, model: str, req: MessagesRequest, tokenizer: Any, output_parser: Any):
+        super().__init__(message_id, model, req, tokenizer, 1)
+        self._parser = output_parser()
+        self._blocks = OutputBlocks()
+        self._tool_ids: dict[int, str] = {}
+        self._started = False
+        self._finish: tuple[str | None, str | None] = (None, None)  # finish reason, stop string
+        self._shows_thinking = req.thinking is None or req.thinking.display != "omitted"
+
+    def _content(self, block: Block, done: bool) -> dict[str, Any]:
+        if block.kind == "reasoning":
+            return {"type": "thinking", "thinking": block.text if done and self._shows_thinking else "",
+                    "signature": ""}
+        if block.kind == "text":
+            return {"type": "text", "text": block.text if done else ""}
+        tool_id = self._tool_ids.setdefault(block.index, f"toolu_{uuid.uuid4().hex[:24]}")
+        return {"type": "tool_use", "id": tool_id, "name": block.call.name,
+                "input": json.loads(block.text) if done and block.text.strip() else {}}
+
+    def _stop(self) -> tuple[str, str | None]:
+        reason, stop_string = self._finish
+        if any(b.kind == "call" for b in self._blocks.blocks):
+            return "tool_use", None
+        if reason == "length":
+            return "max_tokens", None
+        return ("stop_sequence", stop_string) if stop_string is not None else ("end_turn", None)
+
+    def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], output_tokens: int
+                 ) -> dict[str, Any]:
+        return {"id": self.response_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
+                "usage": {"input_tokens": self.usage().prompt_tokens, "output_tokens": output_tokens,
+                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+
+    def response(self) -> dict[str, Any]:
+        choice = self._choice(0)
+        self._finish = (choice.finish_reason, choice.stop_string)
+        self._blocks.feed(self._parser.feed(choice.text) + self._parser.finish())
+        self._blocks.close()
+        content = [self._content(b, done=True) for b in self._blocks.blocks]
+        return self._message(content, self._stop(), self.usage().completion_tokens)
+
+    def stream_text(self, chunk: StreamChunk, offset: int) -> str:
+        self._account(chunk, offset)
+        text = ""
+        if not self._started:
+            self._started = True
+            text += _sse("message_start", {"message": self._message([], (None, None), 0)})
+        for d in chunk.outputs:
+            delta = self._parser.feed(d.text)
+            if d.finish_reason is not None:
+                delta += self._parser.finish()
+                self._finish = (d.finish_reason, d.stop_string)
+            text += "".join(self._events(*event) for event in self._blocks.feed(delta))
+        return text
+
+    def _events(self, change: str, block: Block, grown: str) -> str:
+        if change == "open":
+            return _sse("content_block_start", {"index": block.index, "content_block": self._content(block, False)})
+        if change == "close":
+            signature = _sse("content_block_delta", {"index": block.index, "delta": {
+                "type": "signature_delta", "signature": ""}}) if block.kind == "reasoning" else ""
+            return signature + _sse("content_block_stop", {"index": block.index})
+        if block.kind == "reasoning" and not self._shows_thinking:
+            return ""
+        delta = {"reasoning": {"type": "thinking_delta", "thinking": grown},
+                 "text": {"type": "text_delta", "text": grown},
+                 "call": {"type": "input_json_delta", "partial_json": grown}}[block.kind]
+        return _sse("content_block_delta", {"index": block.index, "delta": delta})
+
+    def stream_end(self) -> str:
+        text = "".join(self._events(*event) for event in self._blocks.close())
+        stop_reason, stop_sequence = self._stop()
+        text += _sse("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                       "usage": {"output_tokens": self.usage().completion_tokens}})
+        return text + _sse("message_stop", {})
+
+    def stream_error(self, error: APIError) -> str:
+        return f"event: error\ndata: {json.dumps(error_body(error), separators=(',', ':'))}\n\n"
