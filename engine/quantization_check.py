@@ -7,17 +7,20 @@ serve app's metrics, and are cached per model file, mode, KV cache dtype and cod
 another dtype (an fp16 cache for fp32 weights), a mode is scored through it: the text in chunks
 that read the earlier tokens back from the cache, as the engine runs them.
 
-`auto` (the default) times every mode the checkpoint can run against fp32 on the serving mix
-(engine/serving_mix.py), then scores them fastest first and keeps the first that passes, with
-an fp16 KV cache where the mode's figures through it pass (the cache `auto` asks for), else the
-model's. A GGUF's own blocks go ahead of any re-quantization of their dequantized copy that is
-slower on a lone stream. fp32 always qualifies. The decision (mode, cache, timings, figures) is
-cached per model file, candidates, CPU features and kernel and scoring code, so a restart neither
-times nor scores. One timed while other processes took the cores the timing ran on
-(engine/cpu_load.py) is kept too, marked with that load, so a start never waits on a busy
-machine's second timing: `python -m engine.model_setup --retime` times it again once the machine
-is quiet (`make serve` starts it in the background, niced). On CUDA, or with 16-bit weights,
-`auto` is fp32: the quantized kernels are CPU code computing in float32.
+`auto` (the default) runs a GGUF's own blocks where the kernels run them and they pass, with no
+timing: they are what the file's author chose, the fewest bytes a decode step reads, and faster
+than any re-quantization of their dequantized copy on a lone stream on every CPU measured
+(BENCHMARKS.md), so a start neither times nor depends on how busy the machine is. Otherwise it
+times every mode the checkpoint can run against fp32 on the serving mix (engine/serving_mix.py),
+then scores them fastest first and keeps the first that passes. A mode keeps an fp16 KV cache
+where its figures through it pass (the cache `auto` asks for), else the model's. fp32 always
+qualifies. The decision (mode, cache, timings, figures) is cached per model file, candidates, CPU
+features and kernel and scoring code, so a restart neither times nor scores. One timed while other
+processes took the cores the timing ran on (engine/cpu_load.py) is kept too, marked with that load,
+so a start never waits on a busy machine's second timing: `python -m engine.model_setup --retime`
+times it again once the machine is quiet (`make serve` starts it in the background, niced). On
+CUDA, or with 16-bit weights, `auto` is fp32: the quantized kernels are CPU code computing in
+float32.
 """
 from __future__ import annotations
 
@@ -91,18 +94,10 @@ def check_quantization(checkpoint: Checkpoint, config: ModelConfig, kv_cache_dty
 
 
 def scoring_order(timings: dict[str, MixTiming]) -> list[str]:
-    """The modes faster than fp32 on the serving mix, fastest first, except that a GGUF's own
-    blocks go ahead of every re-quantization slower than them on a lone stream. The first of
-    these that passes is never beaten on both a lone stream and a saturated server by another
-    that passes: one that were would be faster on the mix, and so come first."""
-    order = sorted((m for m, t in timings.items() if t.mix < 1), key=lambda m: timings[m].mix)
-    if STORED_MODE in order:
-        stored = timings[STORED_MODE].single_stream
-        demoted = [m for m in order[:order.index(STORED_MODE)] if timings[m].single_stream >= stored]
-        order = [m for m in order if m not in demoted]
-        at = order.index(STORED_MODE) + 1
-        order[at:at] = demoted
-    return order
+    """The modes faster than fp32 on the serving mix, fastest first. The first of these that
+    passes is never beaten on both a lone stream and a saturated server by another that passes:
+    one that were would be faster on the mix, and so come first."""
+    return sorted((m for m, t in timings.items() if t.mix < 1), key=lambda m: timings[m].mix)
 
 
 @dataclass(frozen=True)
@@ -156,7 +151,7 @@ class _Chooser:
         else:
             load = OtherLoad()
             decision = self.decide(load)
-            if load.contends_with(torch.get_num_threads()):
+            if decision.timings and load.contends_with(torch.get_num_threads()):
                 logger.warning("quantization auto: other processes took %.2f cores while the modes were timed; "
                                "%s is kept marked so, for `python -m engine.model_setup --retime` to time again",
                                load.cores, decision.mode)
@@ -170,9 +165,15 @@ class _Chooser:
                        getattr(torch, decision.kv_cache_dtype))
 
     def decide(self, load: OtherLoad) -> Decision:
-        """Times the candidates, `load` measuring the rest of the machine meanwhile, and scores them."""
+        """The GGUF's own blocks if they pass; else times the other candidates, `load` measuring
+        the rest of the machine meanwhile, and scores them."""
+        stored = self._stored() if STORED_MODE in self.candidates else None
+        if stored is not None:
+            return stored
         timings = {}
         for mode in self.candidates:
+            if mode == STORED_MODE:
+                continue
             try:
                 model = self.build(mode)
             except ValueError as e:  # e.g. a GGUF whose block types the kernel does not read
@@ -193,6 +194,22 @@ class _Chooser:
                     return Decision(mode, str(kv_dtype).removeprefix("torch."), asdict(quality), ratios)
         logger.info("quantization auto chose none: no faster mode passes")
         return Decision("none", "float32", None, ratios)
+
+    def _stored(self) -> Decision | None:
+        """The GGUF's own blocks with the first KV cache their figures pass through, untimed; None
+        where the kernels do not run them or no cache passes."""
+        try:
+            model = self.build(STORED_MODE)
+        except ValueError as e:  # e.g. a GGUF whose block types the kernel does not read
+            logger.info("quantization auto: the file's own blocks do not apply: %s", e)
+            return None
+        for kv_dtype in self.kv_options:
+            quality = self.scorer.quality(model, STORED_MODE, kv_dtype)
+            logger.info("quantization auto: the file's own blocks (%s) through a %s KV cache %s, %s", STORED_MODE,
+                        kv_dtype, "pass" if quality.passes else "fail the bar", quality)
+            if quality.passes:
+                return Decision(STORED_MODE, str(kv_dtype).removeprefix("torch."), asdict(quality), {})
+        return None
 
 
 class _Scorer:
