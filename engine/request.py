@@ -100,7 +100,9 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return len(self.token_ids) - self.num_computed_tokens == 1  # num_uncomputed_tokens, for every request a step
+        """One token uncomputed (num_uncomputed_tokens, inlined: every request asks every step), and
+        not an embedding request, whose prompt's last token is prompt like the rest (its budget's)."""
+        return len(self.token_ids) - self.num_computed_tokens == 1 and self.pooling is None
 
     @property
     def num_remaining_tokens(self) -> int:

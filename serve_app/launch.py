@@ -65,9 +65,14 @@ IDLE_PACE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
+# Serve gives a starting proxy 5 s to answer its readiness check, then kills it and `serve run` fails;
+# on a machine whose cores other processes hold, starting the proxy's process takes longer than that.
+BUSY_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+
+
 def serve_env() -> dict[str, str]:
-    """IDLE_PACE_ENV and SERVE_LOOP_ENV, less what the environment already sets."""
-    return {k: v for k, v in (IDLE_PACE_ENV | SERVE_LOOP_ENV).items() if k not in os.environ}
+    """IDLE_PACE_ENV, SERVE_LOOP_ENV and BUSY_MACHINE_ENV, less what the environment already sets."""
+    return {k: v for k, v in (IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV).items() if k not in os.environ}
 
 
 def direct_ingress_env(first_port: int, num_ports: int = 1) -> dict[str, str]:

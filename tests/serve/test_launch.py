@@ -22,6 +22,7 @@ from conftest import wait_healthy
 
 from serve_app.config import AppConfig, SharedPortConfig
 from serve_app.launch import (
+    BUSY_MACHINE_ENV,
     HEADER_DEADLINE_ENV,
     IDLE_PACE_ENV,
     SERVE_LOOP_ENV,
@@ -58,7 +59,7 @@ def test_one_ingress_replica_is_served_directly_several_share_the_port():
 
 
 def test_the_shared_port_is_the_configs_and_the_proxy_moves(monkeypatch):
-    for name in IDLE_PACE_ENV | SERVE_LOOP_ENV:
+    for name in IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV:
         monkeypatch.delenv(name, raising=False)
     written = several_ingress_replicas()
     written["http_options"] = {"host": "0.0.0.0", "port": 9000, "keep_alive_timeout_s": 30}
@@ -67,7 +68,7 @@ def test_the_shared_port_is_the_configs_and_the_proxy_moves(monkeypatch):
     app = AppConfig.model_validate(config["applications"][0]["args"])  # as `serve run` will take it
     assert app.ingress.shared_port == SharedPortConfig(host="0.0.0.0", port=9000, keep_alive_timeout_s=30.0)
     assert app.ingress.max_body_bytes == 4096 and app.ingress.num_replicas == 2  # the rest as written
-    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV  # no direct ingress
+    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV  # no direct ingress
     assert plan(written, proxy_port=9100)[1]["http_options"]["port"] == 9100
     assert written["applications"][0]["args"]["ingress"] == {"num_replicas": 2, "max_body_bytes": 4096}
 
@@ -92,11 +93,11 @@ def test_direct_ingress_takes_the_configs_port_and_moves_the_proxy():
 
 
 def test_the_proxy_keeps_the_config_as_written(monkeypatch):
-    for name in IDLE_PACE_ENV | SERVE_LOOP_ENV:
+    for name in IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV:
         monkeypatch.delenv(name, raising=False)
     door, config, env = plan(SERVE_YAML, "proxy")
     assert door == "proxy" and config == SERVE_YAML
-    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV
+    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV
     assert HEADER_DEADLINE_ENV == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
 
 
