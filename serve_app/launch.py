@@ -65,9 +65,12 @@ IDLE_PACE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_
 SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
-# Serve gives a starting proxy 5 s to answer its readiness check, then kills it and `serve run` fails;
-# on a machine whose cores other processes hold, starting the proxy's process takes longer than that.
-BUSY_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+# What a machine whose cores other processes hold needs. Ray starts its workers (every Serve actor,
+# so the replicas and the engine's step loop under them) at niceness 15: beside one busy process at
+# the default 0 a replica gets ~1/30 of a core (the kernel's weights 36 and 1024), and starts and
+# serves at that pace; at 0 it takes its fair share. Serve gives a starting proxy 5 s to answer its
+# readiness check, then kills it and `serve run` fails; a busy machine starts it slower than that.
+BUSY_MACHINE_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
 
 def serve_env() -> dict[str, str]:

@@ -40,6 +40,10 @@ from tests.conftest import (  # noqa: E402, F401
     serving,
 )
 
+# How long a test waits for an app to answer: a bound that catches a hang, not a speed. Beside two
+# processes spinning on both cores, `make serve` (Ray, Serve, the replica) takes minutes to start.
+STARTUP_BOUND_S = 600
+
 
 def merge(base: dict, override: dict) -> dict:
     out = dict(base)
@@ -107,8 +111,8 @@ def served_local_stack(config: dict, num_replicas: int | None = None,
     with serving(app) as (url, loop):
         try:
             for r in replicas:  # what Serve's health check does first: the replica starts reporting load
-                asyncio.run_coroutine_threadsafe(r.check_health(), loop).result(120)
-            wait_healthy(url, 120)
+                asyncio.run_coroutine_threadsafe(r.check_health(), loop).result(STARTUP_BOUND_S)
+            wait_healthy(url, STARTUP_BOUND_S)
             yield url, router, replicas
         finally:
             for r in replicas:

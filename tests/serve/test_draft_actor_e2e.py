@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import app_url, wait_healthy
+from conftest import STARTUP_BOUND_S, app_url, wait_healthy
 
 from engine import LLM, SamplingParams
 from tests.engine.helpers import save_first_layer
@@ -41,7 +41,7 @@ def draft_app(serve_cluster, tiny_llama, tmp_path_factory):
     })
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
     url = app_url(serve_cluster, APP)
-    wait_healthy(url, 120)
+    wait_healthy(url, STARTUP_BOUND_S)
     yield url
     serve.delete(APP)
 

@@ -15,7 +15,15 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 import pytest
-from conftest import HEADER_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, app_url, seconds_until_closed, sse_events, wait_healthy
+from conftest import (
+    HEADER_TIMEOUT_S,
+    KEEP_ALIVE_TIMEOUT_S,
+    STARTUP_BOUND_S,
+    app_url,
+    seconds_until_closed,
+    sse_events,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +50,7 @@ def hard_app(serve_cluster, tiny_llama_words):
     })
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
     url = app_url(serve_cluster, APP)
-    wait_healthy(url, 120)
+    wait_healthy(url, STARTUP_BOUND_S)
     yield url
     serve.delete(APP)
 

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from conftest import wait_healthy
+from conftest import STARTUP_BOUND_S, wait_healthy
 
 from serve_app.config import AppConfig, SharedPortConfig
 from serve_app.launch import (
@@ -148,6 +148,7 @@ def complete(url: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * STARTUP_BOUND_S)  # a start, a restart and a stop
 def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
     port = free_port_block(2, 32000, 32768)  # apart from the shared test cluster's direct-ingress ports
     config = SERVE_YAML | {"http_options": SERVE_YAML["http_options"] | {"port": port}}
@@ -161,7 +162,7 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     direct, proxy = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     try:
-        wait_healthy(direct, 180, launcher_alive(proc, log))
+        wait_healthy(direct, STARTUP_BOUND_S, launcher_alive(proc, log))
         replica = listener(port)
         assert replica is not None and "ServeReplica:cbserve:EngineIngress" in " ".join(replica.cmdline())
         assert SERVE_LOOP_ENV.items() <= replica.environ().items()  # Serve's main loop runs the app's code
@@ -174,7 +175,8 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
 
         replica.kill()
         replica.wait(30)
-        wait_healthy(direct, 180, launcher_alive(proc, log))  # Serve restarts the replica, which takes the port back
+        # Serve restarts the replica, which takes the port back
+        wait_healthy(direct, STARTUP_BOUND_S, launcher_alive(proc, log))
         healed = listener(port)
         assert healed is not None and healed.pid != replica.pid
         assert "ServeReplica:cbserve:EngineIngress" in " ".join(healed.cmdline())
@@ -182,6 +184,7 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
 
         engine = [p for p in healed.children(recursive=True) if "run_child" in " ".join(p.cmdline())]
         assert engine  # the engine's step loop, in a process of its own
+        assert [p.nice() for p in (healed, *engine)] == [0] * (1 + len(engine))  # not Ray's workers' 15
         proc.terminate()  # a service manager's stop: serve run, its Ray and the engine exit
         proc.wait(60)
         psutil.wait_procs([healed, *engine], timeout=60)
