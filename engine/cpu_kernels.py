@@ -18,6 +18,7 @@ the same results.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -112,7 +113,6 @@ def _build(name: str, directory: Path, march: str, matmuls_only: bool, csrc: Pat
 
     if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    directory.mkdir(parents=True, exist_ok=True)
     _, flags = _flags(march, matmuls_only)
     t0 = time.monotonic()
     sources = [csrc / p.name for p in (_MATMUL_SOURCES if matmuls_only else _SOURCES)]
@@ -123,13 +123,22 @@ def _build(name: str, directory: Path, march: str, matmuls_only: bool, csrc: Pat
 
 
 def _load(march: str, matmuls_only: bool, csrc: Path = _CSRC):
-    """The build of `csrc` for `march` from the cache, compiled first if the cache lacks it."""
+    """The build of `csrc` for `march` from the cache, compiled first if the cache lacks it. One
+    process builds at a time, under a lock the system drops when its holder dies: torch's own lock
+    file outlives a build that was killed (a restart, an OOM) and would make every later start
+    wait for it forever, so whoever holds ours removes it."""
     name, directory = _name_and_dir(march, matmuls_only, csrc)
     library = directory / f"{name}.so"
     if library.exists():
         return _import(name, library)
-    logger.warning("C++ CPU kernels not built yet (`make install` builds them); building them now")
-    return _build(name, directory, march, matmuls_only, csrc)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if library.exists():  # built while this process waited
+            return _import(name, library)
+        (directory / "lock").unlink(missing_ok=True)
+        logger.warning("C++ CPU kernels not built yet (`make install` builds them); building them now")
+        return _build(name, directory, march, matmuls_only, csrc)
 
 
 @functools.cache
