@@ -84,11 +84,13 @@ def step_paths(llm: LLM) -> str:
     return "; ".join(parts)
 
 
-def bench_engine(mode: str, quality_tokens: int = 6000, kv_cache_dtype: str = "auto") -> LLM:
+def bench_engine(mode: str, quality_tokens: int = 6000, kv_cache_dtype: str = "auto", model: str | None = None
+                 ) -> LLM:
     """The engine each mode is measured with (no prefix caching: repeats send the same prompts,
-    and each must be computed again)."""
+    and each must be computed again), on `model` (the embedded one by default)."""
     return LLM(quantization=mode, max_num_seqs=64, max_num_batched_tokens=512, num_threads=2,
-               enable_prefix_caching=False, quality_check_tokens=quality_tokens, kv_cache_dtype=kv_cache_dtype)
+               enable_prefix_caching=False, quality_check_tokens=quality_tokens, kv_cache_dtype=kv_cache_dtype,
+               **({"model": model} if model else {}))
 
 
 def quality_with_kv_cache(engines: dict[str, LLM], reference: LLM, num_tokens: int) -> dict:

@@ -36,7 +36,7 @@ from engine.cache_dir import cache_dir
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "block_quant_linear.cpp",
-            _CSRC / "block_quant_gemm.cpp", _CSRC / "vector_gemm.cpp", _CSRC / "rope_kv.cpp",
+            _CSRC / "gguf_rows.cpp", _CSRC / "block_quant_gemm.cpp", _CSRC / "vector_gemm.cpp", _CSRC / "rope_kv.cpp",
             _CSRC / "decode_stack.cpp", _CSRC / "scratch.cpp"]
 # Builds for older CPU families than this one (gcc's -march names), so every feature branch is
 # compiled and run here (the native build has this CPU's own): torch's vector capability each
@@ -47,8 +47,8 @@ TARGETS = {
     "haswell": ("AVX2", frozenset({"avx2", "fma", "f16c"})),
     "skylake-avx512": ("AVX512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),  # no VNNI, no BF16
 }
-_MATMUL_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "block_quant_linear.cpp", _CSRC / "vector_gemm.cpp",
-                   _CSRC / "scratch.cpp"]
+_MATMUL_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "block_quant_linear.cpp", _CSRC / "gguf_rows.cpp",
+                   _CSRC / "vector_gemm.cpp", _CSRC / "scratch.cpp"]
 
 
 def _engine_march() -> str:

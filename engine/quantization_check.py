@@ -50,10 +50,10 @@ logger = logging.getLogger(__name__)
 AUTO_CANDIDATES = ("gguf", "int8", "w4a16", "w8a16")
 STORED_MODE = "gguf"  # a GGUF's own blocks; the other candidates re-quantize their dequantized copy
 # the code whose arithmetic the figures measure: a change to any of these scores again
-_SCORED_CODE = ("models/linear.py", "models/decoder.py", "models/families.py", "models/mlp.py", "models/rope.py",
-                "models/windows.py", "models/transformers_backend.py", "csrc/block_quant_linear.cpp",
-                "csrc/block_quant_gemm.cpp", "csrc/vector_gemm.cpp", "csrc/decode_stack.cpp", "csrc/paged_decode.cpp",
-                "csrc/rope_kv.cpp", "quality.py")
+_SCORED_CODE = ("models/linear.py", "models/gguf_types.py", "models/decoder.py", "models/families.py", "models/mlp.py",
+                "models/rope.py", "models/windows.py", "models/transformers_backend.py", "csrc/block_quant_linear.cpp",
+                "csrc/gguf_rows.cpp", "csrc/block_quant_gemm.cpp", "csrc/vector_gemm.cpp", "csrc/decode_stack.cpp",
+                "csrc/paged_decode.cpp", "csrc/rope_kv.cpp", "quality.py")
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,6 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define CBSERVE_Q4_1_BYTES 1  // Q4_1 rows take dot_rows_bytes (below)
-#endif
 
 namespace {
 
@@ -47,9 +44,9 @@ constexpr int64_t kGroup = kQuantizedXGroup;  // blocks whose sums are scaled to
 // alone). The byte form's loop streamed 100 MB at 60 GB/s 4 KiB ahead against 56 at 2 KiB, and the
 // widened form 4 KiB ahead kept its speed in the engine (BENCHMARKS.md, the Q4_1 decode kernel).
 constexpr int64_t kPrefetchBytes = 4096;
-enum Format : int64_t { kQ8_0 = 0, kQ4_1 = 1, kQ8_0Bf16 = 2 };
+constexpr int64_t kQ8_0 = kFormatQ8_0, kQ4_1 = kFormatQ4_1, kQ8_0Bf16 = kFormatQ8_0Bf16;
 
-inline int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34; }
+inline int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34; }  // the regrouped formats'
 
 // x, computed as written: -ffast-math may not regroup the arithmetic around it (which it did
 // differently per template instance, so a row's bits depended on its batch).
@@ -202,7 +199,7 @@ __attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int
 }
 #endif
 
-#if defined(CBSERVE_Q4_1_BYTES)
+#if defined(CBSERVE_BYTE_PRODUCTS)
 // Q4_1 without widening, with AVX512-VNNI: the nibbles are multiplied as bytes. Each 15-bit
 // activation is split exactly into x = 128 * h + l, h in [-127, 127] and l in [0, 127], both bytes
 // (byte_order), so one vpdpbusd covers 64 weights where a 16-bit product covers 16. A 512-bit
@@ -213,7 +210,6 @@ __attribute__((always_inline)) inline void pair_dots(const Row<Format>& row, int
 // (kWeightPassBytes): their instructions interleave and the activation bytes load once for them.
 // Without VNNI (vpmaddubsw and vpmaddwd for vpdpbusd) the byte form measured no faster, so other
 // builds keep widening (BENCHMARKS.md).
-constexpr int64_t kQuadBytes = 4 * 64;  // a group of four blocks' activation bytes in byte order
 // Weight rows a pass reads: at one token 4, 2 or 1, as many as fit in kWeightPassBytes; at two
 // tokens at most 2 (a pass keeps at most four rows of sums); past two, 1. One thread, one token,
 // weights out of cache: against one row a pass, two rows 1.24-1.41x on the embedded model's
@@ -254,17 +250,6 @@ Scratch<int8_t> byte_order(const QuantizedX& qx, int64_t M, int64_t K) {
 __attribute__((always_inline)) inline __m128 halves(const uint8_t* p, int64_t count) {
   if (count == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), p));
-}
-
-// Four blocks' nibble bytes times a group's activation bytes: sixteen fp32 lanes, four per block
-// (lane j / 4 is block j / 4), summing to the blocks' exact integer dot products.
-__attribute__((always_inline)) inline __m512 quad_dot(__m512i lo, __m512i hi, const int8_t* x) {
-  const __m512i* v = reinterpret_cast<const __m512i*>(x);
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(v)), hi, _mm512_loadu_si512(v + 1));
-  const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(v + 2)), hi,
-                                        _mm512_loadu_si512(v + 3));
-  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));  // |sums| < 2^21: exact
 }
 
 // Blocks b to b + Count - 1 (Count <= kGroup) of NR weight rows against MB rows of x:
@@ -621,21 +606,49 @@ torch::Tensor kernel_activations(const torch::Tensor& x, const c10::optional<tor
   return out;
 }
 
-int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format) {
-  return blocks.size(1) / block_bytes(format) * kBlock;
+int64_t format_row_bytes(int64_t format, int64_t K) {
+  return format <= kQ8_0Bf16 ? K / kBlock * block_bytes(format) : stored_row_bytes(format, K);
+}
+
+int64_t format_row_columns(int64_t format, int64_t bytes) {
+  return format <= kQ8_0Bf16 ? bytes / block_bytes(format) * kBlock : stored_row_columns(format, bytes);
+}
+
+bool WeightRows::has(int64_t format) const {
+  return std::find(formats.begin(), formats.end(), format) != formats.end();
+}
+
+WeightRows weight_rows(std::vector<torch::Tensor> parts, std::vector<int64_t> formats) {
+  TORCH_CHECK(!parts.empty() && parts.size() == formats.size(), "parts, formats: one format per part, at least one");
+  WeightRows w{std::move(parts), std::move(formats), {0}, 0};
+  for (size_t p = 0; p < w.parts.size(); ++p) {
+    const torch::Tensor& rows = w.parts[p];
+    const int64_t format = w.formats[p];
+    TORCH_CHECK(format >= kFormatQ8_0 && format <= kFormatIQ4_XS, "format: a KERNEL_FORMATS code (0-9)");
+    TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kByte && rows.is_contiguous(),
+                "a part's rows: contiguous uint8 (rows, row bytes)");
+    const int64_t K = format_row_columns(format, rows.size(1));
+    TORCH_CHECK(K > 0 && format_row_bytes(format, K) == rows.size(1) && (p == 0 || K == w.K),
+                "every part's rows: the same K weights, whole blocks of their format");
+    w.K = K;
+    w.first.push_back(w.first.back() + rows.size(0));
+  }
+  TORCH_CHECK(!w.has(kQ8_0Bf16) || w.parts.size() == 1, "bf16 activations (format 2): one part");
+  return w;
 }
 
 LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, int64_t gated,
-                         int64_t format) {
+                         const WeightRows& w) {
   LinearInput in{M, K};
   const float* rows = rows_after_prologue(x, M, K, norm_weight, eps, gated, in.transformed);
-  if (format == kQ8_0Bf16) {
+  if (w.has(kQ8_0Bf16)) {
     in.xr = round_bf16(rows, M, K);
     return in;
   }
   in.qx = quantize_x(rows, M, K);
-#if defined(CBSERVE_Q4_1_BYTES)
-  if (format == kQ4_1) in.xb = byte_order(in.qx, M, K);
+#if defined(CBSERVE_BYTE_PRODUCTS)
+  if (std::any_of(w.formats.begin(), w.formats.end(), [](int64_t f) { return f == kQ4_1 || stored_byte_form(f); }))
+    in.xb = byte_order(in.qx, M, K);
 #endif
   return in;
 }
@@ -655,9 +668,9 @@ inline void store_pass(const float* sums, int64_t n, int64_t nr, int64_t m0, int
   }
 }
 
-#if defined(CBSERVE_Q4_1_BYTES)
-// linear_rows on Q4_1 rows in the byte form: at one or two tokens a pass reads several weight rows.
-void linear_rows_bytes(const LinearInput& in, const uint8_t* blocks, int64_t N, const float* bias,
+#if defined(CBSERVE_BYTE_PRODUCTS)
+// part_rows on Q4_1 rows in the byte form: at one or two tokens a pass reads several weight rows.
+void linear_rows_bytes(const LinearInput& in, const uint8_t* blocks, int64_t N, int64_t first, const float* bias,
                        const float* residual, float* out, int64_t n0, int64_t n1) {
   const int64_t M = in.M, nb = in.K / kBlock, row_bytes = nb * block_bytes(kQ4_1);
   // kWeightPassBytes' rule: 4, 2 or 1 rows at one token, at most 2 at two, 1 past two
@@ -671,57 +684,66 @@ void linear_rows_bytes(const LinearInput& in, const uint8_t* blocks, int64_t N, 
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
       const int64_t mb = std::min(kRowsPerPass, M - m0);
       dot_pass_bytes(blocks + n * row_bytes, row_bytes, nb, in.qx, in.xb.get(), m0, mb, nr, sums);
-      store_pass(sums, n, nr, m0, mb, N, bias, residual, out);
+      store_pass(sums, first + n, nr, m0, mb, N, bias, residual, out);
     }
     n += nr;
   }
 }
 #endif
 
-}  // namespace
-
-void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, int64_t N, const float* bias,
-                 const float* residual, float* out, int64_t n0, int64_t n1) {
-#if defined(CBSERVE_Q4_1_BYTES)
-  if (format == kQ4_1) return linear_rows_bytes(in, blocks, N, bias, residual, out, n0, n1);
+// linear_rows over one part's rows [n0, n1) (part-relative), written to out's rows offset by `first`.
+void part_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, int64_t N, int64_t first,
+               const float* bias, const float* residual, float* out, int64_t n0, int64_t n1) {
+#if defined(CBSERVE_BYTE_PRODUCTS)
+  if (format == kQ4_1) return linear_rows_bytes(in, blocks, N, first, bias, residual, out, n0, n1);
 #endif
-  const int64_t M = in.M, nb = in.K / kBlock, row_bytes = nb * block_bytes(format);
+  const int64_t M = in.M, nb = in.K / kBlock, row_bytes = format_row_bytes(format, in.K);
   float sums[kRowsPerPass];
   for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = blocks + n * row_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
       const int64_t mb = std::min(kRowsPerPass, M - m0);
       if (format == kQ8_0Bf16) {
-        dot_pass_bf16(blocks + n * row_bytes, nb, in.xr.get(), in.K, m0, mb, sums);
+        dot_pass_bf16(row, nb, in.xr.get(), in.K, m0, mb, sums);
       } else if (format == kQ8_0) {
-        dot_pass<kQ8_0>(blocks + n * row_bytes, nb, in.qx, m0, mb, sums);
+        dot_pass<kQ8_0>(row, nb, in.qx, m0, mb, sums);
+      } else if (format == kQ4_1) {
+        dot_pass<kQ4_1>(row, nb, in.qx, m0, mb, sums);
       } else {
-        dot_pass<kQ4_1>(blocks + n * row_bytes, nb, in.qx, m0, mb, sums);
+        stored_dot_pass(row, format, nb, in.qx, in.xb.get(), m0, mb, sums);
       }
-      store_pass(sums, n, 1, m0, mb, N, bias, residual, out);
+      store_pass(sums, first + n, 1, m0, mb, N, bias, residual, out);
     }
   }
 }
 
-torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
-                                 const c10::optional<torch::Tensor>& bias,
+}  // namespace
+
+void linear_rows(const LinearInput& in, const WeightRows& w, const float* bias, const float* residual, float* out,
+                 int64_t n0, int64_t n1) {
+  for (size_t p = 0; p < w.parts.size(); ++p) {
+    const int64_t first = w.first[p], begin = std::max(n0, first), end = std::min(n1, w.first[p + 1]);
+    if (begin < end)
+      part_rows(in, w.parts[p].data_ptr<uint8_t>(), w.formats[p], w.N(), first, bias, residual, out, begin - first,
+                end - first);
+  }
+}
+
+torch::Tensor block_quant_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                                 const std::vector<int64_t>& formats, const c10::optional<torch::Tensor>& bias,
                                  const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                                  const c10::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(format == kQ8_0 || format == kQ4_1 || format == kQ8_0Bf16,
-              "format: 0 (Q8_0), 1 (Q4_1) or 2 (Q8_0, bf16 activations)");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kByte && blocks.is_contiguous() &&
-                  blocks.size(1) % block_bytes(format) == 0, "blocks: contiguous uint8 (N, K / 32 * block bytes)");
-  const int64_t N = blocks.size(0), nb = blocks.size(1) / block_bytes(format), K = nb * kBlock, M = x.size(0);
+  const WeightRows w = weight_rows(parts, formats);
+  const int64_t N = w.N(), K = w.K, M = x.size(0);
   check_prologue(x, K, norm_weight, gated);
   check_bias_residual(bias, residual, M, N);
   const LinearInput in = linear_input(x.data_ptr<float>(), M, K,
-                                      norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, gated,
-                                      format);
+                                      norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps, gated, w);
   auto out = torch::empty({M, N}, x.options());
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { linear_rows(in, wp, format, N, bp, rp, op, n0, n1); });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { linear_rows(in, w, bp, rp, op, n0, n1); });
   return out;
 }

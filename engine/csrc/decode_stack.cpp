@@ -117,16 +117,17 @@ DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_d
   TORCH_CHECK(softcap >= 0, "softcap: 0 (none) or positive");
 }
 
-void DecodeStack::check_matmul(const StackMatmul& m) const {
-  // forward_team reads these raw, where nothing may throw: their types checked once, here
-  TORCH_CHECK(m.format >= 0 && m.format <= 2, "format: 0 (Q8_0), 1 (Q4_1) or 2 (Q8_0, bf16 activations)");
-  TORCH_CHECK(m.rows.dim() == 2 && m.rows.scalar_type() == torch::kByte && m.rows.is_contiguous(),
-              "rows: contiguous uint8 (N, K / 32 * block bytes)");
+StackMatmul DecodeStack::stack_matmul(std::vector<torch::Tensor> parts, std::vector<int64_t> formats,
+                                      c10::optional<torch::Tensor> bias) const {
+  // forward_team reads these raw, where nothing may throw: their types checked once, here (weight_rows)
+  StackMatmul m{weight_rows(std::move(parts), std::move(formats)), std::move(bias), c10::nullopt, c10::nullopt,
+                c10::nullopt};
   TORCH_CHECK(!m.bias.has_value() || (m.bias->scalar_type() == torch::kFloat && m.bias->is_contiguous() &&
-                                      m.bias->numel() == m.rows.size(0)), "bias: contiguous fp32 (N)");
+                                      m.bias->numel() == m.weights.N()), "bias: contiguous fp32 (N)");
+  return m;
 }
 
-void DecodeStack::add_layer(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
+void DecodeStack::add_layer(std::vector<std::vector<torch::Tensor>> rows, std::vector<std::vector<int64_t>> formats,
                             std::vector<c10::optional<torch::Tensor>> biases,
                             std::vector<c10::optional<torch::Tensor>> norms, int64_t gated, int64_t slot,
                             int64_t group, int64_t rope) {
@@ -138,17 +139,16 @@ void DecodeStack::add_layer(std::vector<torch::Tensor> rows, std::vector<int64_t
   TORCH_CHECK(slot >= 0 && rope >= 0 && group >= 0 && group < static_cast<int64_t>(windows_.size()),
               "slot, rope: >= 0; group: one of the windows'");
   Layer layer;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    layer.matmuls[i] = StackMatmul{rows[i], formats[i], biases[i], c10::nullopt, c10::nullopt, c10::nullopt};
-    check_matmul(layer.matmuls[i]);
-  }
-  const auto columns = [&](int64_t m) { return block_quant_columns(layer.matmuls[m].rows, layer.matmuls[m].format); };
+  for (size_t i = 0; i < rows.size(); ++i) layer.matmuls[i] = stack_matmul(rows[i], formats[i], biases[i]);
+  const auto columns = [&](int64_t m) { return layer.matmuls[m].weights.K; };
+  const auto outputs = [&](int64_t m) { return layer.matmuls[m].weights.N(); };
   const int64_t hidden = columns(kQkv), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
-  TORCH_CHECK(rows[kQkv].size(0) == (H + 2 * KVH) * D && columns(kO) == H * D && rows[kO].size(0) == hidden,
+  TORCH_CHECK(outputs(kQkv) == (H + 2 * KVH) * D && columns(kO) == H * D && outputs(kO) == hidden,
               "qkv (heads + 2 kv heads) x hidden, o hidden x heads");
-  if (rows.size() == 4)
-    TORCH_CHECK(rows[kGateUp].size(0) == 2 * columns(kDown) && columns(kGateUp) == hidden &&
-                    rows[kDown].size(0) == hidden, "gate_up 2 intermediate x hidden, down hidden x intermediate");
+  layer.gated_mlp = rows.size() == 4;
+  if (layer.gated_mlp)
+    TORCH_CHECK(outputs(kGateUp) == 2 * columns(kDown) && columns(kGateUp) == hidden && outputs(kDown) == hidden,
+                "gate_up 2 intermediate x hidden, down hidden x intermediate");
   for (int i = 0; i < 4; ++i) check_norm(norms[i], hidden, "input, mlp, post-attention, post-MLP norms");
   check_norm(norms[4], D, "q norm");
   check_norm(norms[5], D, "k norm");
@@ -163,15 +163,15 @@ void DecodeStack::add_layer(std::vector<torch::Tensor> rows, std::vector<int64_t
   layer.group = group;
   layer.rope = rope;
   layers_.push_back(std::move(layer));
-  if (rows.size() == 2) layers_.back().matmuls[kGateUp].format = -1;  // experts to follow
 }
 
-void DecodeStack::add_experts(torch::Tensor router, std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
-                              int64_t top_k, bool renormalize, std::vector<torch::Tensor> shared_rows,
-                              std::vector<int64_t> shared_formats, c10::optional<torch::Tensor> shared_gate) {
-  TORCH_CHECK(!layers_.empty() && layers_.back().matmuls[kGateUp].format == -1 && !layers_.back().experts,
+void DecodeStack::add_experts(torch::Tensor router, std::vector<std::vector<torch::Tensor>> rows,
+                              std::vector<std::vector<int64_t>> formats, int64_t top_k, bool renormalize,
+                              std::vector<std::vector<torch::Tensor>> shared_rows,
+                              std::vector<std::vector<int64_t>> shared_formats, c10::optional<torch::Tensor> shared_gate) {
+  TORCH_CHECK(!layers_.empty() && !layers_.back().gated_mlp && !layers_.back().experts,
               "add_experts follows add_layer of a layer without a gated MLP");
-  const int64_t hidden = block_quant_columns(layers_.back().matmuls[kQkv].rows, layers_.back().matmuls[kQkv].format);
+  const int64_t hidden = layers_.back().matmuls[kQkv].weights.K;
   const int64_t E = router.size(0);
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == torch::kFloat && router.is_contiguous() &&
                   router.size(1) == hidden, "router: contiguous fp32 (experts, hidden)");
@@ -185,15 +185,13 @@ void DecodeStack::add_experts(torch::Tensor router, std::vector<torch::Tensor> r
   experts->router = router;
   experts->top_k = top_k;
   experts->renormalize = renormalize;
-  const auto add = [&](std::vector<StackMatmul>& into, const torch::Tensor& gate_up, int64_t gate_up_format,
-                       const torch::Tensor& down, int64_t down_format) {
-    for (const auto& [r, f] : {std::pair{gate_up, gate_up_format}, std::pair{down, down_format}}) {
-      into.push_back(StackMatmul{r, f, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt});
-      check_matmul(into.back());
-    }
-    const StackMatmul &gu = into[into.size() - 2], &d = into.back();
-    TORCH_CHECK(gu.rows.size(0) == 2 * block_quant_columns(d.rows, d.format) &&
-                    block_quant_columns(gu.rows, gu.format) == hidden && d.rows.size(0) == hidden,
+  const auto add = [&](std::vector<StackMatmul>& into, const std::vector<torch::Tensor>& gate_up,
+                       const std::vector<int64_t>& gate_up_formats, const std::vector<torch::Tensor>& down,
+                       const std::vector<int64_t>& down_formats) {
+    into.push_back(stack_matmul(gate_up, gate_up_formats, c10::nullopt));
+    into.push_back(stack_matmul(down, down_formats, c10::nullopt));
+    const WeightRows &gu = into[into.size() - 2].weights, &d = into.back().weights;
+    TORCH_CHECK(gu.N() == 2 * d.K && gu.K == hidden && d.N() == hidden,
                 "an expert: gate_up 2 intermediate x hidden, down hidden x intermediate");
   };
   for (int64_t e = 0; e < E; ++e) add(experts->matmuls, rows[2 * e], formats[2 * e], rows[2 * e + 1], formats[2 * e + 1]);
@@ -209,8 +207,8 @@ void DecodeStack::add_experts(torch::Tensor router, std::vector<torch::Tensor> r
 void DecodeStack::set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, torch::Tensor scales,
                             c10::optional<torch::Tensor> offsets) {
   TORCH_CHECK(layer >= 0 && layer < num_layers() && which >= 0 && which < 4, "layer, which: a layer's matmul");
+  TORCH_CHECK(which < 2 || layers_[layer].gated_mlp, "that layer has experts in place of its gated MLP");
   StackMatmul& m = layers_[layer].matmuls[which];
-  TORCH_CHECK(m.format >= 0, "that layer has experts in place of its gated MLP");
   m.tiles = tiles;
   m.scales = scales;
   m.offsets = offsets;
@@ -221,7 +219,7 @@ torch::Tensor DecodeStack::matmul(const StackMatmul& m, const torch::Tensor& x,
                                   const c10::optional<torch::Tensor>& residual) const {
   if (m.tiles.has_value() && x.size(0) > kernel_rows_)
     return vector_gemm(x, *m.tiles, *m.scales, m.offsets, m.bias, norm_weight, eps_, gated, residual);
-  return block_quant_linear(x, m.rows, m.format, m.bias, norm_weight, eps_, gated, residual);
+  return block_quant_linear(x, m.weights.parts, m.weights.formats, m.bias, norm_weight, eps_, gated, residual);
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -244,7 +242,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& layer = layers_[l];
     TORCH_CHECK(layer.slot < kv_cache.size(0) && layer.rope < cos.size(0), "a layer's slot or table is missing");
-    TORCH_CHECK(layer.matmuls[kGateUp].format >= 0 || layer.experts, "a layer without its MLP");
+    TORCH_CHECK(layer.gated_mlp || layer.experts, "a layer without its MLP");
     experts |= static_cast<bool>(layer.experts);
     for (const StackMatmul& m : layer.matmuls) tiled |= m.tiles.has_value();
   }
@@ -289,12 +287,12 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
   int64_t widest = 0, max_experts = 0, widest_expert = 0;  // the widest matmul outputs held between ops
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& layer = layers_[l];
-    widest = std::max({widest, layer.matmuls[kQkv].rows.size(0),
-                       layer.experts ? int64_t{0} : layer.matmuls[kGateUp].rows.size(0)});
+    widest = std::max({widest, layer.matmuls[kQkv].weights.N(),
+                       layer.experts ? int64_t{0} : layer.matmuls[kGateUp].weights.N()});
     if (layer.experts) {
       max_experts = std::max(max_experts, layer.experts->router.size(0));
-      for (const StackMatmul& m : layer.experts->matmuls) widest_expert = std::max(widest_expert, m.rows.size(0));
-      for (const StackMatmul& m : layer.experts->shared) widest_expert = std::max(widest_expert, m.rows.size(0));
+      for (const StackMatmul& m : layer.experts->matmuls) widest_expert = std::max(widest_expert, m.weights.N());
+      for (const StackMatmul& m : layer.experts->shared) widest_expert = std::max(widest_expert, m.weights.N());
     }
   }
   const auto options = hidden.options();
@@ -316,9 +314,8 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
     TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == T && slots.is_contiguous(),
                 "slot_mappings: int64 (T) each");
   if (num_layers > 0) {
-    TORCH_CHECK(hidden_size == block_quant_columns(layers_[0].matmuls[kQkv].rows, layers_[0].matmuls[kQkv].format),
-                "hidden: (T, the layers' hidden size)");
-    const int64_t qkv_width = layers_[0].matmuls[kQkv].rows.size(0);
+    TORCH_CHECK(hidden_size == layers_[0].matmuls[kQkv].weights.K, "hidden: (T, the layers' hidden size)");
+    const int64_t qkv_width = layers_[0].matmuls[kQkv].weights.N();
     for (const torch::Tensor& slots : slot_mappings)
       check_rope_write_kv(wide.view(-1).narrow(0, 0, T * qkv_width).view({T, qkv_width}), cos[0], sin[0], kv_cache[0],
                           slots, H);
@@ -354,11 +351,9 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
     // matmul m of x (M, K) after its prologue, each thread quantizing x itself (no wait for one to)
     const auto matmul = [&](const StackMatmul& m, const float* x, int64_t M, const float* norm, int64_t gated,
                             const float* residual, float* y) {
-      const LinearInput in = linear_input(x, M, block_quant_columns(m.rows, m.format), norm, eps_, gated, m.format);
-      const uint8_t* blocks = m.rows.data_ptr<uint8_t>();
+      const LinearInput in = linear_input(x, M, m.weights.K, norm, eps_, gated, m.weights);
       const float* bias = m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr;
-      const int64_t N = m.rows.size(0);
-      share(part(N), [&](int64_t n0, int64_t n1) { linear_rows(in, blocks, m.format, N, bias, residual, y, n0, n1); });
+      share(part(m.weights.N()), [&](int64_t n0, int64_t n1) { linear_rows(in, m.weights, bias, residual, y, n0, n1); });
     };
     // the stream + RMSNorm(side) by w, for a post-norm layer
     const auto add_normed = [&](const torch::Tensor& w) {

@@ -7,6 +7,10 @@
 #include <memory>
 #include <utility>
 #include <vector>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CBSERVE_BYTE_PRODUCTS 1  // the decode kernel multiplies 4- and 5-bit weights as bytes (vpdpbusd)
+#endif
 
 // scratch.cpp: arrays for a kernel's intermediate values, from those the calling thread freed where
 // one is large enough: malloc's arenas are shared once a process has more threads than it makes them.
@@ -71,11 +75,33 @@ inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, f
 // The gated prologues act(gate) * up of a fused gate/up output: none, SwiGLU, GeGLU (tanh), GeGLU (erf).
 constexpr int64_t kGatedNone = 0, kGatedSilu = 1, kGatedGeluTanh = 2, kGatedGelu = 3;
 
-// block_quant_linear.cpp: residual + prologue(x) times GGUF Q8_0 (format 0) or Q4_1 (format 1) weight
-// blocks (N, K / 32 * block bytes) + bias, x quantized per block of 32 inside; or Q8_0 blocks times x
-// rounded to bf16 (format 2, kQ8_0Bf16). The prologue is RMSNorm with norm_weight, a gated activation (kGated*), or none.
-torch::Tensor block_quant_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t format,
-                                 const c10::optional<torch::Tensor>& bias,
+// The decode kernel's weight formats (engine/models/gguf_types.py KERNEL_FORMATS): GGUF Q8_0 (0) and Q4_1
+// (1) regrouped, Q8_0 times activations rounded to bf16 (2, the `int8` mode's), and the types read as the
+// file stores them (gguf_rows.cpp).
+constexpr int64_t kFormatQ8_0 = 0, kFormatQ4_1 = 1, kFormatQ8_0Bf16 = 2, kFormatQ4_0 = 3, kFormatQ5_0 = 4,
+                  kFormatQ5_1 = 5, kFormatQ4_K = 6, kFormatQ5_K = 7, kFormatQ6_K = 8, kFormatIQ4_XS = 9;
+// block_quant_linear.cpp: the bytes of a row of K weights in `format`, and the weights of a row of `bytes`.
+int64_t format_row_bytes(int64_t format, int64_t K);
+int64_t format_row_columns(int64_t format, int64_t bytes);
+
+// A matmul's block-quantized weights: one or more parts stacked by rows (a fused q/k/v or gate/up whose
+// parts a file stores in different types), each part's rows (N_p, row bytes) uint8 in its own format.
+struct WeightRows {
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> formats;
+  std::vector<int64_t> first;  // part p's first output row; first.back() is N
+  int64_t K = 0;
+  int64_t N() const { return first.back(); }
+  bool has(int64_t format) const;
+};
+// block_quant_linear.cpp: the parts checked (known formats, each row K weights; bf16 activations alone) and stacked.
+WeightRows weight_rows(std::vector<torch::Tensor> parts, std::vector<int64_t> formats);
+
+// block_quant_linear.cpp: residual + prologue(x) times the weights (N, K) + bias, x quantized per block of 32
+// inside (or, format 2, rounded to bf16). The prologue is RMSNorm with norm_weight, a gated activation
+// (kGated*), or none.
+torch::Tensor block_quant_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                                 const std::vector<int64_t>& formats, const c10::optional<torch::Tensor>& bias,
                                  const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                                  const c10::optional<torch::Tensor>& residual);
 
@@ -161,21 +187,47 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K);
 
 // block_quant_linear.cpp: block_quant_linear in two parts, for callers that split the rows among
 // threads themselves (the decode stack): x (M, K) after its prologue, quantized (or rounded to bf16)
-// as the kernel reads it; then rows [n0, n1) of out (M, N) = residual + x times blocks (N, K / 32 *
-// block bytes) + bias, residual and bias optional (nullptr), residual possibly out itself.
+// as the kernel reads it; then rows [n0, n1) of out (M, N) = residual + x times the weights + bias,
+// residual and bias optional (nullptr), residual possibly out itself.
 struct LinearInput {
   int64_t M, K;
   Scratch<float> transformed;  // the prologue's rows, if any
   QuantizedX qx;
-  Scratch<int8_t> xb;  // qx in byte order (Q4_1 on AVX512-VNNI builds)
+  Scratch<int8_t> xb;  // qx in byte order (for Q4_1 and stored_byte_form formats, AVX512-VNNI builds)
   Scratch<float> xr;   // rounded to bf16 (format 2)
 };
-// The columns K of blocks (N, K / 32 * block bytes) in format.
-int64_t block_quant_columns(const torch::Tensor& blocks, int64_t format);
 LinearInput linear_input(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps, int64_t gated,
-                         int64_t format);
-void linear_rows(const LinearInput& in, const uint8_t* blocks, int64_t format, int64_t N, const float* bias,
-                 const float* residual, float* out, int64_t n0, int64_t n1);
+                         const WeightRows& w);
+void linear_rows(const LinearInput& in, const WeightRows& w, const float* bias, const float* residual, float* out,
+                 int64_t n0, int64_t n1);
+
+// gguf_rows.cpp: the formats read as stored (3-9): a row's bytes, its weights, and rows m0 .. m0 + mb of
+// x (quantized; xb: the same in byte order where stored_byte_form asked for it, else nullptr) times one
+// weight row of nb blocks of 32.
+int64_t stored_row_bytes(int64_t format, int64_t K);
+int64_t stored_row_columns(int64_t format, int64_t row_bytes);
+void stored_dot_pass(const uint8_t* row, int64_t format, int64_t nb, const QuantizedX& qx, const int8_t* xb,
+                     int64_t m0, int64_t mb, float* sums);
+
+#if defined(CBSERVE_BYTE_PRODUCTS)
+// gguf_rows.cpp: whether a stored format's rows multiply x in byte order (Q4_0, Q5_0, Q5_1, Q4_K,
+// Q5_K: each weight an unsigned integer below 32, one scale and offset per block of 32).
+bool stored_byte_form(int64_t format);
+
+constexpr int64_t kQuadBytes = 4 * 64;  // a group of four blocks' activation bytes in byte order
+
+// Four blocks' weight bytes (unsigned, below 32: lo holds each block's weights 0-15 in its 128-bit
+// lane, hi weights 16-31) times a group's activation bytes: sixteen fp32 lanes, four per block (lane
+// j / 4 is block j / 4), summing to the blocks' exact integer dot products (|sums| < 2^22).
+__attribute__((always_inline)) inline __m512 quad_dot(__m512i lo, __m512i hi, const int8_t* x) {
+  const __m512i* v = reinterpret_cast<const __m512i*>(x);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(v)), hi, _mm512_loadu_si512(v + 1));
+  const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(v + 2)), hi,
+                                        _mm512_loadu_si512(v + 3));
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
+}
+#endif
 
 // rope_kv.cpp: RoPE on qkv's q heads (and k heads), each head first RMS-normed by q_norm / k_norm
 // (head_dim) where given, k and v written to the slots of a layer's cache (2, kv_heads, blocks,
@@ -199,11 +251,10 @@ void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, co
 // kv_cache: (layers, 2, kv_heads, blocks, block_size, head_dim).
 void prefetch_kv_slots(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& slot_mapping);
 
-// decode_stack.cpp: one block-quantized matmul of a decode stack: block_quant_linear's rows, format
-// and bias, and where the vector GEMM takes it past kernel_rows tokens its tiles, scales, offsets.
+// decode_stack.cpp: one block-quantized matmul of a decode stack: block_quant_linear's weights and
+// bias, and where the vector GEMM takes it past kernel_rows tokens its tiles, scales, offsets.
 struct StackMatmul {
-  torch::Tensor rows;
-  int64_t format;
+  WeightRows weights;
   c10::optional<torch::Tensor> bias, tiles, scales, offsets;
 };
 
@@ -221,18 +272,19 @@ class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
               std::vector<int64_t> windows, int64_t kernel_rows);
-  // Appends a layer. matmuls: qkv, o, gate_up, down (gate_up and down unused where add_experts
-  // follows); norms: input, mlp, post-attention, post-MLP, q, k (the last four may be None);
-  // gated: kGated code; slot: its cache tensor; group: its KV group (windows' index); rope: its
-  // table in forward's cos and sin.
-  void add_layer(std::vector<torch::Tensor> rows, std::vector<int64_t> formats,
+  // Appends a layer. matmuls (each its parts' rows and formats, WeightRows): qkv, o, and gate_up, down
+  // (or only qkv and o where add_experts follows); norms: input, mlp, post-attention, post-MLP, q, k (the
+  // last four may be None); gated: kGated code; slot: its cache tensor; group: its KV group (windows'
+  // index); rope: its table in forward's cos and sin.
+  void add_layer(std::vector<std::vector<torch::Tensor>> rows, std::vector<std::vector<int64_t>> formats,
                  std::vector<c10::optional<torch::Tensor>> biases, std::vector<c10::optional<torch::Tensor>> norms,
                  int64_t gated, int64_t slot, int64_t group, int64_t rope);
   // Makes the last layer's MLP a mixture of experts: router (E, hidden) fp32; per expert its gate_up
-  // then down (rows, formats: 2E each, no tiles); shared: gate_up and down rows, formats (or empty)
-  // with shared_gate (1, hidden) fp32.
-  void add_experts(torch::Tensor router, std::vector<torch::Tensor> rows, std::vector<int64_t> formats, int64_t top_k,
-                   bool renormalize, std::vector<torch::Tensor> shared_rows, std::vector<int64_t> shared_formats,
+  // then down (parts' rows, formats: 2E each, no tiles); shared: gate_up and down (or empty) with
+  // shared_gate (1, hidden) fp32.
+  void add_experts(torch::Tensor router, std::vector<std::vector<torch::Tensor>> rows,
+                   std::vector<std::vector<int64_t>> formats, int64_t top_k, bool renormalize,
+                   std::vector<std::vector<torch::Tensor>> shared_rows, std::vector<std::vector<int64_t>> shared_formats,
                    c10::optional<torch::Tensor> shared_gate);
   // Gives matmul `which` (0-3) of layer `layer` the vector GEMM's tiles, scales and offsets.
   void set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, torch::Tensor scales,
@@ -258,6 +310,7 @@ class DecodeStack {
   };
   struct Layer {
     StackMatmul matmuls[4];  // qkv, o, gate_up, down
+    bool gated_mlp = false;  // gate_up and down are its MLP (else experts, added after it)
     torch::Tensor input_norm, mlp_norm;
     c10::optional<torch::Tensor> post_attention_norm, post_mlp_norm, q_norm, k_norm;
     int64_t gated, slot, group, rope;
@@ -272,7 +325,8 @@ class DecodeStack {
                              const torch::Tensor& kv_cache, const std::vector<torch::Tensor>& slot_mappings,
                              const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
                              int64_t num_layers) const;
-  void check_matmul(const StackMatmul& m) const;
+  StackMatmul stack_matmul(std::vector<torch::Tensor> parts, std::vector<int64_t> formats,
+                           c10::optional<torch::Tensor> bias) const;
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;

@@ -3,10 +3,11 @@
 // block_quant_linear (the decode kernel) and block_quant_gemm (the AMX tiles), register-blocked so
 // each weight vector loaded serves several rows and each activation broadcast several columns.
 //
-// Integer formats (GGUF Q8_0, Q4_1): activations quantized per block of 32 to 15 bits (quantize_x),
-// weights q as int8 (Q8_0 -127..127, Q4_1 0..15) widened to 16 bits in registers, each block's dot
+// Integer formats (the GGUF types, engine/models/gguf_types.py block_integers): activations quantized
+// per block of 32 to 15 bits (quantize_x), weights q as int8 (Q8_0 -127..127, Q4_1 0..15, ...) widened
+// to 16 bits in registers, or as int16 (Q6_K, its sub-scales folded in: |q| <= 4064), each block's dot
 // product summed exactly in int32 by 16-bit pair products: AVX512-VNNI's vpdpwssd, else AVX-512's
-// or AVX2's vpmaddwd and an add; then scaled by d_w * d_x, plus Q4_1's m_w * s_x. 8-bit VNNI
+// or AVX2's vpmaddwd and an add; then scaled by d_w * d_x, plus an offset's m_w * s_x. 8-bit VNNI
 // (vpdpbusd) would take two products per 15-bit activation (a byte each) for the same count of
 // multiply-adds per instruction, so the 16-bit form is as fast and simpler.
 // bf16 activations (the `int8` mode's Q8_0 blocks, scales of at most 8 significant bits): x rounded to
@@ -52,6 +53,7 @@ struct Operands {
   int64_t nbp;
   const uint16_t* xb;  // bf16 activations: (M, K) bf16 bits
   const int8_t* wq;    // integer weights in tile order (N / 16, nb, 512)
+  const int16_t* ws;   // or 16-bit integer weights in tile order
   const uint16_t* wb;  // bf16 weights in tile order
   const float* scales;   // (nb, N)
   const float* offsets;  // (nb, N), Q4_1
@@ -75,8 +77,9 @@ struct Simd {
   using F = __m512;
   static I izero() { return _mm512_setzero_si512(); }
   static F fzero() { return _mm512_setzero_ps(); }
-  // 16 columns' pair of int8 weights (32 bytes) widened to 16 bits.
+  // 16 columns' pair of int8 weights (32 bytes) widened to 16 bits, or of int16 weights as they are.
   static I widen(const int8_t* w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))); }
+  static I widen(const int16_t* w) { return _mm512_loadu_si512(w); }
   static I broadcast(const void* pair) { return _mm512_set1_epi32(pair_at(pair)); }
   static I dot(I acc, I w, I x) {
 #if defined(__AVX512VNNI__)
@@ -102,6 +105,7 @@ struct Simd {
   static I izero() { return _mm256_setzero_si256(); }
   static F fzero() { return _mm256_setzero_ps(); }
   static I widen(const int8_t* w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+  static I widen(const int16_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
   static I broadcast(const void* pair) { return _mm256_set1_epi32(pair_at(pair)); }
   static I dot(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
@@ -133,9 +137,12 @@ void write_out(const Simd::F (&acc)[MR][V], const Operands& o, int64_t m0, int64
   }
 }
 
-// out (rows m0 .. m0 + MR, columns n0 .. n0 + V * kLanes) = residual + (x's rows times the weights + bias).
-template <bool Offsets, int MR, int V>
+// out (rows m0 .. m0 + MR, columns n0 .. n0 + V * kLanes) = residual + (x's rows times the weights + bias);
+// W: the weights' integer type (int8 or int16).
+template <typename W, bool Offsets, int MR, int V>
 void integer_pass(const Operands& o, int64_t m0, int64_t n0) {
+  const W* weights;
+  if constexpr (sizeof(W) == 1) weights = o.wq; else weights = o.ws;
   Simd::F acc[MR][V];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = Simd::fzero();
@@ -146,7 +153,7 @@ void integer_pass(const Operands& o, int64_t m0, int64_t n0) {
 #pragma GCC unroll 4
     for (int64_t p = 0; p < kPairs; ++p) {
       Simd::I w[V];
-      for (int v = 0; v < V; ++v) w[v] = Simd::widen(o.wq + panel_at(n0, v, o.nb, b, p));
+      for (int v = 0; v < V; ++v) w[v] = Simd::widen(weights + panel_at(n0, v, o.nb, b, p));
       for (int r = 0; r < MR; ++r) {
         const Simd::I x = Simd::broadcast(o.xq + (m0 + r) * o.K + b * kBlock + 2 * p);
         for (int v = 0; v < V; ++v) sums[r][v] = Simd::dot(sums[r][v], w[v], x);
@@ -207,11 +214,11 @@ void run_pass(int rows, int vectors, const Operands& o, int64_t m0, int64_t n0) 
   Pass<MR, 1>::run(o, m0, n0);
 }
 
-template <bool Offsets>
+template <typename W, bool Offsets>
 struct IntegerPass {
   template <int MR, int V>
   struct Pass {
-    static void run(const Operands& o, int64_t m0, int64_t n0) { integer_pass<Offsets, MR, V>(o, m0, n0); }
+    static void run(const Operands& o, int64_t m0, int64_t n0) { integer_pass<W, Offsets, MR, V>(o, m0, n0); }
   };
 };
 
@@ -268,9 +275,13 @@ void plain_gemm(const Operands& o, bool bf16) {
             acc = std::fma(sum, dw, acc);
           } else {
             int32_t sum = 0;
-            for (int64_t p = 0; p < kPairs; ++p)
-              for (int64_t j = 0; j < 2; ++j)
-                sum += static_cast<int32_t>(o.wq[group + p * 2 * kGroup + j]) * o.xq[m * o.K + b * kBlock + 2 * p + j];
+            for (int64_t p = 0; p < kPairs; ++p) {
+              for (int64_t j = 0; j < 2; ++j) {
+                const int64_t at = group + p * 2 * kGroup + j;
+                sum += (o.wq ? static_cast<int32_t>(o.wq[at]) : static_cast<int32_t>(o.ws[at])) *
+                       o.xq[m * o.K + b * kBlock + 2 * p + j];
+              }
+            }
             const int64_t at = m * o.nbp + b;
             acc = std::fma(static_cast<float>(sum), dw * o.xd[at], acc);
             if (o.offsets) acc = std::fma(o.offsets[b * o.N + n], o.xs[at], acc);
@@ -313,8 +324,9 @@ torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, c
                           const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                           const c10::optional<torch::Tensor>& residual) {
-  const bool bf16 = panels.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || panels.scalar_type() == torch::kChar, "panels: int8 (integer formats) or bf16 (bf16 activations)");
+  const bool bf16 = panels.scalar_type() == torch::kBFloat16, wide = panels.scalar_type() == torch::kShort;
+  TORCH_CHECK(bf16 || wide || panels.scalar_type() == torch::kChar,
+              "panels: int8 or int16 (integer formats) or bf16 (bf16 activations)");
   TORCH_CHECK(!bf16 || vector_gemm_bf16(), "vector_gemm with bf16 activations needs AVX512-BF16, which this CPU or build lacks");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanelValues,
               "panels: contiguous (N / 16, K / 32, 512) in tile order");
@@ -337,7 +349,8 @@ torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, c
   }
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const Operands o{M, N, K, nb, qx.q.get(), qx.d.get(), qx.s.get(), qx.nbp, xb.get(),
-                   bf16 ? nullptr : panels.data_ptr<int8_t>(),
+                   panels.scalar_type() == torch::kChar ? panels.data_ptr<int8_t>() : nullptr,
+                   wide ? panels.data_ptr<int16_t>() : nullptr,
                    bf16 ? reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()) : nullptr,
                    scales.data_ptr<float>(), offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
                    b.defined() ? b.data_ptr<float>() : nullptr,
@@ -347,10 +360,13 @@ torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, c
 #if defined(CBSERVE_VECTOR_BF16)
     run_passes<Bf16Pass>(o, 2);
 #endif
+  } else if (wide) {
+    if (o.offsets) run_passes<IntegerPass<int16_t, true>::Pass>(o, 2);
+    else run_passes<IntegerPass<int16_t, false>::Pass>(o, 2);
   } else if (o.offsets) {
-    run_passes<IntegerPass<true>::Pass>(o, 2);
+    run_passes<IntegerPass<int8_t, true>::Pass>(o, 2);
   } else {
-    run_passes<IntegerPass<false>::Pass>(o, 2);
+    run_passes<IntegerPass<int8_t, false>::Pass>(o, 2);
   }
 #else
   plain_gemm(o, bf16);

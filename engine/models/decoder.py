@@ -237,7 +237,7 @@ class PagedDecoder(nn.Module):
         for index, layer in enumerate(self.layers):
             matmuls = [layer.qkv, layer.o] + ([layer.mlp.gate_up, layer.mlp.down] if isinstance(layer.mlp, GatedMLP)
                                               else [])
-            stack.add_layer([m.rows for m in matmuls], [m.format for m in matmuls], [m.bias for m in matmuls],
+            stack.add_layer([m.part_rows for m in matmuls], [m.formats for m in matmuls], [m.bias for m in matmuls],
                             [layer.input_norm, layer.mlp_norm, layer.post_attention_norm, layer.post_mlp_norm,
                              layer.q_norm, layer.k_norm], GATED_ACTIVATIONS[_activation(layer)], layer.cache_slot,
                             layer.kv_group, layer.rope)
@@ -245,8 +245,8 @@ class PagedDecoder(nn.Module):
                 mlp = layer.mlp
                 parts = [m for expert in mlp.experts for m in (expert.gate_up, expert.down)]
                 shared = [] if mlp.shared is None else [mlp.shared.gate_up, mlp.shared.down]
-                stack.add_experts(mlp.router, [m.rows for m in parts], [m.format for m in parts], mlp.top_k,
-                                  mlp.renormalize, [m.rows for m in shared], [m.format for m in shared],
+                stack.add_experts(mlp.router, [m.part_rows for m in parts], [m.formats for m in parts], mlp.top_k,
+                                  mlp.renormalize, [m.part_rows for m in shared], [m.formats for m in shared],
                                   mlp.shared_gate)
             elif vectored:
                 for which, m in enumerate(matmuls):

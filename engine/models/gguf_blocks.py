@@ -1,8 +1,10 @@
 """A GGUF checkpoint's quantized blocks for the paged model's matmuls, as the file stores them
 (quantization `gguf`): no dequantize-requantize round trip, so the weights are exactly the file's.
 
-GGUF keeps one tensor per projection, where the paged model fuses q/k/v and gate/up: fused
-matmuls concatenate their parts' rows, which keeps every block whole (blocks run along a row).
+GGUF keeps one tensor per projection, where the paged model fuses q/k/v and gate/up: a fused
+matmul stacks its parts' rows, each part in the type the file stores it in (a Q4_K_M file keeps
+attn_v in Q6_K beside Q4_K q and k). A matmul with a part of a type no kernel runs (Q2_K, Q3_K, the
+IQ2/IQ3 codebooks) is left out: the model quantizes it to `int8` from its dequantized weights.
 A mixture of experts keeps each projection of all experts in one 3-D tensor (ffn_*_exps):
 expert e's matmuls are its slices.
 llama.cpp's converter permutes q and k rows for its RoPE layout; transformers' tensor processor
@@ -22,7 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
 from engine.cache_dir import cache_dir
-from engine.models.linear import KERNEL_FORMATS
+from engine.models.gguf_types import runs
 
 # paged-model matmul in layer i -> the GGUF tensors whose rows it stacks
 LAYER_MATMULS = {
@@ -36,39 +38,59 @@ LAYER_MATMULS = {
 EXPERT_MATMULS = {"gate_up": ("ffn_gate_exps", "ffn_up_exps"), "down": ("ffn_down_exps",)}  # per expert e: slice e
 
 
-def read_blocks(path: str, hf_config) -> dict[str, tuple[GGMLQuantizationType, np.ndarray]]:
-    """{module name in the paged model: (GGML type, blocks (rows, bytes per row) uint8)}."""
+Parts = list[tuple[GGMLQuantizationType, np.ndarray]]  # a matmul's parts, stacked by rows
+
+
+def read_blocks(path: str, hf_config) -> dict[str, Parts]:
+    """{module name in the paged model: its parts (GGML type, blocks (rows, bytes per row) uint8)},
+    for the matmuls whose every part a kernel runs."""
     reader = GGUFReader(path)
     architecture = reader.fields["general.architecture"].contents()
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     tensors = {t.name: t for t in reader.tensors}
 
-    def stacked(names: list[str], expert: int | None = None) -> tuple[GGMLQuantizationType, np.ndarray]:
-        qtypes = {tensors[n].tensor_type for n in names}
-        if len(qtypes) != 1 or next(iter(qtypes)) not in KERNEL_FORMATS:
-            kinds = ", ".join(f"{n} is {tensors[n].tensor_type.name}" for n in names)
-            raise ValueError(f"quantization 'gguf' runs Q4_1 and Q8_0 blocks, one type per fused matmul; in {path}, "
-                             f"{kinds}: use quantization 'int8' or 'none' for this file")
-        parts = [np.asarray(tensors[n].data) if expert is None else np.asarray(tensors[n].data[expert]) for n in names]
-        rows = [processor.process(part, n).weights for part, n in zip(parts, names)]
-        return qtypes.pop(), np.concatenate(rows)
+    def stacked(names: list[str], expert: int | None = None) -> Parts | None:
+        parts = []
+        for name in names:
+            tensor = tensors[name]
+            data = np.asarray(tensor.data) if expert is None else np.asarray(tensor.data[expert])
+            if not runs(tensor.tensor_type, int(tensor.shape[0])):  # GGUF's shape: columns first
+                return None
+            rows = processor.process(data, name).weights
+            if parts and parts[-1][0] == tensor.tensor_type:  # one part per run of a type: one kernel pass
+                parts[-1] = (tensor.tensor_type, np.concatenate([parts[-1][1], rows]))
+            else:
+                parts.append((tensor.tensor_type, rows))
+        return parts
 
-    blocks = {}
+    found = {}
     for i in range(hf_config.num_hidden_layers):
-        for matmul, parts in LAYER_MATMULS.items():
-            names = [f"blk.{i}.{part}.weight" for part in parts]
+        for matmul, names in LAYER_MATMULS.items():
+            names = [f"blk.{i}.{part}.weight" for part in names]
             if all(n in tensors for n in names):
-                blocks[f"layers.{i}.{matmul}"] = stacked(names)
-        for matmul, parts in EXPERT_MATMULS.items():
-            names = [f"blk.{i}.{part}.weight" for part in parts]
+                found[f"layers.{i}.{matmul}"] = stacked(names)
+        for matmul, names in EXPERT_MATMULS.items():
+            names = [f"blk.{i}.{part}.weight" for part in names]
             if all(n in tensors for n in names):
                 for e in range(tensors[names[0]].data.shape[0]):
-                    blocks[f"layers.{i}.mlp.experts.{e}.{matmul}"] = stacked(names, e)
-    blocks["lm_head"] = stacked(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
-    return blocks
+                    found[f"layers.{i}.mlp.experts.{e}.{matmul}"] = stacked(names, e)
+    found["lm_head"] = stacked(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
+    return {name: parts for name, parts in found.items() if parts is not None}
 
 
-def stored_blocks(path: str, hf_config) -> dict[str, tuple[GGMLQuantizationType, np.ndarray]]:
+def describe(blocks: dict[str, Parts], num_matmuls: int) -> str:
+    """What took which path: the matmuls in their own blocks (by type) and those re-quantized."""
+    counts: dict[str, int] = {}
+    for parts in blocks.values():
+        for qtype, _ in parts:
+            counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    kinds = ", ".join(f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    left = num_matmuls - len(blocks)
+    return (f"{len(blocks)} matmuls in the file's own blocks ({kinds})"
+            + (f", {left} of types no kernel runs re-quantized to int8" if left else ""))
+
+
+def stored_blocks(path: str, hf_config) -> dict[str, Parts]:
     """read_blocks, kept in the engine's cache after the first read: parsing the file's metadata
     (its whole vocabulary) and regrouping rows take seconds that every start and step-loop restart
     would wait for; the cached arrays load in a fraction of one."""
@@ -79,13 +101,18 @@ def stored_blocks(path: str, hf_config) -> dict[str, tuple[GGMLQuantizationType,
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{version}|{code}".encode())
     target = cache_dir("models") / f"{Path(path).stem}-blocks-{key.hexdigest()[:12]}.safetensors"
     if target.is_file():
-        with safetensors.safe_open(str(target), "np") as f:  # each array's GGML type in the file's metadata
+        with safetensors.safe_open(str(target), "np") as f:  # each part's GGML type in the file's metadata
             types = f.metadata()
-            return {name: (GGMLQuantizationType[types[name]], f.get_tensor(name)) for name in f.keys()}
+            blocks: dict[str, Parts] = {}
+            for key in sorted(f.keys(), key=lambda k: (k.rsplit("#", 1)[0], int(k.rsplit("#", 1)[1]))):
+                part = (GGMLQuantizationType[types[key]], f.get_tensor(key))
+                blocks.setdefault(key.rsplit("#", 1)[0], []).append(part)
+            return blocks
     blocks = read_blocks(path, hf_config)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    safetensors.numpy.save_file({name: np.ascontiguousarray(b) for name, (_, b) in blocks.items()}, str(partial),
-                                metadata={name: qtype.name for name, (qtype, _) in blocks.items()})
+    arrays = {f"{name}#{i}": (qtype, b) for name, parts in blocks.items() for i, (qtype, b) in enumerate(parts)}
+    safetensors.numpy.save_file({key: np.ascontiguousarray(b) for key, (_, b) in arrays.items()}, str(partial),
+                                metadata={key: qtype.name for key, (qtype, _) in arrays.items()})
     os.replace(partial, target)  # atomic: a reader never sees half a file
     return blocks

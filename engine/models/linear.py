@@ -33,12 +33,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from engine.config import QUANTIZATION_MODES
+from engine.models import gguf_types
+from engine.models.gguf_types import KERNEL_FORMATS
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # values per quantization block, of weights and of activations
 ACTIVATION_LEVELS = 127 * 128  # activations are integers in [-LEVELS, LEVELS] times a scale per block
-KERNEL_FORMATS = {GGMLQuantizationType.Q8_0: 0, GGMLQuantizationType.Q4_1: 1}  # the C++ kernel's format codes
 BF16_Q8_0_FORMAT = 2  # the kernel's code for Q8_0 blocks times activations rounded to bf16
 GATED_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2, "gelu": 3}  # act(gate) * up prologues, by the kernels' codes
 
@@ -120,50 +121,6 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
 
-def dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """GGUF blocks (N, K / 32 * block bytes) as fp32 weights (N, K): the values gguf's own
-    dequantize gives (the same fp32 multiply, then add), in a few torch ops over all rows
-    instead of numpy's per-row groups (seconds of every start on a 135M model)."""
-    if qtype not in KERNEL_FORMATS:
-        raise ValueError(f"dequantize_blocks reads Q8_0 and Q4_1 blocks, got {qtype.name}")
-    rows = blocks.shape[0]
-    per_block = torch.from_numpy(np.ascontiguousarray(blocks)).view(rows, -1, GGML_QUANT_SIZES[qtype][1])
-    if qtype == GGMLQuantizationType.Q8_0:  # fp16 scale d, 32 int8 q: d * q
-        scale = per_block[..., :2].contiguous().view(torch.float16).float()
-        return (per_block[..., 2:].contiguous().view(torch.int8).float() * scale).reshape(rows, -1)
-    # Q4_1: fp16 scale d and offset m, 16 bytes of nibbles (low halves first): d * q + m
-    scale, offset = (per_block[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
-    nibbles = per_block[..., 4:]
-    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
-    return (scale * values + offset).reshape(rows, -1)
-
-
-_ROW_FIELDS = {GGMLQuantizationType.Q8_0: (2, 32), GGMLQuantizationType.Q4_1: (2, 2, 16)}  # a block's bytes in order
-
-
-def regroup_rows(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """GGUF blocks (N, K / 32 * block bytes) as the kernel reads them, the same bytes per row: the
-    row's quantized values, then its fp16 scales, then (Q4_1) its fp16 offsets, so the kernel
-    loads a run of scales at once instead of one per block."""
-    fields = _ROW_FIELDS[qtype]
-    per_block = blocks.reshape(blocks.shape[0], -1, sum(fields))
-    starts = np.cumsum((0,) + fields)
-    parts = [per_block[:, :, start:start + size] for start, size in zip(starts, fields)]
-    regrouped = parts[-1:] + parts[:-1]  # the quantized values first
-    return np.ascontiguousarray(np.concatenate([p.reshape(blocks.shape[0], -1) for p in regrouped], axis=1))
-
-
-def ungroup_rows(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """regroup_rows undone: the GGUF blocks (N, K / 32 * block bytes)."""
-    fields = _ROW_FIELDS[qtype]
-    count = rows.shape[0]
-    per_row = rows.shape[1] // sum(fields)  # blocks in a row
-    sizes = fields[-1:] + fields[:-1]  # as regroup_rows laid them out
-    parts = np.split(rows, np.cumsum([size * per_row for size in sizes])[:-1], axis=1)
-    parts = [part.reshape(count, per_row, size) for part, size in zip(parts, sizes)]
-    return np.concatenate(parts[1:] + parts[:1], axis=2).reshape(count, -1)
-
-
 def tile_order(values: torch.Tensor) -> torch.Tensor:
     """(N, K) values in AMX tile order (N / 16, K / 32, 512), TDPBF16PS's B operand: each 16
     columns' block as 16 rows holding each column's values 2r and 2r + 1."""
@@ -172,26 +129,25 @@ def tile_order(values: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(rows // 16, cols // BLOCK, -1).contiguous()
 
 
-def tile_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype = torch.bfloat16
+def tile_blocks(parts: list[tuple[GGMLQuantizationType, np.ndarray]], dtype: torch.dtype = torch.bfloat16
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """GGUF blocks (N, K / 32 * block bytes) as the large-batch GEMMs read them
-    (engine/csrc/block_quant_gemm.cpp, vector_gemm.cpp): the integer weights q as `dtype` (bf16 or
-    int8, exact either way) in tile order; the scales d and (Q4_1) offsets m as (K / 32, N) fp32,
-    so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
-    rows = blocks.shape[0]
-    per_block = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])  # (N, K / 32, block bytes)
-    scales = per_block[:, :, 0:2].copy().view(np.float16)[..., 0]
+    """A matmul's parts (GGUF blocks (N_p, row bytes) each, stacked by rows) as the large-batch GEMMs
+    read them (engine/csrc/block_quant_gemm.cpp, vector_gemm.cpp): the integer weights q
+    (engine/models/gguf_types.py block_integers) as `dtype` (bf16, int8 or int16, exact each) in tile
+    order; the scales d and offsets m (zero for a part without) as (K / 32, N) fp32, so 16 columns'
+    scales of a block load as one vector. w = d * q (+ m)."""
+    integers = [gguf_types.block_integers(blocks, qtype) for qtype, blocks in parts]
+    q = torch.cat([part_q.to(dtype) for part_q, _, _ in integers])
+    scales = torch.cat([d for _, d, _ in integers]).t().contiguous()
     offsets = None
-    if qtype == GGMLQuantizationType.Q8_0:
-        q = per_block[:, :, 2:].view(np.int8)
-    else:
-        offsets = per_block[:, :, 2:4].copy().view(np.float16)[..., 0]
-        nibbles = per_block[:, :, 4:]
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weight i < 16: the low nibble
-    tiles = tile_order(torch.from_numpy(q.reshape(rows, -1).astype(np.int8)).to(dtype))
-    scales_by_block = torch.from_numpy(np.ascontiguousarray(scales.T.astype(np.float32)))
-    offsets_by_block = None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets.T.astype(np.float32)))
-    return tiles, scales_by_block, offsets_by_block
+    if any(m is not None for _, _, m in integers):
+        offsets = torch.cat([m if m is not None else torch.zeros_like(d) for _, d, m in integers]).t().contiguous()
+    return tile_order(q), scales, offsets
+
+
+def widest_integers(parts: list[tuple[GGMLQuantizationType, np.ndarray]]) -> torch.dtype:
+    """The narrowest integer dtype holding every part's block integers: int8, or int16 (Q6_K)."""
+    return torch.int16 if any(qtype == GGMLQuantizationType.Q6_K for qtype, _ in parts) else torch.int8
 
 
 def bf16_pair_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -221,14 +177,17 @@ def int8_blocks(weight: torch.Tensor) -> np.ndarray:
 
 class BlockQuantLinear(nn.Module):
     """A matmul on GGUF block-quantized weights with block-quantized activations, or with
-    `bf16_activations` (Q8_0 blocks from `int8_blocks`) activations rounded to bf16. Up to
+    `bf16_activations` (Q8_0 blocks from `int8_blocks`) activations rounded to bf16. `parts`: the
+    weights as (GGML type, blocks (N_p, row bytes)) stacked by rows, a fused matmul whose parts a
+    file stores in different types keeping each in its own (engine/models/gguf_types.py). Up to
     `decode_rows` rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks.
-    Larger inputs (prefill, large decode batches) run, where the CPU has AMX tiles, the tile GEMM (on
-    the blocks' integers, the same integer dot products per block; or on the exact weights as bf16
-    pairs); else the vector GEMM (`vectored`: the same products on AVX512-VNNI, AVX-512 or AVX2, and
-    with bf16 activations on AVX512-BF16); else fp32 GEMM of the dequantized weights on the same
-    rounded activations: the same values every way, so the same results to fp32 rounding, whatever
-    the batch. Without the compiled kernels every input takes the fp32 GEMM."""
+    Larger inputs (prefill, large decode batches) run, where the CPU has AMX tiles and the
+    integers fit bf16 exactly, the tile GEMM (on the blocks' integers, the same integer dot products
+    per block; or on the exact weights as bf16 pairs); else the vector GEMM (`vectored`: the same
+    products on AVX512-VNNI, AVX-512 or AVX2, and with bf16 activations on AVX512-BF16); else fp32
+    GEMM of the dequantized weights on the same rounded activations: the same values every way, so
+    the same results to fp32 rounding, whatever the batch. Without the compiled kernels every
+    input takes the fp32 GEMM."""
 
     DECODE_ROWS = 28  # up to here the kernel beats fp32 GEMM on this model family's shapes (BENCHMARKS.md)
     TILED_DECODE_ROWS = 8  # with AMX tiles, the tile GEMM beats the kernel from 5-8 rows on (BENCHMARKS.md)
@@ -237,43 +196,55 @@ class BlockQuantLinear(nn.Module):
     # them the exact bf16 pairs (4 bytes a weight, no scaling inside K) (BENCHMARKS.md)
     INTEGER_TILE_ROWS = 64
 
-    def __init__(self, qtype: GGMLQuantizationType, blocks: np.ndarray, bias: torch.Tensor | None, kernels,
+    def __init__(self, parts: list[tuple[GGMLQuantizationType, np.ndarray]], bias: torch.Tensor | None, kernels,
                  bf16_activations: bool = False):
         super().__init__()
-        if bf16_activations and qtype != GGMLQuantizationType.Q8_0:
-            raise ValueError(f"bf16 activations take Q8_0 blocks, got {qtype.name}")
-        self.qtype, self.bf16_activations = qtype, bf16_activations
-        self.format = BF16_Q8_0_FORMAT if bf16_activations else KERNEL_FORMATS[qtype]
-        self.register_buffer("rows", torch.from_numpy(regroup_rows(blocks, qtype)))  # (N, K / 32 * bytes) uint8
+        qtypes = [qtype for qtype, _ in parts]
+        if bf16_activations and qtypes != [GGMLQuantizationType.Q8_0]:
+            raise ValueError(f"bf16 activations take one part of Q8_0 blocks, got {[q.name for q in qtypes]}")
+        self.qtypes, self.bf16_activations = qtypes, bf16_activations
+        self.formats = [BF16_Q8_0_FORMAT] if bf16_activations else [KERNEL_FORMATS[q] for q in qtypes]
+        for i, (qtype, blocks) in enumerate(parts):  # (N_p, row bytes) uint8 each, as the kernel reads them
+            self.register_buffer(f"rows{i}", torch.from_numpy(gguf_types.kernel_rows(blocks, qtype)))
         self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
-        self.weight_bytes = self.rows.numel()  # what a decode step reads
-        whole_groups = kernels is not None and blocks.shape[0] % 16 == 0  # the GEMMs take 16 columns at a time
-        self.tiled = whole_groups and kernels.block_quant_gemm_available()
+        self.weight_bytes = sum(rows.numel() for rows in self.part_rows)  # what a decode step reads
+        # the batch GEMMs take 16 output columns at a time
+        whole_groups = kernels is not None and all(blocks.shape[0] % 16 == 0 for _, blocks in parts)
+        integers = widest_integers(parts)
+        # AMX's bf16 tiles hold the integers exactly up to 8 bits: Q6_K's folded 16-bit ones take the vector GEMM
+        self.tiled = whole_groups and integers == torch.int8 and kernels.block_quant_gemm_available()
         # the plain loop (a build without AVX2) is slower than fp32 GEMM: that keeps the GEMM
         self.vectored = (whole_groups and not self.tiled and kernels.vector_gemm_isa() != "plain"
                          and (kernels.vector_gemm_bf16() or not bf16_activations))
         self.decode_rows = (self.TILED_DECODE_ROWS if self.tiled else self.VECTOR_DECODE_ROWS if self.vectored
                             else self.DECODE_ROWS)  # rows the kernel takes
         tiles, scales, offsets = (None, None, None)
-        if self.tiled or self.vectored:  # the vector GEMM's integers in int8, half the bytes
-            tile_dtype = torch.int8 if self.vectored and not bf16_activations else torch.bfloat16
-            tiles, scales, offsets = tile_blocks(blocks, qtype, tile_dtype)
+        if self.tiled or self.vectored:  # the vector GEMM's integers in int8 (or int16), half the bytes of bf16
+            tile_dtype = integers if self.vectored and not bf16_activations else torch.bfloat16
+            tiles, scales, offsets = tile_blocks(parts, tile_dtype)
         # fp32 weights (N, K) only where the fp32 GEMM is a path the engine takes: elsewhere they would
         # cost 4 bytes a weight of memory, and their dequantizing a share of every start (BENCHMARKS.md)
-        self.register_buffer("dense_weight", None if self.tiled or self.vectored else dequantize_blocks(blocks, qtype))
-        pair_tiles = bf16_pair_tiles(dequantize_blocks(blocks, qtype)) if self.tiled and bf16_activations else None
+        dense = None if self.tiled or self.vectored else _dequantized(parts)
+        self.register_buffer("dense_weight", dense)
+        pair_tiles = bf16_pair_tiles(_dequantized(parts)) if self.tiled and bf16_activations else None
         self.register_buffer("pair_tiles", pair_tiles)
         self.register_buffer("tiles", tiles)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
 
     @property
+    def part_rows(self) -> list[torch.Tensor]:
+        """Each part's rows as the decode kernel reads them."""
+        return [getattr(self, f"rows{i}") for i in range(len(self.qtypes))]
+
+    @property
     def weight(self) -> torch.Tensor:
         """The dequantized weights (N, K) fp32, which only the fp32 GEMM reads: made at load where that
         is the large-batch path, else on first use, and kept."""
         if self.dense_weight is None:
-            self.dense_weight = dequantize_blocks(ungroup_rows(self.rows.cpu().numpy(), self.qtype), self.qtype)
+            self.dense_weight = _dequantized([(qtype, gguf_types.stored_blocks_of(rows.cpu().numpy(), qtype))
+                                              for qtype, rows in zip(self.qtypes, self.part_rows)])
         return self.dense_weight
 
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
@@ -309,8 +280,8 @@ class BlockQuantLinear(nn.Module):
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """The C++ kernel on the blocks, prologue and residual fused (needs the kernels)."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
-        return self._kernels.block_quant_linear(x.contiguous(), self.rows, self.format, self.bias, norm_weight, eps,
-                                                _gate_code(gated), residual)
+        return self._kernels.block_quant_linear(x.contiguous(), self.part_rows, self.formats, self.bias, norm_weight,
+                                                eps, _gate_code(gated), residual)
 
     def forward_gemm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,6 +348,10 @@ class WeightOnlyLinear(nn.Module):
         return _plus(residual, out)
 
 
+def _dequantized(parts: list[tuple[GGMLQuantizationType, np.ndarray]]) -> torch.Tensor:
+    return torch.cat([gguf_types.dequantize(blocks, qtype) for qtype, blocks in parts])
+
+
 def _gate_code(gated: str | None) -> int:
     """The kernels' prologue code of a gated activation: 0 none (GATED_ACTIVATIONS)."""
     return 0 if gated is None else GATED_ACTIVATIONS[gated]
@@ -395,8 +370,8 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
     `w4a16`: every matmul whose shape the kernel takes (input width a multiple of 32; others stay
     fp32), except that the weight-only modes keep the LM head fp32, as GPTQ and AWQ checkpoints
     do (a 4-bit LM head alone costs more top-1 agreement than every other matmul together).
-    `gguf`: `stored_blocks`, {module name: (GGML type, blocks)} from the checkpoint
-    (engine/models/gguf_blocks.py)."""
+    `gguf`: `stored_blocks`, {module name: its parts (GGML type, blocks)} from the checkpoint
+    (engine/models/gguf_blocks.py); a matmul missing there (a type no kernel runs) as `int8`."""
     if mode not in QUANTIZATION_MODES or mode == "auto":  # auto is resolved before (engine/quantization_check.py)
         raise ValueError(f"quantize takes one of {QUANTIZATION_MODES[:-1]}, got {mode!r}")
     if mode == "none":
@@ -404,6 +379,11 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
     from engine.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels() if mode in ("int8", "gguf") else None
+    if mode == "gguf":
+        from engine.models.gguf_blocks import describe
+
+        matmuls = sum(isinstance(m, Linear) for m in model.modules())
+        logger.info("quantization gguf: %s", describe(stored_blocks, matmuls))
     for name, dense in list(model.named_modules()):
         if not isinstance(dense, Linear):
             continue
@@ -412,11 +392,11 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
             if dense is model.lm_head or not WeightOnlyLinear.fits(bits, dense.weight):
                 continue
             replacement = WeightOnlyLinear(bits, dense.weight, dense.bias)
-        elif mode == "gguf":
-            replacement = BlockQuantLinear(*stored_blocks[name], dense.bias, kernels)
-        elif dense.weight.shape[1] % BLOCK == 0:
-            replacement = BlockQuantLinear(GGMLQuantizationType.Q8_0, int8_blocks(dense.weight), dense.bias, kernels,
-                                           bf16_activations=True)
+        elif mode == "gguf" and name in stored_blocks:
+            replacement = BlockQuantLinear(stored_blocks[name], dense.bias, kernels)
+        elif dense.weight.shape[1] % BLOCK == 0:  # `int8`, or a tensor of a type no kernel runs
+            replacement = BlockQuantLinear([(GGMLQuantizationType.Q8_0, int8_blocks(dense.weight))], dense.bias,
+                                           kernels, bf16_activations=True)
         else:
             continue
         parent, _, attr = name.rpartition(".")
