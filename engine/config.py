@@ -54,7 +54,8 @@ class ModelConfig:
                                      "decided once per model and machine, then cached; 'none' on CUDA or with "
                                      "16-bit weights), 'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
                                      "fp32's bytes per decode step, activations rounded to bf16), 'gguf' (a .gguf "
-                                     "model's own Q4_1/Q8_0 blocks, activations quantized per block of 32) or "
+                                     "model's own blocks, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS in any "
+                                     "mix, other types as 'int8'; activations quantized per block of 32) or "
                                      "'w8a16'/'w4a16' (int8/int4 weights, bf16 activations)")
     model_impl: str = _opt("auto", "how the model runs: 'auto' (its native family where engine/models/families.py "
                                    "has one, else transformers' own modeling code with the paged attention), "
