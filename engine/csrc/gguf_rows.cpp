@@ -266,6 +266,26 @@ inline int32_t hsum_epi32(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
   return _mm_cvtsi128_si32(s);
 }
+
+// Blocks [b, nb) of a row (its last, short of a group of four) widened one at a time: each block's
+// scaled integer dot product added to tail[i], its offset term to offsets[i].
+template <int64_t Format, int64_t MB>
+__attribute__((always_inline)) inline void widened_tail(const uint8_t* row, int64_t b, int64_t nb,
+                                                        const int16_t* const* xq, const float* const* xd,
+                                                        const float* const* xs, float* tail, float* offsets) {
+  for (; b < nb; ++b) {
+    alignas(32) int16_t q[kBlock];
+    float dw, mw;
+    unpack_block<Format>(row, b, q, dw, mw);
+    const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(q)),
+                  hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 16));
+    for (int64_t i = 0; i < MB; ++i) {
+      const int32_t dot = hsum_epi32(block_dot(lo, hi, xq[i] + b * kBlock));
+      tail[i] = in_order(std::fma(in_order(dw * xd[i][b]), static_cast<float>(dot), tail[i]));
+      offsets[i] = in_order(std::fma(mw, xs[i][b], offsets[i]));
+    }
+  }
+}
 #endif
 
 #if defined(CBSERVE_BYTE_PRODUCTS)
@@ -372,18 +392,7 @@ void dot_rows_bytes(const uint8_t* row, int64_t nb, const QuantizedX& qx, const 
       offset_acc[i] = _mm_fmadd_ps(quad.m, _mm_loadu_ps(xs[i] + b), offset_acc[i]);
     }
   }
-  for (; b < nb; ++b) {
-    alignas(32) int16_t q[kBlock];
-    float dw, mw;
-    unpack_block<Format>(row, b, q, dw, mw);
-    const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(q)),
-                  hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 16));
-    for (int64_t i = 0; i < MB; ++i) {
-      const int32_t dot = hsum_epi32(block_dot(lo, hi, xq[i] + b * kBlock));
-      tail[i] = in_order(std::fma(in_order(dw * xd[i][b]), static_cast<float>(dot), tail[i]));
-      offsets[i] = in_order(std::fma(mw, xs[i][b], offsets[i]));
-    }
-  }
+  widened_tail<Format, MB>(row, b, nb, xq, xd, xs, tail, offsets);
   for (int64_t i = 0; i < MB; ++i)
     sums[i] = in_order(in_order(in_order(_mm512_reduce_add_ps(acc[i])) + tail[i]) +
                        in_order(hsum_ps(offset_acc[i]) + offsets[i]));
@@ -435,18 +444,7 @@ void dot_rows(const uint8_t* row, int64_t nb, const QuantizedX& qx, int64_t m0, 
       offset_acc[i] = _mm_fmadd_ps(quad.m, _mm_loadu_ps(xs[i] + b), offset_acc[i]);
     }
   }
-  for (; b < nb; ++b) {
-    alignas(32) int16_t q[kBlock];
-    float dw, mw;
-    unpack_block<Format>(row, b, q, dw, mw);
-    const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(q)),
-                  hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 16));
-    for (int64_t i = 0; i < MB; ++i) {
-      const int32_t dot = hsum_epi32(block_dot(lo, hi, xq[i] + b * kBlock));
-      tail[i] = in_order(std::fma(in_order(dw * xd[i][b]), static_cast<float>(dot), tail[i]));
-      offsets[i] = in_order(std::fma(mw, xs[i][b], offsets[i]));
-    }
-  }
+  widened_tail<Format, MB>(row, b, nb, xq, xd, xs, tail, offsets);
   for (int64_t i = 0; i < MB; ++i)
     sums[i] = in_order(in_order(hsum_ps(acc[i]) + tail[i]) + in_order(hsum_ps(offset_acc[i]) + offsets[i]));
 #else
