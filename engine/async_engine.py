@@ -22,14 +22,15 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from engine.beam_search import BeamSearchParams
 from engine.chat_output import ChatOutputFormat
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
-from engine.engine_core import AbortRequest, AddRequest, CoreOutputs, ProcessCore, ThreadCore
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.engine_core import AbortRequest, AddRequest, CoreOutputs, ProcessCore, RegisterAdapter, ThreadCore
+from engine.errors import AdapterNotFoundError, EngineDeadError, InvalidRequestError
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import PoolingParams, SamplingParams
@@ -139,31 +140,64 @@ class AsyncEngine(EngineClient):
             raise self._dead
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, waited_s: float = 0.0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes; the last has `finished=True`. Leaving the
         iteration early (cancel, disconnect, break) aborts the request and frees its blocks."""
-        return self._stream(prompt, params, request_id, priority, waited_s)
+        return self._stream(prompt, params, request_id, priority, waited_s, lora)
 
     def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
-                    priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                    priority: int = 0, waited_s: float = 0.0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """The search runs in the step loop (engine.beam_groups); one output when it is done.
         Leaving early aborts it."""
-        return self._stream(prompt_token_ids, params, request_id, priority, waited_s)
+        return self._stream(prompt_token_ids, params, request_id, priority, waited_s, lora)
 
     async def embed(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, priority: int = 0,
-                    waited_s: float = 0.0) -> RequestOutput:
+                    waited_s: float = 0.0, lora: str | None = None) -> RequestOutput:
         """The prompt's embedding (`embedding` of the one output), computed in the step loop's
         steps beside generation. Cancelling the call aborts it."""
-        async for output in self._stream(prompt_token_ids, params, request_id, priority, waited_s):
+        async for output in self._stream(prompt_token_ids, params, request_id, priority, waited_s, lora):
             if output.finished:
                 return output
         raise EngineDeadError("the embedding request ended without its output")
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serves the LoRA adapter at `path` as `name` from now on, in this engine and any it restarts
+        as (InvalidRequestError where LoRA is off, the name is taken or the path holds no adapter)."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            raise InvalidRequestError("lora_name", "LoRA adapters are not enabled (enable_lora)")
+        if not name or ":" in name:
+            raise InvalidRequestError("lora_name", f"adapter names are non-empty without ':', got {name!r}")
+        if lora.modules.get(name, path) != path:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded from {lora.modules[name]}; "
+                                                   "unload it first")
+        if "://" not in path and not (Path(path) / "adapter_config.json").is_file():
+            raise InvalidRequestError("lora_path", f"no adapter_config.json under {path!r}")
+        self._set_modules({**lora.modules, name: path})
+        self._send(RegisterAdapter(name, path))
+
+    def unload_adapter(self, name: str) -> None:
+        """Stops serving adapter `name` (AdapterNotFoundError where it was not loaded)."""
+        modules = dict(self.config.lora.modules)
+        if modules.pop(name, None) is None:
+            raise AdapterNotFoundError("lora_name", f"adapter {name!r} is not loaded", "model_not_found")
+        self._set_modules(modules)
+        self._send(RegisterAdapter(name, None))
+
+    def _set_modules(self, modules: dict[str, str]) -> None:
+        lora = replace(self.config.lora, lora_modules=[f"{k}={v}" for k, v in modules.items()] or None)
+        self.config = replace(self.config, lora=lora)  # a restarted core starts with them
+
+    def _send(self, command) -> None:
+        with self._lock:
+            if self._core is not None:
+                self._core.send(command)
+
     async def _stream(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams | PoolingParams,
-                      request_id: str,
-                      priority: int, waited_s: float) -> AsyncIterator[RequestOutput]:
+                      request_id: str, priority: int, waited_s: float,
+                      lora: str | None) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        await self._register(request_id, stream, AddRequest(request_id, prompt, params, priority, waited_s))
+        await self._register(request_id, stream, AddRequest(request_id, prompt, params, priority, waited_s, lora))
         finished, first = False, None
         try:
             while not finished:

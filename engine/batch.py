@@ -15,6 +15,7 @@ import torch
 if TYPE_CHECKING:  # the rows' owners and the cache's groups, named in annotations only
     from engine.drafts import SampledDraft
     from engine.kv_cache.layout import KVLayout
+    from engine.lora import LoraBatch
     from engine.request import Request
 
 
@@ -75,6 +76,7 @@ class ModelInputs:
     # prompt ends here)
     pooled_indices: list[int] = field(default_factory=list)
     pooled: list[tuple[Request, int, int, int, bool]] = field(default_factory=list)
+    lora: LoraBatch | None = None  # the rows' LoRA adapters, where any row has one
 
     @classmethod
     def one_sequence(cls, token_ids: torch.Tensor, start: int, num_blocks: int, block_size: int,

@@ -10,12 +10,16 @@ search's stream gets one output, when it is done: the finished beams, best first
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.output_processor import failure_event
 from engine.outputs import RequestError, RequestOutput
 from engine.request import FinishReason, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerUpdate
+
+if TYPE_CHECKING:
+    from engine.lora import Adapter
 
 
 @dataclass(slots=True)
@@ -41,13 +45,13 @@ class BeamGroups:
         return list(self._groups)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, priority: int,
-            arrival_time: float) -> None:
-        """Starts a search; raises InvalidRequestError (beam_width) or ValueError (it could never
-        fit), changing nothing."""
+            arrival_time: float, adapter: Adapter | None = None) -> None:
+        """Starts a search (its beams with `adapter`, a LoRA adapter installed); raises
+        InvalidRequestError (beam_width) or ValueError (it could never fit), changing nothing."""
         search = BeamSearch(prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
         self.scheduler.check_fits(len(prompt_token_ids), search.max_tokens)
         first = Request(f"{request_id}#beam0.0", prompt_token_ids, search.step_params(), group_id=request_id,
-                        priority=priority, arrival_time=arrival_time, beam=True)
+                        priority=priority, arrival_time=arrival_time, beam=True, adapter=adapter)
         self.scheduler.add_request(first)
         self._groups[request_id] = _Group(search, [first.request_id])
 

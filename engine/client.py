@@ -83,18 +83,19 @@ class EngineClient(ABC):
 
     @abstractmethod
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-                 waited_s: float = 0.0) -> AsyncIterator[RequestOutput]: ...
+                 waited_s: float = 0.0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`lora`: the LoRA adapter the request runs with (AdapterNotFoundError where none has it)."""
 
     @abstractmethod
     async def embed(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, priority: int = 0,
-                    waited_s: float = 0.0) -> RequestOutput:
+                    waited_s: float = 0.0, lora: str | None = None) -> RequestOutput:
         """An embedding (engine.sampling_params.PoolingParams), scheduled with the same priority
         and aging as generation: the one finished output, its `embedding` set. Raises as
         `generate` does; cancelling the call aborts it."""
 
     @abstractmethod
     def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
-                    priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                    priority: int = 0, waited_s: float = 0.0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Beam search (engine.beam_search) as transformers' generate(num_beams=...,
         do_sample=False): yields the finished beams once, best first, as one RequestOutput with
         an output per beam. Errors as `generate`'s; leaving early aborts the search."""

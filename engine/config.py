@@ -259,10 +259,43 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """LoRA adapters over the served model, as vLLM's `--enable-lora` arguments spell them."""
+    enable_lora: bool = _opt(False, "serve PEFT LoRA adapters over the model (native families): named in "
+                                    "lora_modules, found under adapter_dirs, or loaded at run time")
+    lora_modules: list[str] | None = _opt(None, "adapters known at start, each 'name=path' (a PEFT adapter "
+                                                "directory: adapter_config.json + adapter_model.safetensors)")
+    adapter_dirs: list[str] | None = _opt(None, "where a request's adapter name is looked up when not known: "
+                                                "directories or fsspec URLs (file://, s3://, gs://, ... where the "
+                                                "package for it is installed) holding one adapter directory per name")
+    max_loras: int = _opt(8, "most distinct adapters in one step's batch (requests of others wait their turn)")
+    max_cpu_loras: int = _opt(16, "most adapters held loaded; the least recently used one no request runs is "
+                                  "evicted for a new one")
+    max_lora_rank: int = _opt(64, "highest adapter rank accepted")
+
+    def __post_init__(self):
+        if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"need 1 <= max_loras <= max_cpu_loras, got {self.max_loras}, {self.max_cpu_loras}")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError(f"max_lora_rank must be in [1, 256], got {self.max_lora_rank}")
+        for module in self.lora_modules or ():
+            name, _, path = module.partition("=")
+            if not name or not path or ":" in name:
+                raise ValueError(f"lora_modules entries are 'name=path' (a name without ':'), got {module!r}")
+        if (self.lora_modules or self.adapter_dirs) and not self.enable_lora:
+            raise ValueError("lora_modules and adapter_dirs need enable_lora")
+
+    @property
+    def modules(self) -> dict[str, str]:
+        return dict(module.split("=", 1) for module in self.lora_modules or ())
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     speculative: SpeculativeConfig | None = None  # None: plain decoding
 
     @classmethod
@@ -270,7 +303,7 @@ class EngineConfig:
         """Builds the config from flat field names (`max_num_seqs=8, block_size=16, ...`) and
         `speculative_config` (a dict of SpeculativeConfig's fields)."""
         parts = {"speculative": SpeculativeConfig.of(kwargs.pop("speculative_config", None))}
-        for name, part_cls in zip(("model", "cache", "scheduler"), ENGINE_PARTS):
+        for name, part_cls in zip(("model", "cache", "scheduler", "lora"), ENGINE_PARTS):
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
@@ -278,5 +311,5 @@ class EngineConfig:
         return cls(**parts)
 
 
-ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
+ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, LoraConfig)
 ENGINE_FIELDS = tuple(f for part in ENGINE_PARTS for f in dataclasses.fields(part))  # every engine argument

@@ -48,6 +48,7 @@ class AddRequest:
     params: SamplingParams | BeamSearchParams | PoolingParams  # a beam search's: the loop runs the search
     priority: int = 0
     waited_s: float = 0.0  # already spent waiting upstream: aging goes on from there
+    lora: str | None = None  # the LoRA adapter it runs with
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +57,18 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class RegisterAdapter:
+    """A LoRA adapter served from now on (`path`), or no longer (None); checked by the sender."""
+    name: str
+    path: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-Command = AddRequest | AbortRequest
+Command = AddRequest | AbortRequest | RegisterAdapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +150,21 @@ class StepLoop:
 
     def _apply(self, command: Command) -> list[Event]:
         match command:
-            case AddRequest(request_id, prompt, params, priority, waited_s):
+            case AddRequest(request_id, prompt, params, priority, waited_s, lora):
                 self.num_added += 1
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority, waited_s)
+                    self.engine.add_request(request_id, prompt, params, priority, waited_s, lora)
                 except ValueError as e:
                     return [RequestError(request_id, e)]
+                return []
+            case RegisterAdapter(name, path):
+                try:
+                    if path is None:
+                        self.engine.adapters.unregister(name)
+                    else:
+                        self.engine.adapters.register(name, path)
+                except ValueError:
+                    logger.exception("adapter %s", name)
                 return []
             case AbortRequest(request_id):
                 output = self.engine.abort_request(request_id)

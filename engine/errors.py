@@ -19,6 +19,10 @@ class InvalidRequestError(ValueError):
         return type(self), (self.param, self.message, self.code)
 
 
+class AdapterNotFoundError(InvalidRequestError):
+    """A LoRA adapter no lora_modules entry, run-time load or adapter_dirs entry names: a 404."""
+
+
 class RequestFailedError(RuntimeError):
     """A request the engine accepted failed while running (its own fault, or the engine's);
     its batch-mates and the engine go on."""

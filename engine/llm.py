@@ -28,9 +28,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in input order. A str or a list of ints is one
-        prompt. Raises ValueError (adding nothing) if any prompt or parameter is invalid."""
+        prompt. `lora`: the LoRA adapter every prompt (or each) runs with. Raises ValueError
+        (adding nothing) if any prompt or parameter is invalid."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -38,7 +40,8 @@ class LLM:
         params = sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        return self._run(self._add(prompts, params, priority or [0] * len(prompts)), use_tqdm)
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        return self._run(self._add(prompts, params, priority or [0] * len(prompts), loras), use_tqdm)
 
     def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -50,12 +53,12 @@ class LLM:
         return self._run(self._add(prompts, params, priority or [0] * len(prompts)), use_tqdm)
 
     def _add(self, prompts: list[Prompt], params: list[SamplingParams | BeamSearchParams | PoolingParams],
-             priorities: list[int]) -> list[str]:
+             priorities: list[int], loras: list[str | None] | None = None) -> list[str]:
         """Adds every request, or (ValueError) none."""
         request_ids = [str(next(self._ids)) for _ in prompts]
         for i, (request_id, prompt, p) in enumerate(zip(request_ids, prompts, params)):
             try:
-                self.engine.add_request(request_id, prompt, p, priorities[i])
+                self.engine.add_request(request_id, prompt, p, priorities[i], lora=loras[i] if loras else None)
             except ValueError:
                 for added in request_ids[:i]:
                     self.engine.abort_request(added)

@@ -7,7 +7,8 @@ and detokenization overlap the device's forward; the step in flight is collected
 A request that fails while running (its sampling, stop check or detokenization) fails alone:
 its stream gets a RequestError and its blocks are freed, and the step goes on for the others.
 A structured output's request waits outside the scheduler until its constraint is compiled
-(on the compiler's thread); the step loop goes on for the others meanwhile. A beam search runs
+(on the compiler's thread), and a request whose LoRA adapter is not loaded until its files are
+read (on the adapters' reader thread); the step loop goes on for the others meanwhile. A beam search runs
 inside the step loop too (engine.beam_groups), its beams batched with every other request.
 Not thread-safe: AsyncEngine drives it from one thread.
 """
@@ -32,6 +33,7 @@ from engine.errors import InvalidRequestError, RequestFailedError
 from engine.grammar import GrammarCompiler, RequestGrammar
 from engine.heap import freeze_startup_heap
 from engine.kv_cache.manager import KVCacheManager
+from engine.lora import Adapters
 from engine.metrics import EngineStats, ModelReport, StepStats
 from engine.model_setup import LoadedModel, load_model
 from engine.output_processor import OutputProcessor
@@ -99,15 +101,24 @@ class LLMEngine:
         num_host_blocks = cache.swap_space_bytes // block_bytes if swaps else 0
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_host_blocks, cache.enable_prefix_caching,
                                  model.kv_layout)
+        self.adapters = None
+        if config.lora.enable_lora:
+            if model.model_path != "native":
+                raise ValueError(f"LoRA adapters run on the native families; {model.architecture} runs through "
+                                 "transformers' modeling code")
+            self.adapters = Adapters(model, config.lora)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
-                                   PreemptionCosts(block_bytes), clock, config.speculative)
+                                   PreemptionCosts(block_bytes), clock, config.speculative, config.lora.max_loras,
+                                   self.adapters.release if self.adapters is not None else None)
         self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
                                   config.model.seed, kv_dtype, self._drafter(num_blocks), loaded.eos_token_ids,
                                   graphs)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self.beams = BeamGroups(self.scheduler, self.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)
-        self._compiling: dict[str, tuple[Request, Future]] = {}
+        # requests waiting for their constraint to compile and their adapter to load: (request, grammar
+        # future or None, adapter name and future or None)
+        self._pending: dict[str, tuple[Request, Future | None, tuple[str, Future] | None]] = {}
         self._last_step = StepStats()
         async_scheduling = config.scheduler.async_scheduling
         self.runs_ahead = device.type == "cuda" if async_scheduling is None else async_scheduling
@@ -177,15 +188,26 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | BeamSearchParams | PoolingParams, priority: int = 0,
-                    waited_s: float = 0.0) -> None:
+                    waited_s: float = 0.0, lora: str | None = None) -> None:
         """Queues a request, with BeamSearchParams a beam search, or with PoolingParams an
         embedding (validated first: ValueError leaves the engine unchanged). `waited_s`: time it
         already waited upstream (a router's queue): it arrived that much earlier, so its aging
-        goes on from there instead of starting over."""
+        goes on from there instead of starting over. `lora`: the name of the LoRA adapter it runs
+        with (engine.lora.AdapterNotFoundError where none has it)."""
         if self.output_processor.has_request(request_id) or request_id in self.beams:
             raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
+        if lora is not None:
+            if self.adapters is None:
+                raise InvalidRequestError("model", f"adapter {lora!r}: LoRA adapters are not enabled (enable_lora)")
+            self.adapters.check(lora)
         if isinstance(params, BeamSearchParams):
-            self.beams.add(request_id, self.encode_prompt(prompt), params, priority, self.clock() - waited_s)
+            adapter = None
+            if lora is not None:  # a search's beams are made at once: its adapter read and installed first
+                adapter = self.adapters.install(lora, self.adapters.acquire(lora))
+                if adapter is None:
+                    raise InvalidRequestError("model", f"adapter {lora!r}: every adapter slot runs requests; "
+                                                       "retry when one ends")
+            self.beams.add(request_id, self.encode_prompt(prompt), params, priority, self.clock() - waited_s, adapter)
             return
         pooling = None
         if isinstance(params, PoolingParams):
@@ -199,8 +221,10 @@ class LLMEngine:
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         request = Request(request_id, token_ids, params, priority=priority, arrival_time=self.clock() - waited_s,
                           pooling=pooling)
-        if params.structured_outputs is not None:
-            self._compiling[request_id] = (request, self.grammars.compile(params.structured_outputs))
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        adapter = None if lora is None else (lora, self.adapters.acquire(lora))
+        if grammar is not None or adapter is not None:
+            self._pending[request_id] = (request, grammar, adapter)
         else:
             self.scheduler.add_request(request)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
@@ -213,29 +237,41 @@ class LLMEngine:
                                                     f"{self.hidden_size}, got {params.dimensions}")
         return dataclasses.replace(params, pooling=params.pooling or self.config.model.pooling)
 
-    def _admit_compiled(self) -> list[Event]:
-        """Hands the requests whose constraint compiled to the scheduler; refuses those whose
-        constraint did not. With nothing else to run, waits a little for one first."""
-        if not self._compiling:
+    def _admit_pending(self) -> list[Event]:
+        """Hands the requests whose constraint compiled and adapter loaded to the scheduler;
+        refuses those whose constraint or adapter failed. With nothing else to run, waits a
+        little for one first."""
+        if not self._pending:
             return []
         if not self.scheduler.has_unfinished():
-            wait([future for _, future in self._compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
+            futures = [f for _, grammar, adapter in self._pending.values()
+                       for f in (grammar, adapter and adapter[1]) if f is not None]
+            wait(futures, COMPILE_WAIT_S, FIRST_COMPLETED)
         events = []
-        for request_id, (request, future) in list(self._compiling.items()):
-            if not future.done():
+        for request_id, (request, grammar, adapter) in list(self._pending.items()):
+            if (grammar is not None and not grammar.done()) or (adapter is not None and not adapter[1].done()):
                 continue
-            del self._compiling[request_id]
-            error = future.exception()
+            error = (grammar.exception() if grammar is not None else None) or (
+                adapter[1].exception() if adapter is not None else None)
             if error is not None:
+                del self._pending[request_id]
+                if adapter is not None and adapter[1].exception() is not None:
+                    self.adapters.forget_load(adapter[0])
                 events.append(self.output_processor.refuse(request_id, error))
                 continue
-            request.constraint = RequestGrammar(future.result())
+            if adapter is not None:
+                request.adapter = self.adapters.install(*adapter)
+                if request.adapter is None:  # every slot's adapter runs: wait for one to end
+                    continue
+            del self._pending[request_id]
+            if grammar is not None:
+                request.constraint = RequestGrammar(grammar.result())
             self.scheduler.add_request(request)
         return events
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends every sample of the request and frees its blocks; its final output, or None."""
-        self._compiling.pop(request_id, None)
+        self._pending.pop(request_id, None)
         self.scheduler.finish_group(request_id, FinishReason.ABORT)
         return self.output_processor.abort(request_id) or self.beams.abort(request_id)
 
@@ -248,7 +284,7 @@ class LLMEngine:
         return [RequestError(rid, RequestFailedError(f"engine step failed: {error}")) for rid in failed]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling) or self._ahead is not None
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._ahead is not None
 
     def get_stats(self) -> EngineStats:
         return self.scheduler.make_stats(self._last_step)
@@ -259,7 +295,7 @@ class LLMEngine:
         errors for the requests that failed. The step launched ahead by the last call, if any,
         is this call's step. `hold_deltas`: a running request's deltas only with its first
         tokens or its end; the others are held until a step that does not hold them."""
-        compiled = self._admit_compiled()
+        compiled = self._admit_pending()
         if self._ahead is None and not self.scheduler.has_unfinished():
             return compiled
         t0 = time.perf_counter()

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.outputs import SpecCounts
 from engine.sampling_params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora import Adapter
 
 
 class RequestStatus(enum.Enum):
@@ -48,11 +51,11 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group_id: str | None = None, sample_index: int = 0, priority: int = 0,
                  arrival_time: float | None = None, constraint: OutputConstraint | None = None,
-                 beam: bool = False, pooling: PoolingParams | None = None):
+                 beam: bool = False, pooling: PoolingParams | None = None, adapter: Adapter | None = None):
         """`beam`: a beam of a beam search (engine.beam_groups): parked after its one sampled
         token, which its search replaces by the tokens it extends the beam with. `pooling`: an
         embedding request (its pooling resolved): its prompt is computed, never sampled from, and
-        it ends with `embedding` set."""
+        it ends with `embedding` set. `adapter`: the LoRA adapter it runs with (engine.lora)."""
         self.request_id = request_id
         self.group_id = group_id or request_id  # the user request this sample belongs to
         self.sample_index = sample_index
@@ -63,6 +66,7 @@ class Request:
         self.constraint = constraint  # advanced by every appended token
         self.beam = beam
         self.pooling = pooling
+        self.adapter = adapter
         self.embedding: list[float] | None = None
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -80,6 +84,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+
+    @property
+    def cache_root(self) -> int | None:
+        """Its prefix cache's root: blocks computed with another adapter (or none) hold other keys and values."""
+        return None if self.adapter is None else hash(("lora", self.adapter.name))
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +158,8 @@ class Request:
         child = Request(f"{self.group_id}#{sample_index}", self.prompt_token_ids, self.params,
                         group_id=self.group_id, sample_index=sample_index, priority=self.priority,
                         arrival_time=self.arrival_time,
-                        constraint=self.constraint.fresh() if self.constraint is not None else None)
+                        constraint=self.constraint.fresh() if self.constraint is not None else None,
+                        adapter=self.adapter)
         child.num_computed_tokens = self.num_prompt_tokens - 1
         child.prompt_logprobs = None  # the prompt's are reported once, by the first sample
         child.first_scheduled_time = self.first_scheduled_time
@@ -159,7 +169,7 @@ class Request:
         """The beam extending this parked beam by `token_id` in place of the token it sampled:
         the same computed tokens, so it can share this beam's blocks (the caller gives them)."""
         child = Request(request_id, self.token_ids[:-1] + [token_id], self.params, group_id=self.group_id,
-                        priority=self.priority, arrival_time=self.arrival_time, beam=True)
+                        priority=self.priority, arrival_time=self.arrival_time, beam=True, adapter=self.adapter)
         child.num_computed_tokens = self.num_computed_tokens
         child.first_scheduled_time = self.first_scheduled_time
         return child

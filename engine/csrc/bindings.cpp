@@ -31,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_experts", &DecodeStack::add_experts)
       .def("set_tiles", &DecodeStack::set_tiles)
+      .def("set_lora", &DecodeStack::set_lora)
+      .def("clear_lora", &DecodeStack::clear_lora)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 #endif

@@ -541,16 +541,14 @@ Scratch<float> prologue(const float* x, int64_t M, int64_t K, const float* norm_
   return rows;
 }
 
-// x's rows as they are without a prologue (no norm_weight, no gated activation), else the prologue's, kept in
-// `transformed`.
+}  // namespace
+
 const float* rows_after_prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps,
                                  int64_t gated, Scratch<float>& transformed) {
   if (!gated && norm_weight == nullptr) return x;
   transformed = prologue(x, M, K, norm_weight, static_cast<float>(eps), gated);
   return transformed.get();
 }
-
-}  // namespace
 
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
                            double eps, int64_t gated, Scratch<float>& transformed) {

@@ -214,6 +214,106 @@ void DecodeStack::set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, t
   m.offsets = offsets;
 }
 
+void lora_shrink(const std::vector<const LoraMatmul*>& rows, const float* x, int64_t K, float* u, int64_t width,
+                 int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t t = i / width, j = i % width;
+    const LoraMatmul* m = rows[t];
+    if (m != nullptr && j < m->rank()) u[i] = dot_row(x + t * K, m->a.data_ptr<float>() + j * K, K);
+  }
+}
+
+void lora_expand(const std::vector<const LoraMatmul*>& rows, const float* u, int64_t width, float* y, int64_t N,
+                 int64_t c0, int64_t c1) {
+  for (size_t t = 0; t < rows.size(); ++t) {
+    const LoraMatmul* m = rows[t];
+    if (m == nullptr) continue;
+    for (size_t s = 0; s < m->segments.size(); ++s) {
+      const auto [j0, r, n0, n] = m->segments[s];
+      const int64_t from = std::max(c0, n0), to = std::min(c1, n0 + n);
+      const float* bt = m->b[s].data_ptr<float>();
+      float* out = y + static_cast<int64_t>(t) * N;
+      for (int64_t j = 0; j < r; ++j) {
+        const float coefficient = u[static_cast<int64_t>(t) * width + j0 + j];
+        const float* row = bt + j * n - n0;
+        for (int64_t c = from; c < to; ++c) out[c] += coefficient * row[c];
+      }
+    }
+  }
+}
+
+namespace {
+
+// The widest adapter matmul (its rank R) among the rows: u's row width.
+int64_t lora_width(const std::vector<const LoraMatmul*>& rows) {
+  int64_t width = 0;
+  for (const LoraMatmul* m : rows)
+    if (m != nullptr) width = std::max(width, m->rank());
+  return width;
+}
+
+// y (T, N) += the rows' adapters' deltas, x (T, K) before its prologue (norm or gated): the op-by-op path's.
+void add_lora(const std::vector<const LoraMatmul*>& rows, const torch::Tensor& x, int64_t K, const float* norm,
+              double eps, int64_t gated, const torch::Tensor& y) {
+  const int64_t width = lora_width(rows), T = y.size(0), N = y.size(1);
+  if (width == 0) return;
+  Scratch<float> transformed;
+  const float* xp = rows_after_prologue(x.data_ptr<float>(), T, K, norm, eps, gated, transformed);
+  Scratch<float> u = scratch<float>(T * width);
+  at::parallel_for(0, T * width, 1, [&](int64_t b, int64_t e) { lora_shrink(rows, xp, K, u.get(), width, b, e); });
+  at::parallel_for(0, N, 64, [&](int64_t c0, int64_t c1) { lora_expand(rows, u.get(), width, y.data_ptr<float>(), N, c0, c1); });
+}
+
+}  // namespace
+
+void DecodeStack::set_lora(int64_t slot, int64_t layer, int64_t which, torch::Tensor a, std::vector<torch::Tensor> b,
+                           torch::Tensor segments) {
+  TORCH_CHECK(slot >= 0 && layer >= 0 && layer < num_layers() && which >= 0 && which < 4, "slot, layer, which");
+  TORCH_CHECK(which < 2 || layers_[layer].gated_mlp, "that layer has experts in place of its gated MLP");
+  const WeightRows& w = layers_[layer].matmuls[which].weights;
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == torch::kFloat && a.is_contiguous() && a.size(1) == w.K,
+              "a: contiguous fp32 (R, K)");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 4 && segments.scalar_type() == torch::kLong &&
+                  segments.is_contiguous() && static_cast<size_t>(segments.size(0)) == b.size(),
+              "segments: int64 (S, 4), one per b");
+  LoraMatmul m{a, b, {}};
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  for (size_t s = 0; s < b.size(); ++s) {
+    const int64_t j0 = seg[4 * s], r = seg[4 * s + 1], n0 = seg[4 * s + 2], n = seg[4 * s + 3];
+    TORCH_CHECK(j0 >= 0 && r > 0 && j0 + r <= a.size(0) && n0 >= 0 && n > 0 && n0 + n <= w.N(),
+                "a segment: columns of A x within R, rows of the output within N");
+    TORCH_CHECK(b[s].scalar_type() == torch::kFloat && b[s].is_contiguous() && b[s].dim() == 2 && b[s].size(0) == r &&
+                    b[s].size(1) == n, "b: contiguous fp32 (r, n) per segment");
+    m.segments.push_back({j0, r, n0, n});
+  }
+  if (static_cast<int64_t>(loras_.size()) <= slot) loras_.resize(slot + 1);
+  loras_[slot].resize(4 * num_layers());
+  loras_[slot][4 * layer + which] = std::move(m);
+}
+
+void DecodeStack::clear_lora(int64_t slot) {
+  if (slot >= 0 && slot < static_cast<int64_t>(loras_.size())) loras_[slot].clear();
+}
+
+std::vector<std::vector<const LoraMatmul*>> DecodeStack::lora_rows(const c10::optional<torch::Tensor>& lora_slots,
+                                                                    int64_t num_layers) const {
+  std::vector<std::vector<const LoraMatmul*>> rows;
+  if (!lora_slots.has_value()) return rows;
+  const torch::Tensor& slots = *lora_slots;
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "lora_slots: int64 (T)");
+  const int64_t T = slots.numel(), slot_count = static_cast<int64_t>(loras_.size());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] == -1 || (slot[t] >= 0 && slot[t] < slot_count && !loras_[slot[t]].empty()),
+                "lora_slots: an installed adapter's slot, or -1");
+  rows.assign(4 * num_layers, std::vector<const LoraMatmul*>(T, nullptr));
+  for (int64_t i = 0; i < 4 * num_layers; ++i)
+    for (int64_t t = 0; t < T; ++t)
+      if (slot[t] >= 0 && loras_[slot[t]][i].a.defined()) rows[i][t] = &loras_[slot[t]][i];
+  return rows;
+}
+
 torch::Tensor DecodeStack::matmul(const StackMatmul& m, const torch::Tensor& x,
                                   const c10::optional<torch::Tensor>& norm_weight, int64_t gated,
                                   const c10::optional<torch::Tensor>& residual) const {
@@ -225,7 +325,7 @@ torch::Tensor DecodeStack::matmul(const StackMatmul& m, const torch::Tensor& x,
 torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                                    const torch::Tensor& kv_cache, const std::vector<torch::Tensor>& slot_mappings,
                                    const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
-                                   int64_t num_layers) const {
+                                   int64_t num_layers, const c10::optional<torch::Tensor>& lora_slots) const {
   const int64_t T = hidden.size(0), D = head_dim_, H = num_heads_, KVH = num_kv_heads_;
   TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers: at most the stack's");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(1) == T && cos.size(2) == D &&
@@ -247,14 +347,27 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
     for (const StackMatmul& m : layer.matmuls) tiled |= m.tiles.has_value();
   }
   hidden = hidden.contiguous();
+  const std::vector<std::vector<const LoraMatmul*>> loras = lora_rows(lora_slots, num_layers);
+  TORCH_CHECK(loras.empty() || static_cast<int64_t>(loras[0].size()) == T, "lora_slots: one per token");
   if (!(T > kernel_rows_ && tiled))
-    return forward_team(hidden, cos, sin, kv_cache, slot_mappings, block_tables, seq_lens, num_layers);
+    return forward_team(hidden, cos, sin, kv_cache, slot_mappings, block_tables, seq_lens, num_layers, loras);
   TORCH_CHECK(!experts, "layers with experts take at most kernel_rows tokens");
+  // matmul `which` of layer l, plus the rows' adapters' deltas
+  const auto adapted = [&](int64_t l, int64_t which, const torch::Tensor& x,
+                           const c10::optional<torch::Tensor>& norm_weight, int64_t gated,
+                           const c10::optional<torch::Tensor>& residual) {
+    const StackMatmul& m = layers_[l].matmuls[which];
+    torch::Tensor y = matmul(m, x, norm_weight, gated, residual);
+    if (!loras.empty())
+      add_lora(loras[4 * l + which], x, m.weights.K, norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr,
+               eps_, gated, y);
+    return y;
+  };
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& layer = layers_[l];
     const int64_t g = layer.group;
     const torch::Tensor layer_cache = kv_cache[layer.slot];
-    const torch::Tensor qkv = matmul(layer.matmuls[kQkv], hidden, layer.input_norm, kGatedNone, c10::nullopt);
+    const torch::Tensor qkv = adapted(l, kQkv, hidden, layer.input_norm, kGatedNone, c10::nullopt);
     const torch::Tensor q = rope_write_kv(qkv, cos[layer.rope], sin[layer.rope], layer_cache, slot_mappings[g], H,
                                           false, layer.q_norm, layer.k_norm, eps_);
     const torch::Tensor attn = paged_decode_attention(q, layer_cache, block_tables[g], seq_lens, scale_, windows_[g],
@@ -267,14 +380,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
       return hidden + y;
     };
     hidden = layer.post_attention_norm.has_value()
-                 ? add_normed(matmul(layer.matmuls[kO], attn, c10::nullopt, kGatedNone, c10::nullopt),
-                              *layer.post_attention_norm)
-                 : matmul(layer.matmuls[kO], attn, c10::nullopt, kGatedNone, hidden);
-    const torch::Tensor gate_up = matmul(layer.matmuls[kGateUp], hidden, layer.mlp_norm, kGatedNone, c10::nullopt);
+                 ? add_normed(adapted(l, kO, attn, c10::nullopt, kGatedNone, c10::nullopt), *layer.post_attention_norm)
+                 : adapted(l, kO, attn, c10::nullopt, kGatedNone, hidden);
+    const torch::Tensor gate_up = adapted(l, kGateUp, hidden, layer.mlp_norm, kGatedNone, c10::nullopt);
     hidden = layer.post_mlp_norm.has_value()
-                 ? add_normed(matmul(layer.matmuls[kDown], gate_up, c10::nullopt, layer.gated, c10::nullopt),
-                              *layer.post_mlp_norm)
-                 : matmul(layer.matmuls[kDown], gate_up, c10::nullopt, layer.gated, hidden);
+                 ? add_normed(adapted(l, kDown, gate_up, c10::nullopt, layer.gated, c10::nullopt), *layer.post_mlp_norm)
+                 : adapted(l, kDown, gate_up, c10::nullopt, layer.gated, hidden);
   }
   return hidden;
 }
@@ -282,7 +393,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
 torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& kv_cache, const std::vector<torch::Tensor>& slot_mappings,
                                         const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
-                                        int64_t num_layers) const {
+                                        int64_t num_layers,
+                                        const std::vector<std::vector<const LoraMatmul*>>& loras) const {
   const int64_t T = hidden.size(0), D = head_dim_, H = num_heads_, KVH = num_kv_heads_, hidden_size = hidden.size(1);
   int64_t widest = 0, max_experts = 0, widest_expert = 0;  // the widest matmul outputs held between ops
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -309,6 +421,9 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
   std::vector<int64_t> routed_experts(max_routed), expert_first(max_experts + 1), expert_tokens(max_routed),
       active;
   std::vector<float> routed_weights(max_routed), expert_weights(max_routed), shared_weights(T);
+  int64_t lora_widest = 0;  // adapters: the widest A x held between a matmul's two LoRA phases
+  for (const auto& rows : loras) lora_widest = std::max(lora_widest, lora_width(rows));
+  Scratch<float> lora_u = scratch<float>(std::max<int64_t>(T * lora_widest, 1));
   // every check before the team: nothing may throw inside it
   for (const torch::Tensor& slots : slot_mappings)
     TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == T && slots.is_contiguous(),
@@ -354,6 +469,18 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       const LinearInput in = linear_input(x, M, m.weights.K, norm, eps_, gated, m.weights);
       const float* bias = m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr;
       share(part(m.weights.N()), [&](int64_t n0, int64_t n1) { linear_rows(in, m.weights, bias, residual, y, n0, n1); });
+    };
+    // matmul `which` of layer l (input x before its prologue, output y): the rows' adapters' deltas added to y
+    const auto lora = [&](int64_t l, int64_t which, const float* x, const float* norm, int64_t gated, float* y) {
+      if (loras.empty()) return;
+      const std::vector<const LoraMatmul*>& rows = loras[4 * l + which];
+      const int64_t width = lora_width(rows);  // the same on every thread: all or none wait at the barriers
+      if (width == 0) return;
+      const WeightRows& w = layers_[l].matmuls[which].weights;
+      Scratch<float> transformed;
+      const float* xp = rows_after_prologue(x, T, w.K, norm, eps_, gated, transformed);
+      share(part(T * width), [&](int64_t b, int64_t e) { lora_shrink(rows, xp, w.K, lora_u.get(), width, b, e); });
+      share(part(w.N()), [&](int64_t c0, int64_t c1) { lora_expand(rows, lora_u.get(), width, y, w.N(), c0, c1); });
     };
     // the stream + RMSNorm(side) by w, for a post-norm layer
     const auto add_normed = [&](const torch::Tensor& w) {
@@ -431,6 +558,7 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       const int64_t g = layer.group;
       if (thread == 0) prefetch_kv_slots(kv_cache, layer.slot, slot_mappings[g]);
       matmul(layer.matmuls[kQkv], hp, T, layer.input_norm.data_ptr<float>(), kGatedNone, nullptr, wp);
+      lora(l, kQkv, hp, layer.input_norm.data_ptr<float>(), kGatedNone, wp);
       const float* qn = layer.q_norm.has_value() ? layer.q_norm->data_ptr<float>() : nullptr;
       const float* kn = layer.k_norm.has_value() ? layer.k_norm->data_ptr<float>() : nullptr;
       share(part(T * (H + KVH)), [&](int64_t b, int64_t e) {
@@ -441,9 +569,11 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       share(part(T * H), [&](int64_t b, int64_t e) { attention[g].merge(ap, b, e); });
       if (layer.post_attention_norm.has_value()) {
         matmul(layer.matmuls[kO], ap, T, nullptr, kGatedNone, nullptr, sp);
+        lora(l, kO, ap, nullptr, kGatedNone, sp);
         add_normed(*layer.post_attention_norm);
       } else {
         matmul(layer.matmuls[kO], ap, T, nullptr, kGatedNone, hp, hp);
+        lora(l, kO, ap, nullptr, kGatedNone, hp);
       }
       if (layer.experts) {
         if (l + 1 < num_layers) prefetch_attention(l + 1);
@@ -458,12 +588,15 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
         continue;
       }
       matmul(layer.matmuls[kGateUp], hp, T, layer.mlp_norm.data_ptr<float>(), kGatedNone, nullptr, wp);
+      lora(l, kGateUp, hp, layer.mlp_norm.data_ptr<float>(), kGatedNone, wp);
       if (l + 1 < num_layers) prefetch_attention(l + 1);
       if (layer.post_mlp_norm.has_value()) {
         matmul(layer.matmuls[kDown], wp, T, nullptr, layer.gated, nullptr, sp);
+        lora(l, kDown, wp, nullptr, layer.gated, sp);
         add_normed(*layer.post_mlp_norm);
       } else {
         matmul(layer.matmuls[kDown], wp, T, nullptr, layer.gated, hp, hp);
+        lora(l, kDown, wp, nullptr, layer.gated, hp);
       }
     }
   }

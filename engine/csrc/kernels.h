@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <array>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -122,6 +123,28 @@ void check_bias_residual(const c10::optional<torch::Tensor>& bias, const c10::op
                          int64_t M, int64_t N);
 const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c10::optional<torch::Tensor>& norm_weight,
                            double eps, int64_t gated, Scratch<float>& transformed);
+// with_prologue on raw rows: x's rows as they are without a prologue (no norm_weight, no gated activation),
+// else the prologue's, kept in `transformed`.
+const float* rows_after_prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps,
+                                 int64_t gated, Scratch<float>& transformed);
+
+// decode_stack.cpp: one matmul of a LoRA adapter (engine/lora.py LoraMatmul): a (R, K) fp32, the parts' A
+// stacked; per segment (j0, r, n0, n) its scaled B^T (r, n) fp32, adding A x's columns j0 .. j0 + r times
+// it to output columns n0 .. n0 + n.
+struct LoraMatmul {
+  torch::Tensor a;
+  std::vector<torch::Tensor> b;
+  std::vector<std::array<int64_t, 4>> segments;
+  int64_t rank() const { return a.size(0); }
+};
+// decode_stack.cpp: rows' adapters' deltas for one matmul, in two phases a caller may split among
+// threads: lora_shrink, items [begin, end) of T * width (row t, column j < its rank) of u = A x (u (T,
+// width)); then lora_expand, columns [c0, c1) of y (T, N) += u's segments times B^T. rows[t]: row t's
+// adapter matmul, or nullptr.
+void lora_shrink(const std::vector<const LoraMatmul*>& rows, const float* x, int64_t K, float* u, int64_t width,
+                 int64_t begin, int64_t end);
+void lora_expand(const std::vector<const LoraMatmul*>& rows, const float* u, int64_t width, float* y, int64_t N,
+                 int64_t c0, int64_t c1);
 
 // block_quant_gemm.cpp: whether this process may run block_quant_gemm (built with AMX, and the
 // kernel grants the tile state).
@@ -289,15 +312,21 @@ class DecodeStack {
   // Gives matmul `which` (0-3) of layer `layer` the vector GEMM's tiles, scales and offsets.
   void set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, torch::Tensor scales,
                  c10::optional<torch::Tensor> offsets);
+  // Matmul `which` of `layer` of the LoRA adapter in `slot` (LoraMatmul: a, b per segment, segments
+  // (S, 4) int64); clear_lora drops every matmul of a slot's adapter.
+  void set_lora(int64_t slot, int64_t layer, int64_t which, torch::Tensor a, std::vector<torch::Tensor> b,
+                torch::Tensor segments);
+  void clear_lora(int64_t slot);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // hidden (T, hidden) through the first num_layers layers; cos/sin (tables, T, head_dim) at the
   // tokens' positions (sin's first half negated); kv_cache (slots, 2, kv_heads, blocks, block_size,
   // head_dim), fp32 or fp16; per KV group the slots (T) it writes and its block tables (T, max
-  // blocks); seq_lens (T) as for paged_decode_attention.
+  // blocks); seq_lens (T) as for paged_decode_attention; lora_slots (T) int64: each token's adapter's
+  // slot, -1 for none (None: no adapters).
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& kv_cache, const std::vector<torch::Tensor>& slot_mappings,
                         const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
-                        int64_t num_layers) const;
+                        int64_t num_layers, const c10::optional<torch::Tensor>& lora_slots) const;
 
  private:
   struct Experts {
@@ -324,7 +353,11 @@ class DecodeStack {
   torch::Tensor forward_team(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& kv_cache, const std::vector<torch::Tensor>& slot_mappings,
                              const std::vector<torch::Tensor>& block_tables, const torch::Tensor& seq_lens,
-                             int64_t num_layers) const;
+                             int64_t num_layers, const std::vector<std::vector<const LoraMatmul*>>& loras) const;
+  // Per layer and matmul (l * 4 + which), each token's adapter's LoraMatmul or nullptr; empty without adapters.
+  std::vector<std::vector<const LoraMatmul*>> lora_rows(const c10::optional<torch::Tensor>& lora_slots,
+                                                        int64_t num_layers) const;
+  std::vector<std::vector<LoraMatmul>> loras_;  // [slot][layer * 4 + which]; a missing matmul's `a` undefined
   StackMatmul stack_matmul(std::vector<torch::Tensor> parts, std::vector<int64_t> formats,
                            c10::optional<torch::Tensor> bias) const;
 

@@ -8,9 +8,10 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 def extend_block_hashes(block_hashes: list[int], token_ids: list[int], block_size: int,
-                        num_tokens: int) -> list[int]:
-    """Appends, in place, the hashes of the full blocks of token_ids[:num_tokens] not hashed yet."""
+                        num_tokens: int, root: int | None = None) -> list[int]:
+    """Appends, in place, the hashes of the full blocks of token_ids[:num_tokens] not hashed yet;
+    `root`: the first block's parent (a LoRA adapter's: its blocks never match another's)."""
     for start in range(len(block_hashes) * block_size, num_tokens - block_size + 1, block_size):
-        parent = block_hashes[-1] if block_hashes else None
+        parent = block_hashes[-1] if block_hashes else root
         block_hashes.append(hash_block(parent, tuple(token_ids[start:start + block_size])))
     return block_hashes

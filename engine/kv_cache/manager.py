@@ -81,7 +81,7 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[int]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        return extend_block_hashes(hashes, request.token_ids, self.block_size, request.num_tokens)
+        return extend_block_hashes(hashes, request.token_ids, self.block_size, request.num_tokens, request.cache_root)
 
     @staticmethod
     def _key(group: int, block_hash: int) -> int:

@@ -29,8 +29,9 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionParams
 from engine.kv_cache.layout import KVLayout
+from engine.lora import DOWN, GATE_UP, OUT, QKV, Adapter, LoraBatch
 from engine.models.families import Family
-from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, Linear, fused_ops, rms_norm
+from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, Linear, fused_ops, prologue, rms_norm
 from engine.models.mlp import Experts, GatedMLP
 from engine.models.rope import partial_rotary_permutation, rope_tables
 from engine.models.windows import layer_windows
@@ -61,6 +62,7 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
+        self.index, self.permutation = index, permutation
         self.cache_slot, self.kv_group, self.rope = layout.slot_of[index], layout.group_of[index], rope
         weight, bias = _qkv(attn)
         q_norm, k_norm = (_norm(attn.q_norm, family.norm_offset) if hasattr(attn, "q_norm") else None,
@@ -84,6 +86,10 @@ class DecoderLayer(nn.Module):
         if activation is None:
             raise ValueError(f"activation {config.hidden_act!r}: the native decoder takes {sorted(ACTIVATIONS)}")
         self.mlp = _experts(mlp, family, config, activation) if hasattr(mlp, "experts") else _gated_mlp(mlp, activation)
+        # (N, K) of qkv, o, gate_up, down: what a LoRA adapter's matrices must fit
+        self.matmul_shapes = [tuple(self.qkv.weight.shape), tuple(self.o.weight.shape)]
+        if isinstance(self.mlp, GatedMLP):
+            self.matmul_shapes += [tuple(self.mlp.gate_up.weight.shape), tuple(self.mlp.down.weight.shape)]
 
     def _permuted(self, qkv: torch.Tensor | None, permutation: torch.Tensor) -> torch.Tensor | None:
         """qkv's q and k rows (or biases) with each head's dimensions in `permutation`'s order."""
@@ -93,21 +99,35 @@ class DecoderLayer(nn.Module):
         qk = qkv[:num_qk * d].reshape(num_qk, d, *qkv.shape[1:])[:, permutation].reshape(num_qk * d, *qkv.shape[1:])
         return torch.cat([qk, qkv[num_qk * d:]])
 
-    def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata):
-        """hidden (T, hidden); cos/sin (T, head_dim) of the layer's table at the tokens' positions."""
-        qkv = self.qkv(hidden, norm=(self.input_norm, self.eps))  # (T, (heads + 2 kv_heads) * d)
+    def forward(self, hidden, cos, sin, layer_cache, backend: AttentionBackend, metadata,
+                loras: LoraBatch | None = None):
+        """hidden (T, hidden); cos/sin (T, head_dim) of the layer's table at the tokens' positions;
+        `loras`: the rows' adapters, if any."""
+        # (T, (heads + 2 kv_heads) * d)
+        qkv = self._matmul(QKV, self.qkv, hidden, loras, norm=(self.input_norm, self.eps))
         attn = self._attention(qkv, cos, sin, layer_cache, backend, metadata)
         if self.post_attention_norm is None:
-            hidden = self.o(attn, residual=hidden)
+            hidden = self._matmul(OUT, self.o, attn, loras, residual=hidden)
         else:
-            hidden = hidden + rms_norm(self.o(attn), self.post_attention_norm, self.eps)
-        return self._mlp(hidden)
+            hidden = hidden + rms_norm(self._matmul(OUT, self.o, attn, loras), self.post_attention_norm, self.eps)
+        return self._mlp(hidden, loras)
 
-    def _mlp(self, hidden):
-        if isinstance(self.mlp, GatedMLP) and self.post_mlp_norm is None:
-            return self.mlp(hidden, norm=(self.mlp_norm, self.eps), residual=hidden)
+    def _matmul(self, which: int, linear: nn.Module, x, loras: LoraBatch | None, norm=None, gated=None,
+                residual=None):
+        """residual + linear(prologue(x)), plus the rows' adapters' deltas for matmul `which`."""
+        if loras is None:
+            return linear(x, norm=norm, gated=gated, residual=residual)
+        x = prologue(x, norm, gated)
+        out = linear(x)
+        loras.add(self.index, which, x, out)
+        return out if residual is None else residual + out
+
+    def _mlp(self, hidden, loras: LoraBatch | None):
         if isinstance(self.mlp, GatedMLP):
-            out = self.mlp(hidden, norm=(self.mlp_norm, self.eps))
+            gate_up = self._matmul(GATE_UP, self.mlp.gate_up, hidden, loras, norm=(self.mlp_norm, self.eps))
+            if self.post_mlp_norm is None:
+                return self._matmul(DOWN, self.mlp.down, gate_up, loras, gated=self.mlp.activation, residual=hidden)
+            out = self._matmul(DOWN, self.mlp.down, gate_up, loras, gated=self.mlp.activation)
         else:
             out = self.mlp(rms_norm(hidden, self.mlp_norm, self.eps))
         return hidden + (out if self.post_mlp_norm is None else rms_norm(out, self.post_mlp_norm, self.eps))
@@ -257,10 +277,11 @@ class PagedDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, backend: AttentionBackend, metadata: list, sample_indices,
-                num_layers: int | None = None, pooled_indices=None):
+                num_layers: int | None = None, pooled_indices=None, loras: LoraBatch | None = None):
         """Returns logits (R, vocab) for the tokens at sample_indices; `metadata`: per KV group the
         backend's; `num_layers`: through the first layers only (a self-draft), then the final norm
-        and LM head. With `pooled_indices`: (logits, the final norm's output at those tokens)."""
+        and LM head. With `pooled_indices`: (logits, the final norm's output at those tokens).
+        `loras`: the rows' LoRA adapters (installed with install_lora), if any row has one."""
         hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
@@ -272,8 +293,8 @@ class PagedDecoder(nn.Module):
         if stack_args is not None:
             slots, tables, lens = zip(*stack_args)
             hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, list(slots), list(tables), lens[0],
-                                               num_layers or self.num_layers)
-        elif (ops := fused_ops(hidden)) is not None:
+                                               num_layers or self.num_layers, None if loras is None else loras.slots)
+        elif (ops := fused_ops(hidden)) is not None and loras is None:
             residual = None
             for layer in layers:
                 hidden, residual = layer.forward_carrying_residual(
@@ -287,11 +308,26 @@ class PagedDecoder(nn.Module):
         else:
             for layer in layers:
                 hidden = layer(hidden, cos[layer.rope], sin[layer.rope], kv_cache[layer.cache_slot], backend,
-                               metadata[layer.kv_group])
+                               metadata[layer.kv_group], loras)
         logits = self._capped(self.lm_head(hidden[sample_indices], norm=(self.norm, self.eps)))
         if pooled_indices is None:
             return logits
         return logits, rms_norm(hidden[pooled_indices], self.norm, self.eps)
+
+    def install_lora(self, adapter: Adapter) -> None:
+        """Gives the decode stack the adapter's weights in its slot (the layers' Python reads them
+        from each step's LoraBatch)."""
+        if self.decode_stack is None:
+            return
+        for index, matmuls in enumerate(adapter.matmuls):
+            for which, m in enumerate(matmuls):
+                if m is not None:
+                    self.decode_stack.set_lora(adapter.slot, index, which, m.a, list(m.b),
+                                               torch.tensor(m.segments, dtype=torch.long).view(-1, 4))
+
+    def uninstall_lora(self, adapter: Adapter) -> None:
+        if self.decode_stack is not None:
+            self.decode_stack.clear_lora(adapter.slot)
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.final_softcap is None:

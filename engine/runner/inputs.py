@@ -13,6 +13,7 @@ from operator import attrgetter
 import torch
 
 from engine.batch import GroupTables, ModelInputs, WithDrafts, host_tensor
+from engine.lora import LoraBatch
 from engine.scheduler.output import ScheduledRequest
 
 _START_POS = attrgetter("start_pos")
@@ -103,6 +104,10 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
             sampled_drafts.append(None)  # the bonus token's row
 
     num_tokens = len(input_ids)
+    lora = None
+    if any(item.request.adapter is not None for item in ordered):
+        lora = LoraBatch.of([item.request.adapter for item in ordered
+                             for _ in range(len(item.token_ids))])
     packed = to_device(input_ids + positions + [s for group in slots for s in group] + sample_indices, device)
     after_slots = (2 + num_groups) * num_tokens  # the index vectors in one copy: ids, positions, slots, samples
     return ModelInputs(
@@ -123,4 +128,5 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         scored_prompts=scored_prompts,
         pooled_indices=pooled_indices,
         pooled=pooled,
+        lora=lora,
     )

@@ -129,7 +129,7 @@ class ModelRunner:
         inputs = step.inputs = build_inputs(out.scheduled, self.block_size, self.device, self.windows)
         if previous is not None:
             inputs.input_ids = previous.next_input_ids(inputs)
-        size = self.graphs.bucket(inputs) if self.graphs is not None and not inputs.pooled else None
+        size = self.graphs.bucket(inputs) if self.graphs is not None and not inputs.pooled and not inputs.lora else None
         if size is not None:
             logits = self.graphs.run(inputs, size)
             if len(inputs.sample_indices) < logits.shape[0]:  # increasing indices: as many as rows is every row
@@ -140,13 +140,15 @@ class ModelRunner:
             if inputs.scored_indices:
                 indices = torch.cat([indices, torch.tensor(inputs.scored_indices, dtype=torch.long,
                                                            device=self.device)])
+            adapters = {} if inputs.lora is None else {"loras": inputs.lora}  # only native models take them
             if inputs.pooled:
                 logits, step.pooled = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                                                  metadata, indices,
-                                                 pooled_indices=to_device(inputs.pooled_indices, self.device))
+                                                 pooled_indices=to_device(inputs.pooled_indices, self.device),
+                                                 **adapters)
             else:
                 logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, metadata,
-                                    indices)
+                                    indices, **adapters)
         step.logits = logits
         if inputs.sampled_requests:
             step.sampled = self.sampler.launch(logits[:len(inputs.sample_indices)], inputs.sampled_requests,

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
@@ -25,6 +26,9 @@ from engine.scheduler.speculation.adaptive import AdaptiveSpeculation
 from engine.scheduler.speculation.ngram import NgramProposer
 from engine.scheduler.speculation.pending import PendingDrafts
 from engine.scheduler.step_time import StepTimeModel
+
+if TYPE_CHECKING:
+    from engine.lora import Adapter
 
 EMBEDDING_CREDIT_STEPS = 8  # embeddings' earned step time is kept up to this many decode steps' time
 MIN_PREFILL_CHUNK = 16  # prompt tokens a step under a latency target still takes: long prompts progress
@@ -67,9 +71,14 @@ class SchedulerUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(), costs: PreemptionCosts = PreemptionCosts(),
-                 clock: Callable[[], float] = time.monotonic, speculative: SpeculativeConfig | None = None):
-        """`speculative`: decoding requests get draft tokens to verify in the same forward."""
+                 clock: Callable[[], float] = time.monotonic, speculative: SpeculativeConfig | None = None,
+                 max_loras: int | None = None, release_adapter: Callable[[Adapter], None] | None = None):
+        """`speculative`: decoding requests get draft tokens to verify in the same forward.
+        `max_loras`: most distinct LoRA adapters in one step; `release_adapter`: told when a
+        request with an adapter ends (engine.lora.Adapters.release)."""
         self.config = config
+        self.max_loras = max_loras
+        self.release_adapter = release_adapter
         self.speculative = speculative
         self.proposer = (None if speculative is None else PendingDrafts() if speculative.uses_draft_model
                          else NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max))
@@ -115,6 +124,8 @@ class Scheduler:
         self.waiting.add(request)
 
     def _track(self, request: Request) -> None:
+        if request.adapter is not None:
+            request.adapter.users += 1
         self.requests[request.request_id] = request
         self._groups.setdefault(request.group_id, []).append(request.request_id)
 
@@ -143,6 +154,8 @@ class Scheduler:
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
         self._finished_ids.append(request_id)
+        if request.adapter is not None:
+            self.release_adapter(request.adapter)
         siblings = self._groups[request.group_id]
         siblings.remove(request_id)
         if not siblings:
@@ -379,6 +392,8 @@ class Scheduler:
             if (num_new == 0 or len(self.running) >= self.config.max_num_seqs
                     or (best_waiting is not None and self._victim_rank(best_waiting) < self._victim_rank(request))):
                 break
+            if not self._adapter_fits(request):
+                continue
             needed = self.kv.num_blocks_to_resume(request, num_new)
             if needed > self.kv.num_free_blocks and not (self._reclaim_parked() and needed <= self.kv.num_free_blocks):
                 break
@@ -412,6 +427,9 @@ class Scheduler:
                     return  # only embeddings wait
                 passed.append(self.waiting.pop())
                 continue
+            if not self._adapter_fits(request):  # its adapter's turn comes when one of the step's ends
+                passed.append(self.waiting.pop())
+                continue
             computed = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - computed.num_tokens
             num_new = self._embedding_tokens(request, min(remaining, budget))
@@ -435,6 +453,14 @@ class Scheduler:
             self.counters.num_prefix_hit_tokens += computed.num_tokens
             self._add_scheduled(out, request, num_new, copies)
             budget -= num_new
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request's adapter may join the running batch: it has none, one a running
+        request has, or the batch holds fewer than max_loras adapters."""
+        if request.adapter is None:
+            return True
+        running = {id(r.adapter) for r in self.running if r.adapter is not None}
+        return id(request.adapter) in running or len(running) < self.max_loras
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
                        copies: list[tuple[int, int]], drafts: list[int] | None = None) -> None:
