@@ -168,6 +168,8 @@ class AsyncEngine(EngineClient):
             raise InvalidRequestError("lora_name", "LoRA adapters are not enabled (enable_lora)")
         if not name or ":" in name:
             raise InvalidRequestError("lora_name", f"adapter names are non-empty without ':', got {name!r}")
+        if lora.modules.get(name) == path:
+            return
         if lora.modules.get(name, path) != path:
             raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded from {lora.modules[name]}; "
                                                    "unload it first")

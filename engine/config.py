@@ -272,6 +272,9 @@ class LoraConfig:
     max_cpu_loras: int = _opt(16, "most adapters held loaded; the least recently used one no request runs is "
                                   "evicted for a new one")
     max_lora_rank: int = _opt(64, "highest adapter rank accepted")
+    lora_dtype: str = _opt("auto", "adapters' A and B: 'float32', 'bfloat16' (half the bytes a decode step reads "
+                                   "for them), or 'auto' (float32 under quantization 'none', bfloat16 under the "
+                                   "quantized modes, whose base is no closer to fp32)")
 
     def __post_init__(self):
         if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
@@ -282,6 +285,8 @@ class LoraConfig:
             name, _, path = module.partition("=")
             if not name or not path or ":" in name:
                 raise ValueError(f"lora_modules entries are 'name=path' (a name without ':'), got {module!r}")
+        if self.lora_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"lora_dtype must be 'auto', 'float32' or 'bfloat16', got {self.lora_dtype!r}")
         if (self.lora_modules or self.adapter_dirs) and not self.enable_lora:
             raise ValueError("lora_modules and adapter_dirs need enable_lora")
 

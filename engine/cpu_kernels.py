@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_decode.cpp", _CSRC / "block_quant_linear.cpp",
             _CSRC / "gguf_rows.cpp", _CSRC / "block_quant_gemm.cpp", _CSRC / "vector_gemm.cpp", _CSRC / "rope_kv.cpp",
-            _CSRC / "decode_stack.cpp", _CSRC / "scratch.cpp"]
+            _CSRC / "decode_stack.cpp", _CSRC / "lora.cpp", _CSRC / "scratch.cpp"]
 # Builds for older CPU families than this one (gcc's -march names), so every feature branch is
 # compiled and run here (the native build has this CPU's own): torch's vector capability each
 # implies, and the CPU flags it needs. Tests build the matmul kernels alone for each;

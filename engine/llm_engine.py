@@ -106,7 +106,10 @@ class LLMEngine:
             if model.model_path != "native":
                 raise ValueError(f"LoRA adapters run on the native families; {model.architecture} runs through "
                                  "transformers' modeling code")
-            self.adapters = Adapters(model, config.lora)
+            dtype = config.lora.lora_dtype
+            if dtype == "auto":
+                dtype = "float32" if loaded.quantization == "none" and loaded.dtype == torch.float32 else "bfloat16"
+            self.adapters = Adapters(model, config.lora, getattr(torch, dtype))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
                                    PreemptionCosts(block_bytes), clock, config.speculative, config.lora.max_loras,
                                    self.adapters.release if self.adapters is not None else None)
@@ -287,7 +290,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._ahead is not None
 
     def get_stats(self) -> EngineStats:
-        return self.scheduler.make_stats(self._last_step)
+        stats = self.scheduler.make_stats(self._last_step)
+        if self.adapters is None:
+            return stats
+        counters = self.adapters.counters
+        return dataclasses.replace(stats, lora_adapters=tuple(self.adapters.loaded), num_lora_loads=counters.loads,
+                                   num_lora_evictions=counters.evictions, lora_load_seconds=counters.load_seconds)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self, hold_deltas: bool = False) -> list[Event]:

@@ -8,7 +8,9 @@ r, n0, n) says columns j0 .. j0 + r of A x times B^T (r, n, scaled) add to outpu
 n0 + n. A step's rows are grouped by adapter (`LoraBatch`), so each adapter's A and B are read
 once per matmul for all its rows, as Punica's SGMV kernels group them; the base matmul runs over
 every row as without adapters, in whatever mode it is quantized, and the adapters stay fp32.
-The decode stack takes the same weights (`install` hands them to it per slot) and the rows' slots.
+Where the C++ kernels load, the model holds every installed adapter in their slots
+(engine/csrc/lora.cpp), which both the decode stack and the layers' path run (one call per matmul
+for all rows); torch's ops run the same products elsewhere.
 
 `Adapters` is the replica's set: known names (lora_modules, loaded at run time, or found under
 adapter_dirs), at most max_cpu_loras loaded (the least recently used one no request runs evicted
@@ -53,9 +55,9 @@ class LoraMatmul:
 
     def add(self, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None) -> None:
         """out[rows] += s B (A x[rows]) (rows None: every row), in place."""
-        u = (x if rows is None else x[rows]) @ self.a.t()
+        u = (x if rows is None else x[rows]) @ self.a.t().to(x.dtype)
         for (j0, r, n0, n), bt in zip(self.segments, self.b):
-            delta = u[:, j0:j0 + r] @ bt
+            delta = u[:, j0:j0 + r] @ bt.to(x.dtype)
             if rows is None:
                 out[:, n0:n0 + n] += delta
             else:
@@ -86,9 +88,11 @@ def _part_rows(layer, which: int) -> list[tuple[int, int]]:
     return [(0, width)]
 
 
-def read_adapter(path: Path, model, config: LoraConfig) -> tuple[int, list[list[LoraMatmul | None]], int]:
-    """PEFT's adapter at `path` in `model`'s (engine.models.decoder.PagedDecoder) layout: (rank,
-    matmuls per layer, bytes). Raises InvalidRequestError saying what does not fit."""
+def read_adapter(path: Path, model, config: LoraConfig, dtype: torch.dtype = torch.float32
+                 ) -> tuple[int, list[list[LoraMatmul | None]], int]:
+    """PEFT's adapter at `path` in `model`'s (engine.models.decoder.PagedDecoder) layout, its
+    matrices in `dtype`: (rank, matmuls per layer, bytes). Raises InvalidRequestError saying what
+    does not fit."""
     from safetensors.torch import load_file
 
     from engine.models.mlp import GatedMLP
@@ -146,7 +150,7 @@ def read_adapter(path: Path, model, config: LoraConfig) -> tuple[int, list[list[
             parts.setdefault(which, []).append(((n0, n), a, b * scale))
         for which, entries in parts.items():
             entries.sort(key=lambda e: e[0][0])
-            a = torch.cat([e[1] for e in entries]).contiguous()
+            a = torch.cat([e[1] for e in entries]).to(dtype).contiguous()
             # B as one (N, R), so q's and k's rows are permuted as the base's are (partial rotary)
             dense = torch.zeros(layer.matmul_shapes[which][0], a.shape[0])
             segments, j0 = [], 0
@@ -156,9 +160,9 @@ def read_adapter(path: Path, model, config: LoraConfig) -> tuple[int, list[list[
                 j0 += rank
             if which == QKV and layer.permutation is not None:
                 dense = layer._permuted(dense, layer.permutation)
-            b_parts = tuple(dense[n0:n0 + n, j:j + r].t().contiguous() for j, r, n0, n in segments)
+            b_parts = tuple(dense[n0:n0 + n, j:j + r].t().to(dtype).contiguous() for j, r, n0, n in segments)
             matmuls[index][which] = LoraMatmul(a, tuple(segments), b_parts)
-            nbytes += a.numel() * 4 + sum(b.numel() * 4 for b in b_parts)
+            nbytes += a.numel() * a.element_size() + sum(b.numel() * b.element_size() for b in b_parts)
     if not nbytes:
         refuse("no LoRA weights on the model's layers")
     return rank, matmuls, nbytes
@@ -167,9 +171,11 @@ def read_adapter(path: Path, model, config: LoraConfig) -> tuple[int, list[list[
 @dataclass
 class LoraBatch:
     """A step's rows grouped by adapter: `groups` (adapter, its rows; None: every row); `slots`
-    (T,) int64, each row's adapter slot or -1, for the decode stack."""
+    (T,) int64, each row's adapter slot or -1, for the C++ kernels; `kernel`: the model's
+    LoraSlots where they run (set by the model)."""
     groups: list[tuple[Adapter, torch.Tensor | None]]
     slots: torch.Tensor
+    kernel: object | None = None
 
     @classmethod
     def of(cls, row_adapters: list[Adapter | None]) -> LoraBatch | None:
@@ -187,6 +193,9 @@ class LoraBatch:
 
     def add(self, layer: int, which: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter's delta for matmul `which` of `layer`, x its input after the prologue."""
+        if self.kernel is not None and x.dtype == torch.float32 and out.is_contiguous():
+            self.kernel.add(layer, which, x.contiguous(), out, self.slots)
+            return
         for adapter, rows in self.groups:
             matmul = adapter.matmuls[layer][which]
             if matmul is not None:
@@ -198,7 +207,6 @@ class AdapterCounters:
     loads: int = 0
     evictions: int = 0
     load_seconds: float = 0.0
-    held: int = 0
 
 
 def _local_copy(url: str, name: str) -> Path:
@@ -224,6 +232,7 @@ class Adapters:
     Every method runs on the step loop's thread; loads read files on `_reader`'s."""
     model: object  # PagedDecoder: installs an adapter's weights into a slot
     config: LoraConfig
+    dtype: torch.dtype = torch.float32  # the adapters' matrices
     known: dict[str, str] = field(default_factory=dict)
     loaded: OrderedDict[str, Adapter] = field(default_factory=OrderedDict)  # least recently used first
     loading: dict[str, Future] = field(default_factory=dict)
@@ -296,7 +305,7 @@ class Adapters:
     def _read(self, name: str) -> Adapter:
         t0 = time.perf_counter()
         path = self._path(name)
-        rank, matmuls, nbytes = read_adapter(path, self.model, self.config)
+        rank, matmuls, nbytes = read_adapter(path, self.model, self.config, self.dtype)
         return Adapter(name, str(path), rank, matmuls, nbytes, time.perf_counter() - t0)
 
     def install(self, name: str, future: Future) -> Adapter | None:
@@ -320,7 +329,6 @@ class Adapters:
             logger.info("LoRA adapter %s (rank %d, %.1f MB) loaded in %.3f s into slot %d", name, adapter.rank,
                         adapter.nbytes / 1e6, adapter.load_seconds, adapter.slot)
         self.loaded.move_to_end(name)
-        self.counters.held = len(self.loaded)
         return adapter
 
     def forget_load(self, name: str) -> None:
@@ -339,5 +347,4 @@ class Adapters:
         self._free_slots.append(adapter.slot)
         adapter.slot = -1
         self.counters.evictions += 1
-        self.counters.held = len(self.loaded)
         logger.info("LoRA adapter %s evicted", adapter.name)

@@ -89,6 +89,10 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0  # accepted / proposed, cumulative
     spec_mean_accepted_length: float = 0.0  # accepted drafts per request-step that verified any
     num_spec_unfilled_steps: int = 0  # steps whose reserved drafts a draft model did not fill (late, down, no room)
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters loaded now, least recently used first
+    num_lora_loads: int = 0  # adapters read and installed, cumulative
+    num_lora_evictions: int = 0
+    lora_load_seconds: float = 0.0  # their reads' time, cumulative
 
     def as_dict(self) -> dict:
         return asdict(self)

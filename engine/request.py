@@ -10,6 +10,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from engine.kv_cache.hashing import adapter_cache_root
 from engine.outputs import SpecCounts
 from engine.sampling_params import PoolingParams, SamplingParams
 
@@ -88,7 +89,7 @@ class Request:
     @property
     def cache_root(self) -> int | None:
         """Its prefix cache's root: blocks computed with another adapter (or none) hold other keys and values."""
-        return None if self.adapter is None else hash(("lora", self.adapter.name))
+        return None if self.adapter is None else adapter_cache_root(self.adapter.name)
 
     @property
     def num_tokens(self) -> int:

@@ -156,7 +156,8 @@ class RouterConfig(_Strict):
     no_replica_timeout_s: float = Field(
         10.0, ge=0, description="Queued requests get 503 after this long with no live replica.")
     affinity_load_slack: float = Field(
-        0.05, ge=0, description="Loads within this of the least count as a tie (prefix decides).")
+        0.05, ge=0, description="Loads within this of the least count as a tie (a replica holding the request's "
+                                "LoRA adapter, then prefix affinity, decides).")
     num_cpus: float = Field(0.1, ge=0)
     in_ingress: bool | None = Field(
         None, description="In the split graph, the router inside the ingress replica's actor "

@@ -22,11 +22,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
@@ -44,15 +45,17 @@ from serve_app.batch_tokenizer import BatchTokenizer
 from serve_app.config import AppConfig
 from serve_app.embeddings_api import EmbeddingRequest, EmbeddingsFormatter
 from serve_app.formatting import ChatFormatter, CompletionFormatter
-from serve_app.jobs import Job, check_fits_queue, complete, make_embedding_job, make_job, respond
+from serve_app.jobs import Adapter, Job, check_fits_queue, complete, make_embedding_job, make_job, respond
 from serve_app.messages import ModelInfo
 from serve_app.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoraAdapterRequest,
     model_card,
 )
 from serve_app.replicas import Replicas
@@ -86,6 +89,10 @@ class Ingress:
         self.config = config
         self.admission, self.replicas = admission, replicas
         self.model_name = config.engine.model_name
+        lora = config.engine.engine_config.lora
+        self.lora_enabled, self._adapter_dirs = lora.enable_lora, bool(lora.adapter_dirs)
+        self.adapters: dict[str, str] = dict(lora.modules)  # LoRA adapter name -> path: the config's, then loaded
+        self._loaded_at_run_time: set[str] = set()  # their paths go with their requests to every replica
         self.auth = Authorizer(config.ingress, config.router)
         self._model_info: ModelInfo | None = None
         self._tokens: BatchTokenizer | None = None  # the model's tokenizer, off the event loop
@@ -122,6 +129,25 @@ class Ingress:
         """A text's token ids (the model's info already here), tokenized off the event loop."""
         assert self._tokens is not None
         return await self._tokens.encode(text, add_special_tokens, param)
+
+    def _load_adapter(self, req: LoadLoraAdapterRequest) -> None:
+        """/v1/load_lora_adapter: `lora_name` serves the adapter at `lora_path` from now on; each
+        engine replica loads it with its first request for it (the path goes with the request)."""
+        name, path = req.lora_name, req.lora_path
+        if not self.lora_enabled:
+            raise APIError(400, "LoRA adapters are not enabled on this server (engine_args.enable_lora).",
+                           param="lora_name")
+        if not name or ":" in name or name == self.model_name:
+            raise APIError(400, f"Adapter names are non-empty, without ':', and not the base model's; got '{name}'.",
+                           param="lora_name")
+        if self.adapters.get(name, path) != path:
+            raise APIError(400, f"The LoRA adapter '{name}' is already loaded from {self.adapters[name]}; unload it "
+                                "first.", param="lora_name")
+        if "://" not in path and not (Path(path) / "adapter_config.json").is_file():
+            raise APIError(400, f"No adapter_config.json under '{path}'.", param="lora_path")
+        if name not in self.adapters:
+            self.adapters[name] = path
+            self._loaded_at_run_time.add(name)
 
     async def check_health(self) -> None:
         """Serve's periodic check: the admission's and the replicas' in this process, then the
@@ -188,21 +214,34 @@ class Ingress:
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"Invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                                f"'{self.model_name}'.", code="model_not_found", param="model")
+    def _adapter(self, model: str | None) -> Adapter:
+        """The LoRA adapter a request's `model` names (`base:adapter`, or the adapter's own name)
+        and its path where it was loaded at run time; (None, None) for the base model. A 404 for a
+        model nothing here serves (a name under adapter_dirs is the engine's to find)."""
+        if model is None or model == self.model_name:
+            return None, None
+        base, colon, name = model.rpartition(":")
+        if self.lora_enabled and (not colon or base == self.model_name) and (
+                name in self.adapters or (self._adapter_dirs and name)):
+            return name, self.adapters[name] if name in self._loaded_at_run_time else None
+        served = ", ".join(f"'{m}'" for m in [self.model_name, *self.adapters])
+        raise APIError(404, f"The model '{model}' does not exist; this server serves {served}.",
+                       code="model_not_found", param="model")
 
-    async def _model_card(self) -> dict:
+    async def _model_card(self, adapter: str | None = None) -> dict:
         info = await self.model_info()
+        if adapter is not None:
+            return model_card(adapter, self._created, self.adapters.get(adapter, adapter), info.max_model_len,
+                              parent=self.model_name)
         return model_card(self.model_name, self._created, self.config.engine.model or self.model_name,
                           info.max_model_len)
 
-    async def _accept(self, request: Request, model_cls: type[BaseModel]) -> tuple[Any, int, ModelInfo]:
-        """Auth, body, parse, model name, priority: the parsed request, its priority, the model."""
+    async def _accept(self, request: Request, model_cls: type[BaseModel]) -> tuple[Any, int, ModelInfo, Adapter]:
+        """Auth, body, parse, model name, priority: the parsed request, its priority, the model, the
+        LoRA adapter it names."""
         allowed, data = await self._authorized_json(request)
         req, info = await self._validated(model_cls, data)
-        return req, resolve_priority(req.priority, allowed), info
+        return req, resolve_priority(req.priority, allowed), info, self._adapter(req.model)
 
     async def _authorized_json(self, request: Request) -> tuple[Any, dict]:
         """What the caller's key allows, and the body."""
@@ -214,13 +253,13 @@ class Ingress:
     async def _validated(self, model_cls: type[BaseModel], data: dict) -> tuple[Any, ModelInfo]:
         """The body as `model_cls` with its model name checked, and the served model's info."""
         req = self._parse(model_cls, data)
-        self._check_model(req.model)
+        self._adapter(req.model)
         return req, await self.model_info()
 
     # ------------------------------------------------------------ routes
 
     async def completions(self, request: Request):
-        req, priority, info = await self._accept(request, CompletionRequest)
+        req, priority, info, adapter = await self._accept(request, CompletionRequest)
         prompts = req.prompts()
         limit = min(self.config.ingress.max_prompts_per_request, self.config.router.max_queued_requests)
         if len(prompts) > limit:
@@ -232,15 +271,16 @@ class Ingress:
                       else await asyncio.gather(*map(self._prompt_ids, prompts)))  # a batch's texts together
         jobs = [make_job(f"{base_id}-{i}", ids, req=req, info=info, max_tokens=req.max_tokens,
                          default_max_tokens=self.config.ingress.default_completion_max_tokens,
-                         num_logprobs=req.logprobs, priority=priority, choice_offset=i * req.n, param="prompt")
+                         num_logprobs=req.logprobs, priority=priority, choice_offset=i * req.n, param="prompt",
+                         adapter=adapter)
                 for i, ids in enumerate(prompt_ids)]
         check_fits_queue(jobs, self.config.router.max_queued_tokens)
-        fmt = CompletionFormatter(base_id, self.model_name, req, info.tokenizer, len(jobs) * req.n)
+        fmt = CompletionFormatter(base_id, req.model or self.model_name, req, info.tokenizer, len(jobs) * req.n)
         return await respond(jobs, fmt, req.stream, self.admission, self.replicas)
 
     async def _chat_job(self, info: ModelInfo, job_id: str, req: Any, messages: list[dict], template_kwargs: dict,
-                        max_tokens: int | None, num_logprobs: int | None, priority: int, param: str
-                        ) -> tuple[Job, Callable[[], ChatOutputParser]]:
+                        max_tokens: int | None, num_logprobs: int | None, priority: int, param: str,
+                        adapter: Adapter) -> tuple[Job, Callable[[], ChatOutputParser]]:
         """One chat turn's job (chat completions, Responses, Messages): `messages` through the
         template with `req`'s tools (offered_tools, chosen_tool, forced), its parameters a chat
         turn's in the model's format (engine.chat_output), and the parser its output is read with."""
@@ -248,23 +288,24 @@ class Ingress:
         text, ids = await self._chat_prompt(info, messages, req.offered_tools, template_kwargs=template_kwargs)
         job = make_job(job_id, ids, req=req, info=info, max_tokens=max_tokens, default_max_tokens=info.max_model_len,
                        num_logprobs=num_logprobs, priority=priority, choice_offset=0, param=param,
-                       chat_turn=lambda params: info.chat_format.sampling_params(params, text, forced, calls))
+                       chat_turn=lambda params: info.chat_format.sampling_params(params, text, forced, calls),
+                       adapter=adapter)
         check_fits_queue([job], self.config.router.max_queued_tokens)
         return job, lambda: info.chat_format.parser(text, calls)
 
     async def chat_completions(self, request: Request):
-        req, priority, info = await self._accept(request, ChatCompletionRequest)
+        req, priority, info, adapter = await self._accept(request, ChatCompletionRequest)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         _log_user(base_id, req)
         job, parser = await self._chat_job(info, f"{base_id}-0", req, req.template_messages(), req.template_kwargs,
-                                           req.requested_max_tokens, req.num_logprobs, priority, "messages")
-        fmt = ChatFormatter(base_id, self.model_name, req, info.tokenizer, req.n, output_parser=parser)
+                                           req.requested_max_tokens, req.num_logprobs, priority, "messages", adapter)
+        fmt = ChatFormatter(base_id, req.model or self.model_name, req, info.tokenizer, req.n, output_parser=parser)
         return await respond([job], fmt, req.stream, self.admission, self.replicas)
 
     async def create_response(self, request: Request):
         """OpenAI's Responses API (serve_app.responses_api): one chat turn over the items given,
         after a kept response's conversation where previous_response_id names one."""
-        req, priority, info = await self._accept(request, ResponsesRequest)
+        req, priority, info, adapter = await self._accept(request, ResponsesRequest)
         response_id = f"resp_{uuid.uuid4().hex}"
         _log_user(response_id, req)
         items = req.input_items()
@@ -276,13 +317,13 @@ class Ingress:
             raise APIError(400, "input must hold at least one item", param="input")
         job, parser = await self._chat_job(info, response_id, req, instructions + conversation,
                                            req.template_kwargs(_template(info)), req.max_output_tokens, None, priority,
-                                           "input")
+                                           "input", adapter)
         kept = StoredResponse({}, [], stored_items(items))
 
         def keep(body: dict, blocks: list) -> None:
             kept.body, kept.history = body, conversation + [output_history(blocks)]
 
-        fmt = ResponsesFormatter(response_id, self.model_name, req, info.tokenizer, parser, keep)
+        fmt = ResponsesFormatter(response_id, req.model or self.model_name, req, info.tokenizer, parser, keep)
         if req.store:
             self.responses.put(response_id, kept)
         if req.background:
@@ -308,11 +349,11 @@ class Ingress:
 
     async def create_message(self, request: Request):
         """Anthropic's Messages API (serve_app.anthropic_api); its errors in Anthropic's shape."""
-        req, priority, info = await self._accept(request, MessagesRequest)
+        req, priority, info, adapter = await self._accept(request, MessagesRequest)
         message_id = f"msg_{uuid.uuid4().hex}"
         job, parser = await self._chat_job(info, message_id, req, req.chat_messages(),
                                            req.template_kwargs(_template(info)), req.max_tokens, None, priority,
-                                           "messages")
+                                           "messages", adapter)
         fmt = MessagesFormatter(message_id, req.model, req, info.tokenizer, parser)
         return await respond([job], fmt, req.stream, self.admission, self.replicas)
 
@@ -326,7 +367,7 @@ class Ingress:
 
     async def create_embeddings(self, request: Request):
         """OpenAI's embeddings API (serve_app.embeddings_api): one engine request per input."""
-        req, priority, info = await self._accept(request, EmbeddingRequest)
+        req, priority, info, adapter = await self._accept(request, EmbeddingRequest)
         inputs = req.inputs()
         limit = min(self.config.ingress.max_prompts_per_request, self.config.router.max_queued_requests)
         if len(inputs) > limit:
@@ -340,7 +381,7 @@ class Ingress:
             raise InvalidRequestError("dimensions", f"dimensions must be at most the model's embedding size "
                                                     f"{info.hidden_size}, got {pooling.dimensions}")
         jobs = [make_embedding_job(f"{base_id}-{i}", prompt, info=info, pooling=pooling, priority=priority,
-                                   index=i) for i, prompt in enumerate(ids)]
+                                   index=i, adapter=adapter) for i, prompt in enumerate(ids)]
         check_fits_queue(jobs, self.config.router.max_queued_tokens)
         return JSONResponse(await complete(jobs, EmbeddingsFormatter(self.model_name, req, len(jobs)), self.admission,
                                            self.replicas))
@@ -465,13 +506,32 @@ class Ingress:
         @app.get("/v1/models")
         async def models(request: Request) -> dict:
             self._authorize(request)
-            return {"object": "list", "data": [await self._model_card()]}
+            cards = [await self._model_card()] + [await self._model_card(name) for name in self.adapters]
+            return {"object": "list", "data": cards}
 
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str, request: Request) -> dict:
             self._authorize(request)
-            self._check_model(model_id)
-            return await self._model_card()
+            name, _ = self._adapter(model_id)
+            if name is not None and name not in self.adapters:  # one adapter_dirs may hold: not known until used
+                raise APIError(404, f"The model '{model_id}' is not loaded.", code="model_not_found", param="model")
+            return await self._model_card(name)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> PlainTextResponse:
+            _, data = await self._authorized_json(request)
+            self._load_adapter(self._parse(LoadLoraAdapterRequest, data))
+            return PlainTextResponse(f"Success: LoRA adapter '{data['lora_name']}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+            _, data = await self._authorized_json(request)
+            name = self._parse(UnloadLoraAdapterRequest, data).lora_name
+            if self.adapters.pop(name, None) is None:
+                raise APIError(404, f"The LoRA adapter '{name}' is not loaded.", code="model_not_found",
+                               param="lora_name")
+            self._loaded_at_run_time.discard(name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
         @app.get("/version")
         async def version() -> dict:

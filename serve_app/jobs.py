@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.beam_search import BeamSearchParams
-from engine.kv_cache.hashing import extend_block_hashes
+from engine.kv_cache.hashing import adapter_cache_root, extend_block_hashes
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
 from serve_app.admission import Admission
@@ -43,6 +43,9 @@ class SamplingRequest(Protocol):
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None: ...
 
 
+Adapter = tuple[str | None, str | None]  # a request's LoRA adapter and its run-time path, or (None, None)
+
+
 @dataclass(frozen=True)
 class Job:
     engine_request: EngineRequest
@@ -52,12 +55,13 @@ class Job:
 
 def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, info: ModelInfo,
              max_tokens: int | None, default_max_tokens: int, num_logprobs: int | None, priority: int,
-             choice_offset: int, param: str,
-             chat_turn: Callable[[SamplingParams], SamplingParams] | None = None) -> Job:
+             choice_offset: int, param: str, chat_turn: Callable[[SamplingParams], SamplingParams] | None = None,
+             adapter: Adapter = (None, None)) -> Job:
     """`max_tokens`: the request's own, else the largest of `default_max_tokens` that fits the
     context; `choice_offset`: where this job's choice indices start in the response; `param`: the
     field a refused prompt is reported under; `chat_turn`: the request's parameters made a chat
-    turn's (engine.chat_output.ChatOutputFormat.sampling_params). Raises
+    turn's (engine.chat_output.ChatOutputFormat.sampling_params); `adapter`: (LoRA adapter name,
+    its path where it was loaded at run time), or (None, None). Raises
     engine.errors.InvalidRequestError (a 400) for what the engine would refuse."""
     check_token_ids(prompt_ids, info.vocab_size)
     num_prompt = len(prompt_ids)
@@ -68,26 +72,30 @@ def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, in
         params = chat_turn(params)
     check_logit_bias(params, info.vocab_size)
     check_context_length(num_prompt, max_tokens, info.max_model_len, param)
-    return Job(EngineRequest(request_id, prompt_ids, params, priority, beam_search=req.beam_search_params(max_tokens)),
-               _admission(request_id, prompt_ids, info, priority, max_tokens, params.best_of), choice_offset)
+    return Job(EngineRequest(request_id, prompt_ids, params, priority, beam_search=req.beam_search_params(max_tokens),
+                             lora=adapter[0], lora_path=adapter[1]),
+               _admission(request_id, prompt_ids, info, priority, max_tokens, params.best_of, adapter[0]),
+               choice_offset)
 
 
 def make_embedding_job(request_id: str, prompt_ids: list[int], *, info: ModelInfo, pooling: PoolingParams,
-                       priority: int, index: int) -> Job:
+                       priority: int, index: int, adapter: Adapter = (None, None)) -> Job:
     """An input's embedding as an engine request, admitted as a prompt with one token to come;
     `index`: its place in the response. Raises InvalidRequestError for what the engine would refuse."""
     check_token_ids(prompt_ids, info.vocab_size, "input")
     check_context_length(len(prompt_ids), 1, info.max_model_len, "input")
-    return Job(EngineRequest(request_id, prompt_ids, pooling, priority),
-               _admission(request_id, prompt_ids, info, priority, 1, 1), index)
+    return Job(EngineRequest(request_id, prompt_ids, pooling, priority, lora=adapter[0], lora_path=adapter[1]),
+               _admission(request_id, prompt_ids, info, priority, 1, 1, adapter[0]), index)
 
 
-def _admission(request_id: str, prompt_ids: list[int], info: ModelInfo, priority: int, max_tokens: int, n: int
-               ) -> AdmitRequest:
-    """What the router sees of a job: its size, and its prompt's leading block hashes (the engine's)."""
+def _admission(request_id: str, prompt_ids: list[int], info: ModelInfo, priority: int, max_tokens: int, n: int,
+               lora: str | None) -> AdmitRequest:
+    """What the router sees of a job: its size, its adapter, and its prompt's leading block hashes
+    (the engine's, rooted at its adapter's as the engine's prefix cache is)."""
     num_prompt, bs = len(prompt_ids), info.block_size
-    hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs))
-    return AdmitRequest(request_id, priority, num_prompt, max_tokens, n, tuple(hashes))
+    root = None if lora is None else adapter_cache_root(lora)
+    hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs), root)
+    return AdmitRequest(request_id, priority, num_prompt, max_tokens, n, tuple(hashes), lora)
 
 
 def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:

@@ -46,6 +46,8 @@ class EngineRequest:
     priority: int = 0  # lower = sooner
     waited_s: float = 0.0  # time already spent in the router's queue: the engine ages it from there
     beam_search: BeamSearchParams | None = None  # set: a beam search (params' n and max_tokens are its own)
+    lora: str | None = None  # the LoRA adapter it runs with
+    lora_path: str | None = None  # where that adapter is, when it was loaded at run time (/v1/load_lora_adapter)
 
 
 @dataclass(slots=True)
@@ -75,6 +77,7 @@ class ReplicaStats:
     received_ids: tuple[str, ...]  # requests that reached the engine since the last report
     ended_ids: tuple[str, ...]  # requests that ended since the last report, no longer in these counts
     reported_at: float  # time.monotonic() on the replica (informational)
+    adapters: tuple[str, ...] = ()  # LoRA adapters its engine holds loaded
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,6 +88,7 @@ class AdmitRequest:
     max_tokens: int  # per sample: with the prompt, the engine's SJF estimate
     n: int = 1  # samples: the work bound counts n * max_tokens
     prefix_hashes: tuple[int, ...] = ()  # the engine's block hashes of the prompt's first full blocks
+    adapter: str | None = None  # its LoRA adapter: a replica holding it is preferred
 
     @property
     def num_work_tokens(self) -> int:

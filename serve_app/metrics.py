@@ -147,6 +147,13 @@ class ReplicaMetrics:
                              "minute).", ("replica", "priority"))
         self.slo_objective = gauge("cbserve_slo_objective_s", "The latency objective of a class, seconds.",
                                    ("replica", "priority", "objective"))
+        # per model id: the served model's name, or name:adapter for a LoRA adapter's requests
+        self.model_requests = counter("cbserve_model_requests", "Requests that ended, by model id.",
+                                      ("replica", "model"))
+        self.model_generation_tokens = counter("cbserve_model_generation_tokens", "Tokens generated, by model id.",
+                                               ("replica", "model"))
+        self.model_ttft = hist("cbserve_model_ttft_s", "Time to first token, by model id.", ("replica", "model"))
+        self.model_e2e = hist("cbserve_model_e2e_latency_s", "Request latency, by model id.", ("replica", "model"))
 
     def record_load(self, stats: Any, engine_stats: Any) -> None:
         """`stats`: the replica's ReplicaStats; `engine_stats`: the engine's EngineStats, every
@@ -162,6 +169,8 @@ class ReplicaMetrics:
         for (priority, objective), seconds in self._objectives.items():
             self.slo_objective.set(seconds, tags={**self.tags, "priority": str(priority), "objective": objective})
         for name, value in engine_stats.as_dict().items():
+            if not isinstance(value, int | float):  # the adapters' names: in ReplicaStats, not a figure
+                continue
             gauge = self._engine_gauges.get(name)
             if gauge is None:
                 gauge = self._engine_gauges[name] = self._gauge(
@@ -183,8 +192,17 @@ class ReplicaMetrics:
             self.goodput.set(goodput, tags=tags)
 
     def record_request(self, priority: int, timings: Any, num_messages: int, num_output: int,
-                       num_prompt: int) -> None:
-        """`timings`: the engine's RequestMetrics of the request (None if it never ran)."""
+                       num_prompt: int, model: str) -> None:
+        """`timings`: the engine's RequestMetrics of the request (None if it never ran); `model`:
+        its model id (name, or name:adapter)."""
+        by_model = {**self.tags, "model": model}
+        self.model_requests.inc(tags=by_model)
+        if num_output:
+            self.model_generation_tokens.inc(num_output, tags=by_model)
+        if timings is not None and timings.ttft is not None:
+            self.model_ttft.observe(timings.ttft, tags=by_model)
+        if timings is not None and timings.e2e_latency is not None:
+            self.model_e2e.observe(timings.e2e_latency, tags=by_model)
         tags = {**self.tags, "priority": str(priority)}
         if num_messages:
             self.stream_messages.inc(num_messages, tags=self.tags)

@@ -485,10 +485,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-def model_card(model_name: str, created: int, root: str, max_model_len: int) -> dict[str, Any]:
-    """A /v1/models entry, with vLLM's `root` (the checkpoint served) and `max_model_len`."""
+def model_card(model_name: str, created: int, root: str, max_model_len: int, parent: str | None = None
+               ) -> dict[str, Any]:
+    """A /v1/models entry, with vLLM's `root` (the checkpoint served, or a LoRA adapter's path),
+    `parent` (an adapter's base model) and `max_model_len`."""
     return {"id": model_name, "object": "model", "created": created, "owned_by": "cbserve", "root": root,
-            "parent": None, "max_model_len": max_model_len}
+            "parent": parent, "max_model_len": max_model_len}
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
 
 
 # ---------------------------------------------------------------- SSE

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.client import EngineClient
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import AdapterNotFoundError, EngineDeadError, InvalidRequestError
 from engine.heap import collect_young_less_often
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
@@ -63,6 +63,12 @@ class _Outbox:
         return batch
 
 
+async def _raising(error: Exception) -> AsyncIterator[RequestOutput]:
+    """A stream that ends with `error` (a request refused before it reached the engine)."""
+    raise error
+    yield  # an async generator
+
+
 def _serve_replica_id() -> str | None:
     try:
         from ray import serve
@@ -74,6 +80,8 @@ def _serve_replica_id() -> str | None:
 
 def error_info(error: Exception) -> ErrorInfo:
     """How an engine error is answered: bad input 400, an engine restarting 503, else 500."""
+    if isinstance(error, AdapterNotFoundError):
+        return ErrorInfo(404, str(error), param="model", code="model_not_found")
     if isinstance(error, InvalidRequestError):
         return ErrorInfo(400, str(error), param=error.param, code=error.code)
     if isinstance(error, EngineDeadError):
@@ -143,7 +151,7 @@ class EngineReplica:
             num_running=s.num_running, max_num_seqs=s.max_num_seqs, num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks,
             kv_usage=s.kv_usage, num_queued_tokens=s.num_queued_tokens, block_size=self.engine.block_size,
-            received_ids=received, ended_ids=ended, reported_at=time.monotonic())
+            received_ids=received, ended_ids=ended, reported_at=time.monotonic(), adapters=s.lora_adapters)
 
     async def channel(self, channel_id: str, replica_hint: str | None = None
                       ) -> AsyncIterator[str | list[tuple[str, StreamChunk]]]:
@@ -243,14 +251,19 @@ class EngineReplica:
         `error`. Records the request's metrics and SLO verdict when it ends."""
         coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
         failed = False
-        if isinstance(request.params, PoolingParams):
-            stream = self._embedding(request)
-        elif request.beam_search is None:
-            stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
-                                          request.priority, request.waited_s)
-        else:
-            stream = self.engine.beam_search(request.prompt_token_ids, request.beam_search, request.request_id,
-                                             request.priority, request.waited_s)
+        try:
+            if request.lora_path is not None:  # loaded at run time: this engine learns it with its first request
+                self.engine.load_adapter(request.lora, request.lora_path)
+            if isinstance(request.params, PoolingParams):
+                stream = self._embedding(request)
+            elif request.beam_search is None:
+                stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
+                                              request.priority, request.waited_s, request.lora)
+            else:
+                stream = self.engine.beam_search(request.prompt_token_ids, request.beam_search, request.request_id,
+                                                 request.priority, request.waited_s, request.lora)
+        except InvalidRequestError as e:
+            stream = _raising(e)
         try:
             async with contextlib.aclosing(coalescer.coalesce(stream)) as chunks:
                 async for chunk in chunks:
@@ -263,7 +276,8 @@ class EngineReplica:
         finally:
             self._end(request.request_id)
             self.metrics.record_request(request.priority, coalescer.metrics, coalescer.num_messages,
-                                        coalescer.num_output_tokens, len(request.prompt_token_ids))
+                                        coalescer.num_output_tokens, len(request.prompt_token_ids),
+                                        self.config.model_name + (f":{request.lora}" if request.lora else ""))
             if coalescer.finished or failed:  # a client that left, or bad input, is no verdict on the service
                 self._record_slo(request.priority, coalescer, ok=not failed)
             if self._report_now is not None:
@@ -271,7 +285,7 @@ class EngineReplica:
 
     async def _embedding(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         yield await self.engine.embed(request.prompt_token_ids, request.params, request.request_id, request.priority,
-                                      request.waited_s)
+                                      request.waited_s, request.lora)
 
     def _record_slo(self, priority: int, coalescer: StreamCoalescer, ok: bool) -> None:
         timings = coalescer.metrics

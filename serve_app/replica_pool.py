@@ -2,7 +2,8 @@
 
 Owns: one `ReplicaView` per live replica (its last report plus the admissions it has not yet
 reported), the set of replicas that may take a request now, and the choice among them (least
-loaded, prefix affinity among near-ties). Estimates are kept incrementally and only replicas
+loaded; among near-ties one holding the request's LoRA adapter, then prefix affinity: a bounded
+imbalance, as Ray Serve's multiplexing keeps, never a queue behind a busy holder). Estimates are kept incrementally and only replicas
 with headroom are considered, so a routing event costs O(replicas with headroom), small exactly
 when the queue is long. Pure: time is passed in.
 """
@@ -32,6 +33,8 @@ class ReplicaView:
     ended: set[str] = field(default_factory=set)  # released, still in the engine's last counts
     reported_ended: set[str] = field(default_factory=set)  # reported as ended, release not yet seen
     prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefix hash -> None (LRU)
+    adapters: set[str] = field(default_factory=set)  # LoRA adapters its engine holds (or was sent lately)
+    sent_adapters: dict[str, float] = field(default_factory=dict)  # adapter -> when a request for it was admitted
 
     def est_waiting(self) -> int:
         """The engine's waiting queue once it has what it was sent. A slot-bound engine (or one
@@ -114,6 +117,8 @@ class ReplicaPool:
         if view is None:
             view = self.views[stats.replica_id] = ReplicaView(stats, now)
         view.stats, view.last_seen = stats, now
+        view.sent_adapters = {a: t for a, t in view.sent_adapters.items() if now - t <= _PENDING_EXPIRY_S}
+        view.adapters = set(stats.adapters) | set(view.sent_adapters)
         for request_id in stats.ended_ids:
             if request_id in view.ended:
                 view.ended.discard(request_id)
@@ -150,7 +155,8 @@ class ReplicaPool:
             return None
         least = min(v.load() for v in ready)
         tied = [v for v in ready if v.load() <= least + self.config.affinity_load_slack]
-        best = min(tied, key=lambda v: (-v.prefix_match(request.prefix_hashes), v.load(),
+        best = min(tied, key=lambda v: (request.adapter is not None and request.adapter not in v.adapters,
+                                        -v.prefix_match(request.prefix_hashes), v.load(),
                                         v.est_waiting() + v.stats.num_running, v.stats.replica_id))
         return best.stats.replica_id
 
@@ -159,6 +165,9 @@ class ReplicaPool:
         view.add_pending(request.request_id, view.blocks_needed(request.num_prompt_tokens), now)
         view.active.add(request.request_id)
         view.remember_prefixes(request.prefix_hashes)
+        if request.adapter is not None:
+            view.adapters.add(request.adapter)
+            view.sent_adapters[request.adapter] = now
         self._owner[request.request_id] = replica_id
         self._refile(view)
 

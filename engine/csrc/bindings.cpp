@@ -25,14 +25,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q (and k) with k and v written to their cache slots",
         py::call_guard<py::gil_scoped_release>());
   // module_local: another build of these kernels (another CPU family's, or another revision's) may load beside this one
+  py::class_<LoraSlots, std::shared_ptr<LoraSlots>>(m, "LoraSlots", py::module_local(),
+                                                  "the LoRA adapters a model holds, by slot (engine/lora.py)")
+      .def(py::init<int64_t>())
+      .def("set", &LoraSlots::set)
+      .def("clear", &LoraSlots::clear)
+      .def("add", &LoraSlots::add, py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
                           "a decode step through block-quantized decoder layers in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, double, std::vector<int64_t>, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_experts", &DecodeStack::add_experts)
       .def("set_tiles", &DecodeStack::set_tiles)
-      .def("set_lora", &DecodeStack::set_lora)
-      .def("clear_lora", &DecodeStack::clear_lora)
+      .def("use_lora", &DecodeStack::use_lora)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 #endif

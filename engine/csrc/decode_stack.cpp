@@ -214,103 +214,15 @@ void DecodeStack::set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, t
   m.offsets = offsets;
 }
 
-void lora_shrink(const std::vector<const LoraMatmul*>& rows, const float* x, int64_t K, float* u, int64_t width,
-                 int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t t = i / width, j = i % width;
-    const LoraMatmul* m = rows[t];
-    if (m != nullptr && j < m->rank()) u[i] = dot_row(x + t * K, m->a.data_ptr<float>() + j * K, K);
-  }
-}
-
-void lora_expand(const std::vector<const LoraMatmul*>& rows, const float* u, int64_t width, float* y, int64_t N,
-                 int64_t c0, int64_t c1) {
-  for (size_t t = 0; t < rows.size(); ++t) {
-    const LoraMatmul* m = rows[t];
-    if (m == nullptr) continue;
-    for (size_t s = 0; s < m->segments.size(); ++s) {
-      const auto [j0, r, n0, n] = m->segments[s];
-      const int64_t from = std::max(c0, n0), to = std::min(c1, n0 + n);
-      const float* bt = m->b[s].data_ptr<float>();
-      float* out = y + static_cast<int64_t>(t) * N;
-      for (int64_t j = 0; j < r; ++j) {
-        const float coefficient = u[static_cast<int64_t>(t) * width + j0 + j];
-        const float* row = bt + j * n - n0;
-        for (int64_t c = from; c < to; ++c) out[c] += coefficient * row[c];
-      }
-    }
-  }
-}
-
-namespace {
-
-// The widest adapter matmul (its rank R) among the rows: u's row width.
-int64_t lora_width(const std::vector<const LoraMatmul*>& rows) {
-  int64_t width = 0;
-  for (const LoraMatmul* m : rows)
-    if (m != nullptr) width = std::max(width, m->rank());
-  return width;
-}
-
-// y (T, N) += the rows' adapters' deltas, x (T, K) before its prologue (norm or gated): the op-by-op path's.
-void add_lora(const std::vector<const LoraMatmul*>& rows, const torch::Tensor& x, int64_t K, const float* norm,
-              double eps, int64_t gated, const torch::Tensor& y) {
-  const int64_t width = lora_width(rows), T = y.size(0), N = y.size(1);
-  if (width == 0) return;
-  Scratch<float> transformed;
-  const float* xp = rows_after_prologue(x.data_ptr<float>(), T, K, norm, eps, gated, transformed);
-  Scratch<float> u = scratch<float>(T * width);
-  at::parallel_for(0, T * width, 1, [&](int64_t b, int64_t e) { lora_shrink(rows, xp, K, u.get(), width, b, e); });
-  at::parallel_for(0, N, 64, [&](int64_t c0, int64_t c1) { lora_expand(rows, u.get(), width, y.data_ptr<float>(), N, c0, c1); });
-}
-
-}  // namespace
-
-void DecodeStack::set_lora(int64_t slot, int64_t layer, int64_t which, torch::Tensor a, std::vector<torch::Tensor> b,
-                           torch::Tensor segments) {
-  TORCH_CHECK(slot >= 0 && layer >= 0 && layer < num_layers() && which >= 0 && which < 4, "slot, layer, which");
-  TORCH_CHECK(which < 2 || layers_[layer].gated_mlp, "that layer has experts in place of its gated MLP");
-  const WeightRows& w = layers_[layer].matmuls[which].weights;
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == torch::kFloat && a.is_contiguous() && a.size(1) == w.K,
-              "a: contiguous fp32 (R, K)");
-  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 4 && segments.scalar_type() == torch::kLong &&
-                  segments.is_contiguous() && static_cast<size_t>(segments.size(0)) == b.size(),
-              "segments: int64 (S, 4), one per b");
-  LoraMatmul m{a, b, {}};
-  const int64_t* seg = segments.data_ptr<int64_t>();
-  for (size_t s = 0; s < b.size(); ++s) {
-    const int64_t j0 = seg[4 * s], r = seg[4 * s + 1], n0 = seg[4 * s + 2], n = seg[4 * s + 3];
-    TORCH_CHECK(j0 >= 0 && r > 0 && j0 + r <= a.size(0) && n0 >= 0 && n > 0 && n0 + n <= w.N(),
-                "a segment: columns of A x within R, rows of the output within N");
-    TORCH_CHECK(b[s].scalar_type() == torch::kFloat && b[s].is_contiguous() && b[s].dim() == 2 && b[s].size(0) == r &&
-                    b[s].size(1) == n, "b: contiguous fp32 (r, n) per segment");
-    m.segments.push_back({j0, r, n0, n});
-  }
-  if (static_cast<int64_t>(loras_.size()) <= slot) loras_.resize(slot + 1);
-  loras_[slot].resize(4 * num_layers());
-  loras_[slot][4 * layer + which] = std::move(m);
-}
-
-void DecodeStack::clear_lora(int64_t slot) {
-  if (slot >= 0 && slot < static_cast<int64_t>(loras_.size())) loras_[slot].clear();
-}
-
 std::vector<std::vector<const LoraMatmul*>> DecodeStack::lora_rows(const c10::optional<torch::Tensor>& lora_slots,
                                                                     int64_t num_layers) const {
   std::vector<std::vector<const LoraMatmul*>> rows;
   if (!lora_slots.has_value()) return rows;
-  const torch::Tensor& slots = *lora_slots;
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
-              "lora_slots: int64 (T)");
-  const int64_t T = slots.numel(), slot_count = static_cast<int64_t>(loras_.size());
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot[t] == -1 || (slot[t] >= 0 && slot[t] < slot_count && !loras_[slot[t]].empty()),
-                "lora_slots: an installed adapter's slot, or -1");
-  rows.assign(4 * num_layers, std::vector<const LoraMatmul*>(T, nullptr));
+  TORCH_CHECK(loras_ != nullptr, "lora_slots given to a stack without adapters (use_lora)");
+  loras_->check_slots(*lora_slots);
+  const int64_t T = lora_slots->numel();
   for (int64_t i = 0; i < 4 * num_layers; ++i)
-    for (int64_t t = 0; t < T; ++t)
-      if (slot[t] >= 0 && loras_[slot[t]][i].a.defined()) rows[i][t] = &loras_[slot[t]][i];
+    rows.push_back(loras_->rows(i / 4, i % 4, lora_slots->data_ptr<int64_t>(), T));
   return rows;
 }
 
@@ -358,9 +270,14 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
                            const c10::optional<torch::Tensor>& residual) {
     const StackMatmul& m = layers_[l].matmuls[which];
     torch::Tensor y = matmul(m, x, norm_weight, gated, residual);
-    if (!loras.empty())
-      add_lora(loras[4 * l + which], x, m.weights.K, norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr,
-               eps_, gated, y);
+    if (!loras.empty()) {
+      Scratch<float> transformed;
+      const float* xp = rows_after_prologue(x.data_ptr<float>(), T, m.weights.K,
+                                            norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps_,
+                                            gated, transformed);
+      loras_->add(l, which, torch::from_blob(const_cast<float*>(xp), {T, m.weights.K}, hidden.options()), y,
+                  *lora_slots);
+    }
     return y;
   };
   for (int64_t l = 0; l < num_layers; ++l) {

@@ -128,23 +128,47 @@ const float* with_prologue(const torch::Tensor& x, int64_t M, int64_t K, const c
 const float* rows_after_prologue(const float* x, int64_t M, int64_t K, const float* norm_weight, double eps,
                                  int64_t gated, Scratch<float>& transformed);
 
-// decode_stack.cpp: one matmul of a LoRA adapter (engine/lora.py LoraMatmul): a (R, K) fp32, the parts' A
-// stacked; per segment (j0, r, n0, n) its scaled B^T (r, n) fp32, adding A x's columns j0 .. j0 + r times
-// it to output columns n0 .. n0 + n.
+// lora.cpp: one matmul of a LoRA adapter (engine/lora.py LoraMatmul): a (R, K), the parts' A stacked; per
+// segment (j0, r, n0, n) its scaled B^T (r, n), adding A x's columns j0 .. j0 + r times it to output columns
+// n0 .. n0 + n; fp32 or bf16 (`bf16`), x and the sums fp32.
 struct LoraMatmul {
   torch::Tensor a;
   std::vector<torch::Tensor> b;
   std::vector<std::array<int64_t, 4>> segments;
+  bool bf16 = false;
   int64_t rank() const { return a.size(0); }
 };
-// decode_stack.cpp: rows' adapters' deltas for one matmul, in two phases a caller may split among
-// threads: lora_shrink, items [begin, end) of T * width (row t, column j < its rank) of u = A x (u (T,
-// width)); then lora_expand, columns [c0, c1) of y (T, N) += u's segments times B^T. rows[t]: row t's
-// adapter matmul, or nullptr.
+// lora.cpp: rows' adapters' deltas for one matmul, in two phases a caller may split among threads:
+// lora_shrink, items [begin, end) of T * width (row t, column j < its rank) of u = A x (u (T, width));
+// then lora_expand, columns [c0, c1) of y (T, N) += u's segments times B^T. rows[t]: row t's adapter
+// matmul, or nullptr; width: lora_width(rows).
+int64_t lora_width(const std::vector<const LoraMatmul*>& rows);
 void lora_shrink(const std::vector<const LoraMatmul*>& rows, const float* x, int64_t K, float* u, int64_t width,
                  int64_t begin, int64_t end);
 void lora_expand(const std::vector<const LoraMatmul*>& rows, const float* u, int64_t width, float* y, int64_t N,
                  int64_t c0, int64_t c1);
+
+// lora.cpp: the LoRA adapters a model holds, by slot, per layer and matmul (qkv, o, gate_up, down).
+class LoraSlots {
+ public:
+  explicit LoraSlots(int64_t num_layers) : num_layers_(num_layers) {}
+  // Matmul `which` of `layer` of the adapter in `slot`: a (R, K), b per segment (r, n), segments (S, 4)
+  // int64 (j0, r, n0, n), all fp32 or all bf16; N and K: the matmul's (checked against them).
+  void set(int64_t slot, int64_t layer, int64_t which, torch::Tensor a, std::vector<torch::Tensor> b,
+           torch::Tensor segments, int64_t N);
+  void clear(int64_t slot);
+  // Per token, its adapter's matmul `which` of `layer` (nullptr for none); slots (T) int64, -1 for none.
+  std::vector<const LoraMatmul*> rows(int64_t layer, int64_t which, const int64_t* slots, int64_t T) const;
+  // Checks slots (T) int64: each an installed adapter's slot or -1.
+  void check_slots(const torch::Tensor& slots) const;
+  // y (T, N) += each row's adapter's delta for matmul `which` of `layer`; x (T, K) after its prologue.
+  void add(int64_t layer, int64_t which, const torch::Tensor& x, const torch::Tensor& y,
+           const torch::Tensor& slots) const;
+
+ private:
+  int64_t num_layers_;
+  std::vector<std::vector<LoraMatmul>> slots_;  // [slot][layer * 4 + which]; a missing matmul's `a` undefined
+};
 
 // block_quant_gemm.cpp: whether this process may run block_quant_gemm (built with AMX, and the
 // kernel grants the tile state).
@@ -312,11 +336,8 @@ class DecodeStack {
   // Gives matmul `which` (0-3) of layer `layer` the vector GEMM's tiles, scales and offsets.
   void set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, torch::Tensor scales,
                  c10::optional<torch::Tensor> offsets);
-  // Matmul `which` of `layer` of the LoRA adapter in `slot` (LoraMatmul: a, b per segment, segments
-  // (S, 4) int64); clear_lora drops every matmul of a slot's adapter.
-  void set_lora(int64_t slot, int64_t layer, int64_t which, torch::Tensor a, std::vector<torch::Tensor> b,
-                torch::Tensor segments);
-  void clear_lora(int64_t slot);
+  // The LoRA adapters forward's lora_slots name (held: the model installs adapters into them).
+  void use_lora(std::shared_ptr<LoraSlots> loras) { loras_ = std::move(loras); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // hidden (T, hidden) through the first num_layers layers; cos/sin (tables, T, head_dim) at the
   // tokens' positions (sin's first half negated); kv_cache (slots, 2, kv_heads, blocks, block_size,
@@ -357,7 +378,7 @@ class DecodeStack {
   // Per layer and matmul (l * 4 + which), each token's adapter's LoraMatmul or nullptr; empty without adapters.
   std::vector<std::vector<const LoraMatmul*>> lora_rows(const c10::optional<torch::Tensor>& lora_slots,
                                                         int64_t num_layers) const;
-  std::vector<std::vector<LoraMatmul>> loras_;  // [slot][layer * 4 + which]; a missing matmul's `a` undefined
+  std::shared_ptr<LoraSlots> loras_;
   StackMatmul stack_matmul(std::vector<torch::Tensor> parts, std::vector<int64_t> formats,
                            c10::optional<torch::Tensor> bias) const;
 

@@ -2,9 +2,17 @@
 parent's hash, every token before it, so equal hashes mean equal prefixes."""
 from __future__ import annotations
 
+import hashlib
+
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def adapter_cache_root(name: str) -> int:
+    """The prefix cache's root for a LoRA adapter's requests (their blocks hold its keys and
+    values): the same in every process, as the router compares the ingresses' hashes."""
+    return int.from_bytes(hashlib.sha256(f"lora:{name}".encode()).digest()[:8], "little")
 
 
 def extend_block_hashes(block_hashes: list[int], token_ids: list[int], block_size: int,

@@ -237,6 +237,7 @@ class PagedDecoder(nn.Module):
         self.norm = _norm(body.norm, family.norm_offset)
         self.lm_head = Linear(hf_model.lm_head.weight)
         self.decode_stack, self.decode_rows = None, 0  # set by fuse_decode_stack
+        self.lora_slots = None  # the C++ kernels' LoRA slots, made with the first adapter installed
 
     def fuse_decode_stack(self, kernels) -> str | None:
         """With every layer's matmuls block-quantized, decode steps of up to their `decode_rows` tokens
@@ -290,6 +291,8 @@ class PagedDecoder(nn.Module):
         if self.decode_stack is not None and input_ids.shape[0] <= self.decode_rows:
             stack_args = backend.decode_stack_args(metadata)
         layers = islice(self.layers, num_layers)
+        if loras is not None and self.lora_slots is not None:
+            loras.kernel = self.lora_slots
         if stack_args is not None:
             slots, tables, lens = zip(*stack_args)
             hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, list(slots), list(tables), lens[0],
@@ -315,19 +318,29 @@ class PagedDecoder(nn.Module):
         return logits, rms_norm(hidden[pooled_indices], self.norm, self.eps)
 
     def install_lora(self, adapter: Adapter) -> None:
-        """Gives the decode stack the adapter's weights in its slot (the layers' Python reads them
-        from each step's LoraBatch)."""
-        if self.decode_stack is None:
+        """Puts the adapter's weights in its slot of the C++ kernels' LoRA slots (made with the
+        first, where the kernels load on this CPU), which the decode stack reads too; elsewhere
+        each step's LoraBatch carries them to torch's ops."""
+        if self.lora_slots is None and self.embed.device.type == "cpu" and self.embed.dtype == torch.float32:
+            from engine.cpu_kernels import load_cpu_kernels
+
+            kernels = load_cpu_kernels()
+            if kernels is not None:
+                self.lora_slots = kernels.LoraSlots(self.num_layers)
+                if self.decode_stack is not None:
+                    self.decode_stack.use_lora(self.lora_slots)
+        if self.lora_slots is None:
             return
         for index, matmuls in enumerate(adapter.matmuls):
             for which, m in enumerate(matmuls):
                 if m is not None:
-                    self.decode_stack.set_lora(adapter.slot, index, which, m.a, list(m.b),
-                                               torch.tensor(m.segments, dtype=torch.long).view(-1, 4))
+                    self.lora_slots.set(adapter.slot, index, which, m.a, list(m.b),
+                                        torch.tensor(m.segments, dtype=torch.long).view(-1, 4),
+                                        self.layers[index].matmul_shapes[which][0])
 
     def uninstall_lora(self, adapter: Adapter) -> None:
-        if self.decode_stack is not None:
-            self.decode_stack.clear_lora(adapter.slot)
+        if self.lora_slots is not None:
+            self.lora_slots.clear(adapter.slot)
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.final_softcap is None:

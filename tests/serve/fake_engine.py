@@ -142,7 +142,7 @@ class FakeAsyncEngine(EngineClient):
         self.shut_down = True
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
-                       waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       waited_s: float = 0.0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt", "prompt: must not be empty")
@@ -156,7 +156,7 @@ class FakeAsyncEngine(EngineClient):
             yield out
 
     async def embed(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, priority: int = 0,
-                    waited_s: float = 0.0) -> RequestOutput:
+                    waited_s: float = 0.0, lora: str | None = None) -> RequestOutput:
         """fake_embedding(prompt) after a step delay (the slot rules of generation do not apply)."""
         await asyncio.sleep(self.step_delay_s)
         return RequestOutput(request_id, None, list(prompt_token_ids), [CompletionOutput(0, "", [], "stop")], True,
@@ -164,7 +164,8 @@ class FakeAsyncEngine(EngineClient):
                              embedding=fake_embedding(prompt_token_ids, params.dimensions))
 
     async def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, request_id: str,
-                          priority: int = 0, waited_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, waited_s: float = 0.0, lora: str | None = None
+                          ) -> AsyncIterator[RequestOutput]:
         """The search over the fake's next-token rule: 10 + sum(context) % 40 at logprob -0.5,
         the token after it at -1.5; one step per step delay."""
         search = BeamSearch(prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
