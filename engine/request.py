@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from engine.kv_cache.hashing import adapter_cache_root
 from engine.outputs import SpecCounts
 from engine.sampling_params import PoolingParams, SamplingParams
-
-if TYPE_CHECKING:
-    from engine.lora import Adapter
 
 
 class RequestStatus(enum.Enum):
@@ -52,11 +48,12 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group_id: str | None = None, sample_index: int = 0, priority: int = 0,
                  arrival_time: float | None = None, constraint: OutputConstraint | None = None,
-                 beam: bool = False, pooling: PoolingParams | None = None, adapter: Adapter | None = None):
+                 beam: bool = False, pooling: PoolingParams | None = None, adapter: object | None = None):
         """`beam`: a beam of a beam search (engine.beam_groups): parked after its one sampled
         token, which its search replaces by the tokens it extends the beam with. `pooling`: an
         embedding request (its pooling resolved): its prompt is computed, never sampled from, and
-        it ends with `embedding` set. `adapter`: the LoRA adapter it runs with (engine.lora)."""
+        it ends with `embedding` set. `adapter`: the LoRA adapter it runs with (an engine.lora.Adapter,
+        installed)."""
         self.request_id = request_id
         self.group_id = group_id or request_id  # the user request this sample belongs to
         self.sample_index = sample_index
@@ -85,11 +82,6 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
-
-    @property
-    def cache_root(self) -> int | None:
-        """Its prefix cache's root: blocks computed with another adapter (or none) hold other keys and values."""
-        return None if self.adapter is None else adapter_cache_root(self.adapter.name)
 
     @property
     def num_tokens(self) -> int:

@@ -3,9 +3,9 @@
 Owns: one `ReplicaView` per live replica (its last report plus the admissions it has not yet
 reported), the set of replicas that may take a request now, and the choice among them (least
 loaded; among near-ties one holding the request's LoRA adapter, then prefix affinity: a bounded
-imbalance, as Ray Serve's multiplexing keeps, never a queue behind a busy holder). Estimates are kept incrementally and only replicas
-with headroom are considered, so a routing event costs O(replicas with headroom), small exactly
-when the queue is long. Pure: time is passed in.
+imbalance, as Ray Serve's multiplexing keeps, never a queue behind a busy holder). Estimates are
+kept incrementally and only replicas with headroom are considered, so a routing event costs
+O(replicas with headroom), small exactly when the queue is long. Pure: time is passed in.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ ENGINE_LAYERS = [
     ("requests", ["engine.request", "engine.tokenization", "engine.tools", "engine.tool_formats", "engine.reasoning",
                   "engine.harmony", "engine.chat_output", "engine.beam_search", "engine.drafts"]),
     ("model", ["engine.batch", "engine.kv_cache", "engine.models", "engine.attention", "engine.sampler",
-               "engine.grammar"]),
+               "engine.grammar", "engine.lora"]),
     ("loading", ["engine.model_loader", "engine.quality", "engine.serving_mix", "engine.quantization_check",
                  "engine.model_setup"]),
     ("step", ["engine.scheduler", "engine.runner"]),

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import BlockPool, HostBlockPool
-from engine.kv_cache.hashing import extend_block_hashes
+from engine.kv_cache.hashing import adapter_cache_root, extend_block_hashes
 from engine.kv_cache.layout import NULL_BLOCK, KVLayout, uniform_layout
 from engine.request import Request
 
@@ -81,7 +81,9 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[int]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        return extend_block_hashes(hashes, request.token_ids, self.block_size, request.num_tokens, request.cache_root)
+        # an adapter's requests' blocks hold its keys and values: their hashes are rooted at its name
+        root = None if request.adapter is None else adapter_cache_root(request.adapter.name)
+        return extend_block_hashes(hashes, request.token_ids, self.block_size, request.num_tokens, root)
 
     @staticmethod
     def _key(group: int, block_hash: int) -> int:
