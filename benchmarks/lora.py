@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.quantization import cpu_features, single_stream, workload  # noqa: E402
-from benchmarks.workload import make_workload, random_prompt  # noqa: E402
+from benchmarks.workload import Stopwatch, make_workload, random_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_loader import hf_directory  # noqa: E402
 
@@ -120,11 +120,13 @@ def main() -> None:
     llm.generate([random_prompt(16, seed=1)], SamplingParams(max_tokens=2), use_tqdm=False, lora=names)  # load all
     rounds = []
     for r in range(args.rounds):
-        base_single, base_workload = single_stream(llm)[0], workload(llm)[0]
-        lora_single, lora_workload = with_adapters(llm, names)
+        with Stopwatch() as watch:
+            base_single, base_workload = single_stream(llm)[0], workload(llm)[0]
+            lora_single, lora_workload = with_adapters(llm, names)
         rounds.append({"base_single": base_single, "lora_single": lora_single, "base_workload": base_workload,
                        "lora_workload": lora_workload})
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[-1].items()), flush=True)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in rounds[-1].items())
+              + f" (other processes: {watch.others:.2f} cores)", flush=True)
     medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     cold = cold_load(llm, paths[8], "cold")
     print(f"\nmedians of {args.rounds} rounds (tok/s): single stream {medians['base_single']:.1f} base, "

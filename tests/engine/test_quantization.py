@@ -561,7 +561,7 @@ class _CountingStack:
 
     def forward(self, hidden, *args):
         self.calls += 1
-        self.depths.add(args[-1])  # num_layers
+        self.depths.add(args[-2])  # num_layers (then the rows' LoRA slots)
         self.sizes.append(hidden.shape[0])
         self.steps.append((hidden, *args))
         return self.stack.forward(hidden, *args)
