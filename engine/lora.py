@@ -10,7 +10,8 @@ once per matmul for all its rows, as Punica's SGMV kernels group them; the base 
 every row as without adapters, in whatever mode it is quantized, and the adapters stay fp32.
 Where the C++ kernels load, the model holds every installed adapter in their slots
 (engine/csrc/lora.cpp), which both the decode stack and the layers' path run (one call per matmul
-for all rows); torch's ops run the same products elsewhere.
+for all rows); on CUDA the Triton kernels do over slots stacked on the device (StackedLoraSlots);
+torch's ops run the same products elsewhere.
 
 `Adapters` is the replica's set: known names (lora_modules, loaded at run time, or found under
 adapter_dirs), at most max_cpu_loras loaded (the least recently used one no request runs evicted
@@ -193,7 +194,7 @@ class LoraBatch:
 
     def add(self, layer: int, which: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter's delta for matmul `which` of `layer`, x its input after the prologue."""
-        if self.kernel is not None and x.dtype == torch.float32 and out.is_contiguous():
+        if self.kernel is not None and out.is_contiguous():
             self.kernel.add(layer, which, x.contiguous(), out, self.slots)
             return
         for adapter, rows in self.groups:
@@ -207,6 +208,47 @@ class AdapterCounters:
     loads: int = 0
     evictions: int = 0
     load_seconds: float = 0.0
+
+
+class StackedLoraSlots:
+    """The LoRA slots of a model on CUDA, for the Triton kernels (engine.models.cuda_ops.lora_add):
+    per layer and matmul every slot's A (S, R, K) and scaled B^T (S, R, N) stacked in the model's
+    dtype, R the widest adapter installed there (grown when a wider one comes), zero past an
+    adapter's rank and outside the outputs its parts write. The same methods as the C++ kernels'
+    LoraSlots (engine/csrc/lora.cpp)."""
+
+    def __init__(self, num_slots: int, device: torch.device, dtype: torch.dtype):
+        self.num_slots, self.device, self.dtype = num_slots, device, dtype
+        self.stacks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def set(self, slot: int, layer: int, which: int, a: torch.Tensor, b: list[torch.Tensor], segments: torch.Tensor,
+            n: int) -> None:
+        rank, k = a.shape
+        a_stack, bt_stack = self.stacks.get((layer, which), (None, None))
+        if a_stack is None or a_stack.shape[1] < rank:  # the first adapter here, or a wider one
+            wider = (torch.zeros(self.num_slots, rank, k, dtype=self.dtype, device=self.device),
+                     torch.zeros(self.num_slots, rank, n, dtype=self.dtype, device=self.device))
+            if a_stack is not None:
+                wider[0][:, :a_stack.shape[1]] = a_stack
+                wider[1][:, :bt_stack.shape[1]] = bt_stack
+            a_stack, bt_stack = self.stacks[(layer, which)] = wider
+        a_stack[slot].zero_()
+        bt_stack[slot].zero_()
+        a_stack[slot, :rank] = a.to(self.device, self.dtype)
+        for (j0, r, n0, width), bt in zip(segments.tolist(), b):
+            bt_stack[slot, j0:j0 + r, n0:n0 + width] = bt.to(self.device, self.dtype)
+
+    def clear(self, slot: int) -> None:
+        for a_stack, bt_stack in self.stacks.values():
+            a_stack[slot].zero_()
+            bt_stack[slot].zero_()
+
+    def add(self, layer: int, which: int, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor) -> None:
+        stacks = self.stacks.get((layer, which))
+        if stacks is not None:
+            from engine.models.cuda_ops import lora_add
+
+            lora_add(x.contiguous(), out, slots, *stacks)
 
 
 def _local_copy(url: str, name: str) -> Path:
@@ -322,7 +364,7 @@ class Adapters:
                 self._evict(idle)
             self.loading.pop(name, None)
             adapter.slot = self._free_slots.pop()
-            self.model.install_lora(adapter)
+            self.model.install_lora(adapter, self.config.max_cpu_loras)
             self.loaded[name] = adapter
             self.counters.loads += 1
             self.counters.load_seconds += adapter.load_seconds

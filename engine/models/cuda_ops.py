@@ -1,7 +1,8 @@
 """Triton kernels for a 16-bit model's small per-token ops on CUDA: RMSNorm (alone, or with the
 residual add before it) and the gated activation act(gate) * up (SwiGLU, GeGLU), each one kernel
-where torch runs several, and the experts of a mixture as one grouped matmul (a decode step of a
-small model is bound by its kernel count, even inside a CUDA graph). Each rounds where
+where torch runs several, the experts of a mixture as one grouped matmul (a decode step of a
+small model is bound by its kernel count, even inside a CUDA graph), and LoRA adapters' deltas for
+a batch of rows each with its own adapter (engine/lora.py), two kernels for all rows. Each rounds where
 transformers' order does: the residual sum is rounded to the model's dtype before it is
 normalized; RMSNorm normalizes in float32, rounds to the model's dtype, then scales by the weight
 (rounded again); the gated activation rounds act(gate) before multiplying by up. Loaded only where Triton is
@@ -131,3 +132,61 @@ def gated(x: torch.Tensor, activation: int) -> torch.Tensor:
     _gated[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
                                                 ACTIVATION=activation, BLOCK=block)
     return out
+
+
+@triton.jit
+def _lora_shrink(x_ptr, a_ptr, slots_ptr, u_ptr, stride_x, stride_as, stride_ar, stride_u, R, K,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """u[row] = A[slot] x[row] for the row's adapter slot (none: -1, nothing done), in float32."""
+    row, tile = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    if slot >= 0:
+        rs = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        weights = a_ptr + slot.to(tl.int64) * stride_as
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
+            a = tl.load(weights + rs[:, None] * stride_ar + ks[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(a * x[None, :], 1)
+        tl.store(u_ptr + row * stride_u + rs, acc, mask=r_ok)
+
+
+@triton.jit
+def _lora_expand(u_ptr, bt_ptr, slots_ptr, y_ptr, stride_u, stride_bs, stride_br, stride_y, R, N,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[row] += u[row] B^T[slot] (B^T scaled, (R, N)) for the row's adapter slot, summed in float32."""
+    row, tile = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    if slot >= 0:
+        ns = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = ns < N
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        weights = bt_ptr + slot.to(tl.int64) * stride_bs
+        for r0 in range(0, R, BLOCK_R):
+            rs = r0 + tl.arange(0, BLOCK_R)
+            r_ok = rs < R
+            u = tl.load(u_ptr + row * stride_u + rs, mask=r_ok, other=0.0)
+            b = tl.load(weights + rs[:, None] * stride_br + ns[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(u[:, None] * b, 0)
+        y = tl.load(y_ptr + row * stride_y + ns, mask=n_ok, other=0.0)
+        tl.store(y_ptr + row * stride_y + ns, (y.to(tl.float32) + acc).to(y.dtype), mask=n_ok)
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
+    """y (T, N) += B (A x) of each row's LoRA adapter, in place: slots (T) int64 on the device (-1:
+    none), a (S, R, K) and bt (S, R, N) the slots' A and scaled B^T stacked (zero past an
+    adapter's rank and outside the outputs it writes); the products in float32 (Punica's BGMV
+    shrink, then expand)."""
+    rows, k = x.shape
+    _, rank, n = bt.shape
+    u = torch.empty(rows, rank, dtype=torch.float32, device=x.device)
+    block_r = min(64, triton.next_power_of_2(rank))
+    _lora_shrink[(rows, triton.cdiv(rank, block_r))](x, a, slots, u, x.stride(0), a.stride(0), a.stride(1),
+                                                     u.stride(0), rank, k, BLOCK_R=block_r, BLOCK_K=64)
+    _lora_expand[(rows, triton.cdiv(n, 128))](u, bt, slots, y, u.stride(0), bt.stride(0), bt.stride(1), y.stride(0),
+                                              rank, n, BLOCK_R=block_r, BLOCK_N=128)

@@ -29,9 +29,17 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionParams
 from engine.kv_cache.layout import KVLayout
-from engine.lora import DOWN, GATE_UP, OUT, QKV, Adapter, LoraBatch
+from engine.lora import DOWN, GATE_UP, OUT, QKV, Adapter, LoraBatch, StackedLoraSlots
 from engine.models.families import Family
-from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, Linear, fused_ops, prologue, rms_norm
+from engine.models.linear import (
+    GATED_ACTIVATIONS,
+    BlockQuantLinear,
+    Linear,
+    fused_ops,
+    prologue,
+    rms_norm,
+    triton_ops,
+)
 from engine.models.mlp import Experts, GatedMLP
 from engine.models.rope import partial_rotary_permutation, rope_tables
 from engine.models.windows import layer_windows
@@ -293,6 +301,7 @@ class PagedDecoder(nn.Module):
         layers = islice(self.layers, num_layers)
         if loras is not None and self.lora_slots is not None:
             loras.kernel = self.lora_slots
+            loras.slots = loras.slots.to(hidden.device, non_blocking=True)
         if stack_args is not None:
             slots, tables, lens = zip(*stack_args)
             hidden = self.decode_stack.forward(hidden, cos, sin, kv_cache, list(slots), list(tables), lens[0],
@@ -317,18 +326,26 @@ class PagedDecoder(nn.Module):
             return logits
         return logits, rms_norm(hidden[pooled_indices], self.norm, self.eps)
 
-    def install_lora(self, adapter: Adapter) -> None:
-        """Puts the adapter's weights in its slot of the C++ kernels' LoRA slots (made with the
-        first, where the kernels load on this CPU), which the decode stack reads too; elsewhere
-        each step's LoraBatch carries them to torch's ops."""
-        if self.lora_slots is None and self.embed.device.type == "cpu" and self.embed.dtype == torch.float32:
+    def _lora_slots(self, num_slots: int):
+        """Where adapters' products run: the C++ kernels' LoraSlots (an fp32 model on a CPU they
+        load on; the decode stack reads them too), the Triton kernels' StackedLoraSlots (a model on
+        CUDA with Triton), else None (each step's LoraBatch carries them to torch's ops)."""
+        device, dtype = self.embed.device, self.embed.dtype
+        if device.type == "cpu" and dtype == torch.float32:
             from engine.cpu_kernels import load_cpu_kernels
 
             kernels = load_cpu_kernels()
-            if kernels is not None:
-                self.lora_slots = kernels.LoraSlots(self.num_layers)
-                if self.decode_stack is not None:
-                    self.decode_stack.use_lora(self.lora_slots)
+            return None if kernels is None else kernels.LoraSlots(self.num_layers)
+        if device.type == "cuda" and triton_ops() is not None:
+            return StackedLoraSlots(num_slots, device, dtype)
+        return None
+
+    def install_lora(self, adapter: Adapter, num_slots: int) -> None:
+        """Puts the adapter's weights in its slot (of `num_slots`) where the kernels read them."""
+        if self.lora_slots is None:
+            self.lora_slots = self._lora_slots(num_slots)
+            if self.decode_stack is not None and self.lora_slots is not None:
+                self.decode_stack.use_lora(self.lora_slots)
         if self.lora_slots is None:
             return
         for index, matmuls in enumerate(adapter.matmuls):

@@ -45,7 +45,7 @@ GATED_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2, "gelu": 3}  # act(gate) * up pro
 
 
 @functools.cache
-def _triton_ops():
+def triton_ops():
     """engine.models.cuda_ops where Triton imports, else None."""
     try:
         from engine.models import cuda_ops
@@ -56,7 +56,7 @@ def _triton_ops():
 
 def fused_ops(x: torch.Tensor):
     """The Triton kernels (engine.models.cuda_ops) for a 16-bit CUDA tensor, where they load; None elsewhere."""
-    return _triton_ops() if x.is_cuda and x.dtype != torch.float32 else None
+    return triton_ops() if x.is_cuda and x.dtype != torch.float32 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -74,6 +74,33 @@ def grouped_experts_error(dtype: torch.dtype) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
+def lora_error(dtype: torch.dtype) -> float:
+    """Rows of three LoRA adapters (ranks 8, 16 and 4; a fused q/k/v's three parts, one part, two)
+    and rows of none, through the Triton kernels over stacked slots against torch's grouped
+    products: the relative error of the deltas."""
+    from engine.lora import LoraMatmul, StackedLoraSlots
+
+    gen = torch.Generator().manual_seed(11)
+    k, n = 96, 160  # parts of 64, 48, 48 output columns
+    parts = [(0, 64), (64, 48), (112, 48)]
+    matmuls = {}
+    for slot, (rank, chosen) in enumerate([(8, [0, 1, 2]), (16, [1]), (4, [0, 2])]):
+        segments = tuple((j * rank, rank, *parts[p]) for j, p in enumerate(chosen))
+        matmuls[slot] = LoraMatmul(torch.randn(rank * len(chosen), k, generator=gen) * 0.1, segments,
+                                   tuple(torch.randn(rank, parts[p][1], generator=gen) * 0.1 for p in chosen))
+    stacked = StackedLoraSlots(4, CPU, dtype)
+    for slot, m in matmuls.items():
+        stacked.set(slot, 0, 0, m.a, list(m.b), torch.tensor(m.segments), n)
+    slots = torch.tensor([0, -1, 2, 1, 0, -1, 2, 2, 1])
+    x = torch.randn(len(slots), k, generator=gen)
+    want = torch.zeros(len(slots), n)
+    for slot, m in matmuls.items():
+        m.add(x, want, (slots == slot).nonzero().flatten())
+    got = torch.zeros(len(slots), n, dtype=dtype)
+    stacked.add(0, 0, x.to(dtype), got, slots)
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
 def fused_kernels_failure(dtype: torch.dtype) -> str | None:
     """What the fused kernels' check (RMSNorm, SwiGLU, RoPE with the KV write) found, if anything."""
     try:
@@ -97,6 +124,7 @@ def main() -> None:
     print(json.dumps({"errors": cases, "windowed": windowed,
                       "grouped_experts": {dtype: grouped_experts_error(getattr(torch, dtype))
                                           for dtype in ("float32", "float16")},
+                      "lora": {dtype: lora_error(getattr(torch, dtype)) for dtype in ("float32", "float16")},
                       "decodes_agree_however_split": decodes_agree_however_split(),
                       "fused_kernels": {dtype: fused_kernels_failure(getattr(torch, dtype))
                                         for dtype in ("float32", "float16")}}))

@@ -3,8 +3,9 @@
 paged prefill kernel, the decode kernel split along the context and the merge of its partitions
 against float32 attention across block sizes and query-head groups, within sliding windows and
 with soft-capped scores, and the fused RMSNorm, gated activations and RoPE with the KV write
-against the torch ops they replace, and a mixture of experts' grouped matmuls against its loop over
-experts, in float32 and float16.
+against the torch ops they replace, a mixture of experts' grouped matmuls against its loop over
+experts, and LoRA adapters' shrink and expand kernels against torch's grouped products, in float32
+and float16.
 bfloat16, the CUDA default, is left to tests/gpu: the interpreter computes through NumPy, which
 has no bfloat16."""
 from __future__ import annotations
@@ -32,6 +33,8 @@ def test_the_kernels_agree_with_their_references_under_the_interpreter():
     for case, errors in result["windowed"].items():
         assert len(errors) == 7 and max(errors) < TOLERANCE[case.split("-")[0]], (case, errors)
     for dtype, error in result["grouped_experts"].items():  # the experts' grouped matmuls against their loop
+        assert error < TOLERANCE[dtype], (dtype, error)
+    for dtype, error in result["lora"].items():  # LoRA adapters' deltas against torch's grouped products
         assert error < TOLERANCE[dtype], (dtype, error)
     assert result["decodes_agree_however_split"]
     assert result["fused_kernels"] == {"float32": None, "float16": None}, result["fused_kernels"]
