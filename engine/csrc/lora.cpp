@@ -56,7 +56,66 @@ void expand_row(const LoraMatmul& m, const float* u, float* y, int64_t c0, int64
   }
 }
 
+constexpr size_t kLoraBlockRows = 4;  // rows of one adapter sharing each load of its A's and B's values
+
+// Rows `rows` (C of them, one adapter's) of x (., K): u (C, R) = A x, then their y (., N) += u's
+// segments times B^T, each weight loaded once for the C rows.
+template <int C, typename W>
+void lora_block_rows(const LoraMatmul& m, const int64_t* rows, const float* x, int64_t K, float* y, int64_t N,
+                     float* u) {
+  const W* a = elements<W>(m.a);
+  const int64_t R = m.rank();
+  const float* xs[C];
+  for (int i = 0; i < C; ++i) xs[i] = x + rows[i] * K;
+  for (int64_t j = 0; j < R; ++j) {
+    const W* aj = a + j * K;
+    float sums[C] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float w = widen(aj[k]);
+      for (int i = 0; i < C; ++i) sums[i] += xs[i][k] * w;
+    }
+    for (int i = 0; i < C; ++i) u[i * R + j] = sums[i];
+  }
+  for (size_t s = 0; s < m.segments.size(); ++s) {
+    const auto [j0, r, n0, n] = m.segments[s];
+    const W* bt = elements<W>(m.b[s]);
+    for (int64_t j = 0; j < r; ++j) {
+      float coefficient[C];
+      float* out[C];
+      for (int i = 0; i < C; ++i) {
+        coefficient[i] = u[i * R + j0 + j];
+        out[i] = y + rows[i] * N + n0;
+      }
+      const W* row = bt + j * n;
+      for (int64_t c = 0; c < n; ++c) {
+        const float w = widen(row[c]);
+        for (int i = 0; i < C; ++i) out[i][c] += coefficient[i] * w;
+      }
+    }
+  }
+}
+
+template <typename W>
+void lora_block_typed(const LoraMatmul& m, const int64_t* rows, int64_t count, const float* x, int64_t K, float* y,
+                      int64_t N, float* u) {
+  switch (count) {
+    case 1: lora_block_rows<1, W>(m, rows, x, K, y, N, u); break;
+    case 2: lora_block_rows<2, W>(m, rows, x, K, y, N, u); break;
+    case 3: lora_block_rows<3, W>(m, rows, x, K, y, N, u); break;
+    default: lora_block_rows<4, W>(m, rows, x, K, y, N, u); break;
+  }
+}
+
+void lora_block(const LoraMatmul& m, const int64_t* rows, int64_t count, const float* x, int64_t K, float* y,
+                int64_t N, float* u) {
+  if (m.bf16)
+    lora_block_typed<uint16_t>(m, rows, count, x, K, y, N, u);
+  else
+    lora_block_typed<float>(m, rows, count, x, K, y, N, u);
+}
+
 }  // namespace
+
 
 int64_t lora_width(const std::vector<const LoraMatmul*>& rows) {
   int64_t width = 0;
@@ -86,6 +145,7 @@ void LoraSlots::set(int64_t slot, int64_t layer, int64_t which, torch::Tensor a,
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && (a.scalar_type() == torch::kFloat ||
                                                     a.scalar_type() == torch::kBFloat16),
               "a: contiguous fp32 or bf16 (R, K)");
+  TORCH_CHECK(a.size(0) <= 3 * 256, "a: at most three parts of rank 256 (R <= 768)");
   TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 4 && segments.scalar_type() == torch::kLong &&
                   segments.is_contiguous() && static_cast<size_t>(segments.size(0)) == b.size(),
               "segments: int64 (S, 4), one per b");
@@ -142,15 +202,29 @@ void LoraSlots::add(int64_t layer, int64_t which, const torch::Tensor& x, const 
                 "x, y: the adapter matmul's K and N");
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  Scratch<float> u = scratch<float>(T * width);
-  if (T >= 4 * at::get_num_threads()) {  // rows enough: each thread both phases of its rows
-    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-      lora_shrink(per_row, xp, K, u.get(), width, t0 * width, t1 * width);
-      for (int64_t t = t0; t < t1; ++t)
-        if (per_row[t] != nullptr) expand_row(*per_row[t], u.get() + t * width, yp + t * N, 0, N);
+  if (T >= 4 * at::get_num_threads()) {  // rows enough: blocks of a group's rows, each thread both phases of its own
+    std::vector<int64_t> order;  // the rows with an adapter, grouped by it (stable)
+    for (int64_t t = 0; t < T; ++t)
+      if (per_row[t] != nullptr) order.push_back(t);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return per_row[p] < per_row[q]; });
+    std::vector<std::pair<int64_t, int64_t>> blocks;  // [begin, end) of `order`: one adapter, up to kLoraBlockRows
+    for (size_t i = 0; i < order.size();) {
+      size_t end = i + 1;
+      while (end < order.size() && end - i < kLoraBlockRows && per_row[order[end]] == per_row[order[i]]) ++end;
+      blocks.emplace_back(i, end);
+      i = end;
+    }
+    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
+      std::array<float, kLoraBlockRows * 3 * 256> u{};  // a block's A x: rows x (R <= 3 x max rank)
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t* rows = order.data() + blocks[b].first;
+        const int64_t count = blocks[b].second - blocks[b].first;
+        lora_block(*per_row[rows[0]], rows, count, xp, K, yp, N, u.data());
+      }
     });
     return;
   }
+  Scratch<float> u = scratch<float>(T * width);
   at::parallel_for(0, T * width, 1, [&](int64_t b, int64_t e) { lora_shrink(per_row, xp, K, u.get(), width, b, e); });
   at::parallel_for(0, N, 64, [&](int64_t c0, int64_t c1) { lora_expand(per_row, u.get(), width, yp, N, c0, c1); });
 }
