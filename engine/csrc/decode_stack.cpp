@@ -20,6 +20,10 @@
 // the down matmul, sharing the memory's bandwidth with them, takes ~70 µs longer). Larger batches,
 // which take the vector GEMM (itself parallel), go op by op.
 //
+// LoRA adapters (lora_slots: each token's adapter slot): in the team each adapted matmul first shares out
+// its rows' A x (lora.cpp's shrink), then each thread adds its output columns' deltas right after its
+// columns of the matmul: one barrier more per adapted matmul. Op by op, LoraSlots::add after each matmul.
+//
 // Experts: one thread routes every token (fp32 logits, softmax, top-k, renormalised where the
 // family does) and gathers each routed expert's tokens; then each expert the step routes to runs
 // its two matmuls over its tokens (its weights read once), and the threads add its weighted
@@ -380,25 +384,27 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       if (range.first < range.second) work(range.first, range.second);
       barrier.wait(threads);
     };
-    // matmul m of x (M, K) after its prologue, each thread quantizing x itself (no wait for one to)
+    // matmul m of x (M, K) after its prologue, each thread quantizing x itself (no wait for one to); with
+    // `adapters` (each row's LoRA matmul) their A x first, shared out, then each thread adds its columns' deltas
+    // after its columns of the matmul
     const auto matmul = [&](const StackMatmul& m, const float* x, int64_t M, const float* norm, int64_t gated,
-                            const float* residual, float* y) {
+                            const float* residual, float* y, const std::vector<const LoraMatmul*>* adapters) {
       const LinearInput in = linear_input(x, M, m.weights.K, norm, eps_, gated, m.weights);
       const float* bias = m.bias.has_value() ? m.bias->data_ptr<float>() : nullptr;
-      share(part(m.weights.N()), [&](int64_t n0, int64_t n1) { linear_rows(in, m.weights, bias, residual, y, n0, n1); });
+      const int64_t width = adapters != nullptr ? lora_width(*adapters) : 0;  // the same on every thread
+      if (width > 0) {
+        const float* rows = in.transformed ? in.transformed.get() : x;
+        share(part(M * width), [&](int64_t b, int64_t e) {
+          lora_shrink(*adapters, rows, m.weights.K, lora_u.get(), width, b, e);
+        });
+      }
+      share(part(m.weights.N()), [&](int64_t n0, int64_t n1) {
+        linear_rows(in, m.weights, bias, residual, y, n0, n1);
+        if (width > 0) lora_expand(*adapters, lora_u.get(), width, y, m.weights.N(), n0, n1);
+      });
     };
-    // matmul `which` of layer l (input x before its prologue, output y): the rows' adapters' deltas added to y
-    const auto lora = [&](int64_t l, int64_t which, const float* x, const float* norm, int64_t gated, float* y) {
-      if (loras.empty()) return;
-      const std::vector<const LoraMatmul*>& rows = loras[4 * l + which];
-      const int64_t width = lora_width(rows);  // the same on every thread: all or none wait at the barriers
-      if (width == 0) return;
-      const WeightRows& w = layers_[l].matmuls[which].weights;
-      Scratch<float> transformed;
-      const float* xp = rows_after_prologue(x, T, w.K, norm, eps_, gated, transformed);
-      share(part(T * width), [&](int64_t b, int64_t e) { lora_shrink(rows, xp, w.K, lora_u.get(), width, b, e); });
-      share(part(w.N()), [&](int64_t c0, int64_t c1) { lora_expand(rows, lora_u.get(), width, y, w.N(), c0, c1); });
-    };
+    // layer l's matmul `which`'s rows' adapters, or none
+    const auto adapters = [&](int64_t l, int64_t which) { return loras.empty() ? nullptr : &loras[4 * l + which]; };
     // the stream + RMSNorm(side) by w, for a post-norm layer
     const auto add_normed = [&](const torch::Tensor& w) {
       share(part(T), [&](int64_t t0, int64_t t1) { add_normed_rows(hp, sp, w.data_ptr<float>(), hidden_size, eps, t0, t1); });
@@ -453,8 +459,8 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       for (const int64_t e : active) {  // the same list on every thread, made before the barrier above
         const int64_t first = expert_first[e], n = expert_first[e + 1] - first;
         matmul(ex.matmuls[2 * e], gathered.data_ptr<float>() + first * hidden_size, n, nullptr, kGatedNone, nullptr,
-               gw);
-        matmul(ex.matmuls[2 * e + 1], gw, n, nullptr, layer.gated, nullptr, go);
+               gw, nullptr);
+        matmul(ex.matmuls[2 * e + 1], gw, n, nullptr, layer.gated, nullptr, go, nullptr);
         for (int64_t r = 0; r < n; ++r) {
           float* sum = sp + expert_tokens[first + r] * hidden_size;
           const float w = expert_weights[first + r];
@@ -462,8 +468,8 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
         }
       }
       if (!ex.shared.empty()) {
-        matmul(ex.shared[0], xn, T, nullptr, kGatedNone, nullptr, gw);
-        matmul(ex.shared[1], gw, T, nullptr, layer.gated, nullptr, go);
+        matmul(ex.shared[0], xn, T, nullptr, kGatedNone, nullptr, gw, nullptr);
+        matmul(ex.shared[1], gw, T, nullptr, layer.gated, nullptr, go, nullptr);
         for (int64_t t = 0; t < T; ++t)
           for (int64_t c = c0; c < c1; ++c) sp[t * hidden_size + c] += shared_weights[t] * go[t * hidden_size + c];
       }
@@ -474,8 +480,8 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       const Layer& layer = layers_[l];
       const int64_t g = layer.group;
       if (thread == 0) prefetch_kv_slots(kv_cache, layer.slot, slot_mappings[g]);
-      matmul(layer.matmuls[kQkv], hp, T, layer.input_norm.data_ptr<float>(), kGatedNone, nullptr, wp);
-      lora(l, kQkv, hp, layer.input_norm.data_ptr<float>(), kGatedNone, wp);
+      matmul(layer.matmuls[kQkv], hp, T, layer.input_norm.data_ptr<float>(), kGatedNone, nullptr, wp,
+             adapters(l, kQkv));
       const float* qn = layer.q_norm.has_value() ? layer.q_norm->data_ptr<float>() : nullptr;
       const float* kn = layer.k_norm.has_value() ? layer.k_norm->data_ptr<float>() : nullptr;
       share(part(T * (H + KVH)), [&](int64_t b, int64_t e) {
@@ -485,12 +491,10 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
       share(items[g], [&](int64_t b, int64_t e) { attention[g].attend(qp, cache + layer.slot * layer_bytes, b, e); });
       share(part(T * H), [&](int64_t b, int64_t e) { attention[g].merge(ap, b, e); });
       if (layer.post_attention_norm.has_value()) {
-        matmul(layer.matmuls[kO], ap, T, nullptr, kGatedNone, nullptr, sp);
-        lora(l, kO, ap, nullptr, kGatedNone, sp);
+        matmul(layer.matmuls[kO], ap, T, nullptr, kGatedNone, nullptr, sp, adapters(l, kO));
         add_normed(*layer.post_attention_norm);
       } else {
-        matmul(layer.matmuls[kO], ap, T, nullptr, kGatedNone, hp, hp);
-        lora(l, kO, ap, nullptr, kGatedNone, hp);
+        matmul(layer.matmuls[kO], ap, T, nullptr, kGatedNone, hp, hp, adapters(l, kO));
       }
       if (layer.experts) {
         if (l + 1 < num_layers) prefetch_attention(l + 1);
@@ -504,16 +508,14 @@ torch::Tensor DecodeStack::forward_team(const torch::Tensor& hidden, const torch
         }
         continue;
       }
-      matmul(layer.matmuls[kGateUp], hp, T, layer.mlp_norm.data_ptr<float>(), kGatedNone, nullptr, wp);
-      lora(l, kGateUp, hp, layer.mlp_norm.data_ptr<float>(), kGatedNone, wp);
+      matmul(layer.matmuls[kGateUp], hp, T, layer.mlp_norm.data_ptr<float>(), kGatedNone, nullptr, wp,
+             adapters(l, kGateUp));
       if (l + 1 < num_layers) prefetch_attention(l + 1);
       if (layer.post_mlp_norm.has_value()) {
-        matmul(layer.matmuls[kDown], wp, T, nullptr, layer.gated, nullptr, sp);
-        lora(l, kDown, wp, nullptr, layer.gated, sp);
+        matmul(layer.matmuls[kDown], wp, T, nullptr, layer.gated, nullptr, sp, adapters(l, kDown));
         add_normed(*layer.post_mlp_norm);
       } else {
-        matmul(layer.matmuls[kDown], wp, T, nullptr, layer.gated, hp, hp);
-        lora(l, kDown, wp, nullptr, layer.gated, hp);
+        matmul(layer.matmuls[kDown], wp, T, nullptr, layer.gated, hp, hp, adapters(l, kDown));
       }
     }
   }
