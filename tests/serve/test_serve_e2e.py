@@ -104,7 +104,9 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
     want = ["ray_cbserve_ttft_s", "ray_cbserve_router_queue_depth", "ray_cbserve_replica_kv_usage",
             "ray_cbserve_generation_tokens_total", 'ray_cbserve_slo_requests_total{', "ray_cbserve_slo_attainment{",
             "ray_cbserve_goodput_rps{", "ray_cbserve_engine_info{", "ray_cbserve_model_weight_bytes_per_token{",
-            "ray_cbserve_model_top1_agreement{", "ray_cbserve_model_perplexity_increase{"]
+            "ray_cbserve_model_top1_agreement{", "ray_cbserve_model_perplexity_increase{",
+            "ray_cbserve_model_requests_total{", "ray_cbserve_model_generation_tokens_total{",
+            "ray_cbserve_model_ttft_s_count{", "ray_cbserve_engine_num_lora_loads{"]
     text = ""
     while time.time() < deadline:
         text = metrics_of_every_node()
@@ -114,6 +116,9 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
     missing = [w for w in want if w not in text]
     assert not missing, (missing, [line for line in text.splitlines() if 'cbserve_router' in line][:20])
     assert 'priority="2"' in text
+    by_model = [line for line in text.splitlines()
+                if line.startswith("ray_cbserve_model_requests_total{") and 'application="fake"' in line]
+    assert by_model and all('model="fake"' in line for line in by_model), by_model  # the served name, no adapter
     info = [line for line in text.splitlines() if line.startswith("ray_cbserve_engine_info{")]
     assert info and all('quantization="none"' in line and 'dtype="float32"' in line for line in info), info
     for prefix, deployment in (("ray_cbserve_ttft_s_count{", "EngineReplica"),
