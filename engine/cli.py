@@ -38,17 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--lora", help="the LoRA adapter the prompts run with (with --enable-lora and --lora-modules)")
     _add_engine_args(gen)
     args = vars(parser.parse_args(argv))
     params = SamplingParams(max_tokens=args.pop("max_tokens"), temperature=args.pop("temperature"),
                             top_p=args.pop("top_p"), top_k=args.pop("top_k"), seed=args.pop("seed"))
-    prompts, chat = args.pop("prompt"), args.pop("chat")
+    prompts, chat, lora = args.pop("prompt"), args.pop("chat"), args.pop("lora")
     args.pop("command")
     llm = LLM(**{k: v for k, v in args.items() if v is not None})
+    if chat and lora is not None:
+        parser.error("--lora runs with plain prompts, not --chat")
     if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, lora=lora)
     for prompt, output in zip(prompts, outputs):
         print(f"--- {prompt!r} ({output.outputs[0].finish_reason})\n{output.outputs[0].text}")
     return 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.beam_search import BeamSearchParams
+from engine.cli import main as cli_main
 from engine.config import EngineConfig
 from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.llm import LLM
@@ -211,3 +212,13 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(tiny_llama, adapte
         LLM(tiny_llama, num_blocks=64, block_size=4).generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora="a")
     with pytest.raises(ValueError, match="name=path"):
         EngineConfig.from_kwargs(enable_lora=True, lora_modules=["nopath"])
+
+
+def test_the_command_line_generates_with_an_adapter(tiny_llama, adapters, capsys):
+    """`cbserve generate --enable-lora --lora-modules a=PATH --lora a` prints the adapter's output."""
+    text = lora_llm(tiny_llama, adapters).generate(["the cat"], SamplingParams(max_tokens=8, temperature=0),
+                                                    use_tqdm=False, lora="a")[0].outputs[0].text
+    assert cli_main(["generate", "--prompt", "the cat", "--max-tokens", "8", "--model", tiny_llama, "--enable-lora",
+                     "--lora-modules", f"a={adapters['a'][0]}", "--lora", "a", "--num-blocks", "256",
+                     "--block-size", "4"]) == 0
+    assert capsys.readouterr().out.endswith(text + "\n")
