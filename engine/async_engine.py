@@ -22,15 +22,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from engine.beam_search import BeamSearchParams
 from engine.chat_output import ChatOutputFormat
 from engine.client import EngineClient
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LoraConfig
 from engine.drafts import DraftTransportFactory
 from engine.engine_core import AbortRequest, AddRequest, CoreOutputs, ProcessCore, RegisterAdapter, ThreadCore
-from engine.errors import AdapterNotFoundError, EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestError, RequestOutput
 from engine.sampling_params import PoolingParams, SamplingParams
@@ -163,32 +162,18 @@ class AsyncEngine(EngineClient):
     def load_adapter(self, name: str, path: str) -> None:
         """Serves the LoRA adapter at `path` as `name` from now on, in this engine and any it restarts
         as (InvalidRequestError where LoRA is off, the name is taken or the path holds no adapter)."""
-        lora = self.config.lora
-        if not lora.enable_lora:
-            raise InvalidRequestError("lora_name", "LoRA adapters are not enabled (enable_lora)")
-        if not name or ":" in name:
-            raise InvalidRequestError("lora_name", f"adapter names are non-empty without ':', got {name!r}")
-        if lora.modules.get(name) == path:
-            return
-        if lora.modules.get(name, path) != path:
-            raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded from {lora.modules[name]}; "
-                                                   "unload it first")
-        if "://" not in path and not (Path(path) / "adapter_config.json").is_file():
-            raise InvalidRequestError("lora_path", f"no adapter_config.json under {path!r}")
-        self._set_modules({**lora.modules, name: path})
-        self._send(RegisterAdapter(name, path))
+        lora = self.config.lora.with_adapter(name, path)
+        if lora != self.config.lora:
+            self._set_lora(lora)
+            self._send(RegisterAdapter(name, path))
 
     def unload_adapter(self, name: str) -> None:
         """Stops serving adapter `name` (AdapterNotFoundError where it was not loaded)."""
-        modules = dict(self.config.lora.modules)
-        if modules.pop(name, None) is None:
-            raise AdapterNotFoundError("lora_name", f"adapter {name!r} is not loaded", "model_not_found")
-        self._set_modules(modules)
+        self._set_lora(self.config.lora.without_adapter(name))
         self._send(RegisterAdapter(name, None))
 
-    def _set_modules(self, modules: dict[str, str]) -> None:
-        lora = replace(self.config.lora, lora_modules=[f"{k}={v}" for k, v in modules.items()] or None)
-        self.config = replace(self.config, lora=lora)  # a restarted core starts with them
+    def _set_lora(self, lora: LoraConfig) -> None:
+        self.config = replace(self.config, lora=lora)  # a restarted core starts with its adapters
 
     def _send(self, command) -> None:
         with self._lock:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 
 POLICIES = ("fcfs", "sjf", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -293,6 +296,32 @@ class LoraConfig:
     @property
     def modules(self) -> dict[str, str]:
         return dict(module.split("=", 1) for module in self.lora_modules or ())
+
+    def with_adapter(self, name: str, path: str) -> LoraConfig:
+        """This config serving adapter `name` from `path` too (/v1/load_lora_adapter's rule; the
+        same name and path again changes nothing). InvalidRequestError where LoRA is off, the name
+        is not one or is taken, or a local path holds no adapter."""
+        if not self.enable_lora:
+            raise InvalidRequestError("lora_name", "LoRA adapters are not enabled (enable_lora)")
+        if not name or ":" in name or "=" in name:
+            raise InvalidRequestError("lora_name", f"adapter names are non-empty, without ':' or '=', got {name!r}")
+        modules = self.modules
+        if modules.get(name, path) != path:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded from {modules[name]}; "
+                                                   "unload it first")
+        if "://" not in path and not (Path(path) / "adapter_config.json").is_file():
+            raise InvalidRequestError("lora_path", f"no adapter_config.json under {path!r}")
+        return self._with_modules({**modules, name: path})
+
+    def without_adapter(self, name: str) -> LoraConfig:
+        """This config no longer serving adapter `name` (AdapterNotFoundError where it does not)."""
+        modules = self.modules
+        if modules.pop(name, None) is None:
+            raise AdapterNotFoundError("lora_name", f"adapter {name!r} is not loaded", "model_not_found")
+        return self._with_modules(modules)
+
+    def _with_modules(self, modules: dict[str, str]) -> LoraConfig:
+        return dataclasses.replace(self, lora_modules=[f"{k}={v}" for k, v in modules.items()] or None)
 
 
 @dataclass(frozen=True, slots=True)

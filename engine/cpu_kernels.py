@@ -5,7 +5,8 @@ path first gathers them into a padded copy; `block_quant_linear` multiplies acti
 block-quantized weights (Q8_0, Q4_1) for decode-sized batches, `block_quant_gemm` (AMX tiles) and
 `vector_gemm` (AVX512-VNNI/BF16, AVX-512, AVX2) for larger ones, and `kernel_activations` gives
 the fp32 GEMM fallback's activations (the fused prologue and the rounding) as the kernels compute
-them (engine/models/linear.py); `DecodeStack` runs a decode step through all of a block-quantized
+them (engine/models/linear.py); `LoraSlots` adds each row's LoRA adapter delta to a matmul's
+output (engine/lora.py); `DecodeStack` runs a decode step through all of a block-quantized
 model's layers in one call (engine/models/decoder.py), and `rope_write_kv` RoPE with the KV write
 for it and for the layers' own path. They
 are compiled for this CPU's features, -march=native (torch's cpp_extension and ninja, about two
@@ -48,7 +49,7 @@ TARGETS = {
     "skylake-avx512": ("AVX512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),  # no VNNI, no BF16
 }
 _MATMUL_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "block_quant_linear.cpp", _CSRC / "gguf_rows.cpp",
-                   _CSRC / "vector_gemm.cpp", _CSRC / "scratch.cpp"]
+                   _CSRC / "vector_gemm.cpp", _CSRC / "lora.cpp", _CSRC / "scratch.cpp"]
 
 
 def _engine_march() -> str:

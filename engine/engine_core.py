@@ -158,13 +158,10 @@ class StepLoop:
                     return [RequestError(request_id, e)]
                 return []
             case RegisterAdapter(name, path):
-                try:
-                    if path is None:
-                        self.engine.adapters.unregister(name)
-                    else:
-                        self.engine.adapters.register(name, path)
-                except ValueError:
-                    logger.exception("adapter %s", name)
+                if path is None:
+                    self.engine.adapters.unregister(name)
+                else:
+                    self.engine.adapters.register(name, path)
                 return []
             case AbortRequest(request_id):
                 output = self.engine.abort_request(request_id)

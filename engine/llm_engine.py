@@ -199,10 +199,8 @@ class LLMEngine:
         with (engine.lora.AdapterNotFoundError where none has it)."""
         if self.output_processor.has_request(request_id) or request_id in self.beams:
             raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
-        if lora is not None:
-            if self.adapters is None:
-                raise InvalidRequestError("model", f"adapter {lora!r}: LoRA adapters are not enabled (enable_lora)")
-            self.adapters.check(lora)
+        if lora is not None and self.adapters is None:
+            raise InvalidRequestError("model", f"adapter {lora!r}: LoRA adapters are not enabled (enable_lora)")
         if isinstance(params, BeamSearchParams):
             adapter = None
             if lora is not None:  # a search's beams are made at once: its adapter read and installed first

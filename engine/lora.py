@@ -19,11 +19,11 @@ for a new one), files read on a thread so the step loop never waits on a disk or
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import shutil
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,15 +78,16 @@ class Adapter:
     users: int = 0  # the scheduler's requests with it: it is not evicted while any
 
 
-def _part_rows(layer, which: int) -> list[tuple[int, int]]:
-    """(n0, n) of each part of a layer's fused matmul: q, k, v or gate, up; one for o and down."""
+def _output_rows(layer, which: int, part: int | None) -> tuple[int, int]:
+    """(n0, n): the output rows of part `part` of a layer's fused matmul (q, k, v; or gate, up), or
+    of the whole matmul (part None)."""
     width = layer.matmul_shapes[which][0]
+    if part is None:
+        return 0, width
     if which == QKV:
         q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-        return [(0, q), (q, kv), (q + kv, kv)]
-    if which == GATE_UP:
-        return [(0, width // 2), (width // 2, width // 2)]
-    return [(0, width)]
+        return [(0, q), (q, kv), (q + kv, kv)][part]
+    return part * width // 2, width // 2
 
 
 def read_adapter(path: Path, model, config: LoraConfig, dtype: torch.dtype = torch.float32
@@ -118,35 +119,32 @@ def read_adapter(path: Path, model, config: LoraConfig, dtype: torch.dtype = tor
     if not 1 <= rank <= config.max_lora_rank:
         refuse(f"rank {rank} is over max_lora_rank {config.max_lora_rank}")
     scale = alpha / rank ** 0.5 if settings.get("use_rslora") else alpha / rank
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    found: dict[int, dict[str, dict[str, torch.Tensor]]] = {}  # layer -> target -> A and B
     for key, tensor in load_file(str(weights_file)).items():
         match = _WEIGHT.search(key)
         if match is None or match[2] not in TARGETS:
             refuse(f"weight {key!r} is not on a decoder layer's attention or MLP projection")
-        found.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor.float()
+        found.setdefault(int(match[1]), {}).setdefault(match[2], {})[match[3]] = tensor.float()
+    for at, targets in found.items():
+        for target, pair in targets.items():
+            if at >= len(model.layers) or set(pair) != {"A", "B"}:
+                refuse(f"layer {at} {target}: needs lora_A and lora_B within the model's {len(model.layers)} layers")
     fan_in_fan_out = bool(settings.get("fan_in_fan_out"))
     matmuls: list[list[LoraMatmul | None]] = [[None] * 4 for _ in model.layers]
     nbytes = 0
     for index, layer in enumerate(model.layers):
         parts: dict[int, list[tuple[tuple[int, int], torch.Tensor, torch.Tensor]]] = {}
-        for (at, target), pair in found.items():
-            if at != index:
-                continue
-            if at >= len(model.layers) or set(pair) != {"A", "B"}:
-                refuse(f"layer {at} {target}: needs lora_A and lora_B within the model's {len(model.layers)} layers")
+        for target, pair in found.get(index, {}).items():
             which, part = TARGETS[target]
             if which in (GATE_UP, DOWN) and not isinstance(layer.mlp, GatedMLP):
                 refuse(f"{target} targets a mixture of experts' MLP; adapters on experts are not served")
             a, b = pair["A"], pair["B"]
             if fan_in_fan_out:
                 a, b = a.t(), b.t()
-            rows = _part_rows(layer, which)
-            n0, n = rows[0][0], sum(r[1] for r in rows) if part is None else rows[part][1]
-            if part is not None:
-                n0 = rows[part][0]
+            n0, n = _output_rows(layer, which, part)
             in_features = layer.matmul_shapes[which][1]
             if a.shape != (rank, in_features) or b.shape != (n, rank):
-                refuse(f"layer {at} {target}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                refuse(f"layer {index} {target}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
                        f"rank {rank} and the model's ({n}, {in_features}) projection")
             parts.setdefault(which, []).append(((n0, n), a, b * scale))
         for which, entries in parts.items():
@@ -160,7 +158,7 @@ def read_adapter(path: Path, model, config: LoraConfig, dtype: torch.dtype = tor
                 segments.append((j0, rank, n0, n))
                 j0 += rank
             if which == QKV and layer.permutation is not None:
-                dense = layer._permuted(dense, layer.permutation)
+                dense = layer.permuted(dense, layer.permutation)
             b_parts = tuple(dense[n0:n0 + n, j:j + r].t().to(dtype).contiguous() for j, r, n0, n in segments)
             matmuls[index][which] = LoraMatmul(a, tuple(segments), b_parts)
             nbytes += a.numel() * a.element_size() + sum(b.numel() * b.element_size() for b in b_parts)
@@ -171,10 +169,10 @@ def read_adapter(path: Path, model, config: LoraConfig, dtype: torch.dtype = tor
 
 @dataclass
 class LoraBatch:
-    """A step's rows grouped by adapter: `groups` (adapter, its rows; None: every row); `slots`
-    (T,) int64, each row's adapter slot or -1, for the C++ kernels; `kernel`: the model's
-    LoraSlots where they run (set by the model)."""
-    groups: list[tuple[Adapter, torch.Tensor | None]]
+    """A step's rows' adapters: `slots` (T,) int64, each row's adapter slot or -1, which the
+    kernels group themselves; `kernel`: the model's slots where its kernels run (set by the model),
+    else `groups` (adapter, its rows; None: every row) for torch's ops."""
+    row_adapters: list[Adapter | None]
     slots: torch.Tensor
     kernel: object | None = None
 
@@ -183,14 +181,16 @@ class LoraBatch:
         """None where no row has an adapter: the step runs as without adapters."""
         if not any(row_adapters):
             return None
+        return cls(row_adapters, torch.tensor([-1 if a is None else a.slot for a in row_adapters], dtype=torch.long))
+
+    @functools.cached_property
+    def groups(self) -> list[tuple[Adapter, torch.Tensor | None]]:
         by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
-        for row, adapter in enumerate(row_adapters):
+        for row, adapter in enumerate(self.row_adapters):
             if adapter is not None:
                 by_adapter.setdefault(id(adapter), (adapter, []))[1].append(row)
-        groups = [(adapter, None if len(rows) == len(row_adapters) else torch.tensor(rows, dtype=torch.long))
-                  for adapter, rows in by_adapter.values()]
-        slots = torch.tensor([-1 if a is None else a.slot for a in row_adapters], dtype=torch.long)
-        return cls(groups, slots)
+        return [(adapter, None if len(rows) == len(self.row_adapters) else torch.tensor(rows, dtype=torch.long))
+                for adapter, rows in by_adapter.values()]
 
     def add(self, layer: int, which: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter's delta for matmul `which` of `layer`, x its input after the prologue."""
@@ -284,29 +284,14 @@ class Adapters:
         self.known.update(self.config.modules)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-reader")
         self._free_slots = list(range(self.config.max_cpu_loras - 1, -1, -1))
-        self._lock = threading.Lock()  # known: also read by list_adapters from other threads
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return sorted(self.known)
 
     def register(self, name: str, path: str) -> None:
-        """/v1/load_lora_adapter: `name` serves the adapter at `path` (checked now: an error says why)."""
-        if ":" in name or not name:
-            raise InvalidRequestError("lora_name", f"adapter names are non-empty without ':', got {name!r}")
-        if not (Path(path) / "adapter_config.json").is_file() and "://" not in path:
-            raise InvalidRequestError("lora_path", f"no adapter_config.json under {path!r}")
-        if self.known.get(name) not in (None, path):
-            raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded from {self.known[name]}; "
-                                                   "unload it first")
-        with self._lock:
-            self.known[name] = path
+        """`name` serves the adapter at `path` from now on (checked by the sender: LoraConfig.with_adapter)."""
+        self.known[name] = path
 
     def unregister(self, name: str) -> None:
-        if name not in self.known:
-            raise AdapterNotFoundError("lora_name", f"adapter {name!r} is not loaded", "model_not_found")
-        with self._lock:
-            del self.known[name]
+        """`name` is no longer served; its adapter leaves its slot once no request runs it."""
+        self.known.pop(name, None)
         adapter = self.loaded.get(name)
         if adapter is not None and adapter.users == 0:
             self._evict(adapter)
@@ -325,14 +310,9 @@ class Adapters:
                 return Path(root) / name
         raise AdapterNotFoundError("model", f"adapter {name!r} does not exist", "model_not_found")
 
-    def check(self, name: str) -> None:
-        """Raises AdapterNotFoundError unless `name` is known or found under adapter_dirs."""
-        if name not in self.known and name not in self.loaded:
-            self._path(name)
-
     def acquire(self, name: str) -> Future:
-        """The adapter for a request, as a Future: done when its files are read (its error if they
-        cannot be), then `install`ed."""
+        """The adapter for a request, as a Future: done when its files are found and read on the
+        reader's thread (AdapterNotFoundError or why it does not fit, if not), then `install`ed."""
         adapter = self.loaded.get(name)
         if adapter is not None:
             self.loaded.move_to_end(name)

@@ -22,7 +22,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -89,9 +88,8 @@ class Ingress:
         self.config = config
         self.admission, self.replicas = admission, replicas
         self.model_name = config.engine.model_name
-        lora = config.engine.engine_config.lora
-        self.lora_enabled, self._adapter_dirs = lora.enable_lora, bool(lora.adapter_dirs)
-        self.adapters: dict[str, str] = dict(lora.modules)  # LoRA adapter name -> path: the config's, then loaded
+        self.lora = config.engine.engine_config.lora  # the served adapters: the config's, then those loaded
+        self.adapters: dict[str, str] = self.lora.modules  # LoRA adapter name -> path
         self._loaded_at_run_time: set[str] = set()  # their paths go with their requests to every replica
         self.auth = Authorizer(config.ingress, config.router)
         self._model_info: ModelInfo | None = None
@@ -131,23 +129,20 @@ class Ingress:
         return await self._tokens.encode(text, add_special_tokens, param)
 
     def _load_adapter(self, req: LoadLoraAdapterRequest) -> None:
-        """/v1/load_lora_adapter: `lora_name` serves the adapter at `lora_path` from now on; each
-        engine replica loads it with its first request for it (the path goes with the request)."""
-        name, path = req.lora_name, req.lora_path
-        if not self.lora_enabled:
-            raise APIError(400, "LoRA adapters are not enabled on this server (engine_args.enable_lora).",
-                           param="lora_name")
-        if not name or ":" in name or name == self.model_name:
-            raise APIError(400, f"Adapter names are non-empty, without ':', and not the base model's; got '{name}'.",
-                           param="lora_name")
-        if self.adapters.get(name, path) != path:
-            raise APIError(400, f"The LoRA adapter '{name}' is already loaded from {self.adapters[name]}; unload it "
-                                "first.", param="lora_name")
-        if "://" not in path and not (Path(path) / "adapter_config.json").is_file():
-            raise APIError(400, f"No adapter_config.json under '{path}'.", param="lora_path")
-        if name not in self.adapters:
-            self.adapters[name] = path
-            self._loaded_at_run_time.add(name)
+        """/v1/load_lora_adapter: `lora_name` serves the adapter at `lora_path` from now on (the
+        engine's rule, LoraConfig.with_adapter); each engine replica loads it with its first request
+        for it (the path goes with the request)."""
+        if req.lora_name == self.model_name:
+            raise APIError(400, f"An adapter cannot take the base model's name '{req.lora_name}'.", param="lora_name")
+        lora = self.lora.with_adapter(req.lora_name, req.lora_path)
+        if lora != self.lora:
+            self.lora, self.adapters = lora, lora.modules
+            self._loaded_at_run_time.add(req.lora_name)
+
+    def _unload_adapter(self, name: str) -> None:
+        self.lora = self.lora.without_adapter(name)
+        self.adapters = self.lora.modules
+        self._loaded_at_run_time.discard(name)
 
     async def check_health(self) -> None:
         """Serve's periodic check: the admission's and the replicas' in this process, then the
@@ -221,8 +216,8 @@ class Ingress:
         if model is None or model == self.model_name:
             return None, None
         base, colon, name = model.rpartition(":")
-        if self.lora_enabled and (not colon or base == self.model_name) and (
-                name in self.adapters or (self._adapter_dirs and name)):
+        if self.lora.enable_lora and (not colon or base == self.model_name) and (
+                name in self.adapters or (self.lora.adapter_dirs and name)):
             return name, self.adapters[name] if name in self._loaded_at_run_time else None
         served = ", ".join(f"'{m}'" for m in [self.model_name, *self.adapters])
         raise APIError(404, f"The model '{model}' does not exist; this server serves {served}.",
@@ -240,8 +235,8 @@ class Ingress:
         """Auth, body, parse, model name, priority: the parsed request, its priority, the model, the
         LoRA adapter it names."""
         allowed, data = await self._authorized_json(request)
-        req, info = await self._validated(model_cls, data)
-        return req, resolve_priority(req.priority, allowed), info, self._adapter(req.model)
+        req, info, adapter = await self._validated(model_cls, data)
+        return req, resolve_priority(req.priority, allowed), info, adapter
 
     async def _authorized_json(self, request: Request) -> tuple[Any, dict]:
         """What the caller's key allows, and the body."""
@@ -250,11 +245,12 @@ class Ingress:
     def _authorize(self, request: Request) -> Any:
         return self.auth.authorize(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
-    async def _validated(self, model_cls: type[BaseModel], data: dict) -> tuple[Any, ModelInfo]:
-        """The body as `model_cls` with its model name checked, and the served model's info."""
+    async def _validated(self, model_cls: type[BaseModel], data: dict) -> tuple[Any, ModelInfo, Adapter]:
+        """The body as `model_cls` with its model name checked, the served model's info, and the
+        LoRA adapter the model name names."""
         req = self._parse(model_cls, data)
-        self._adapter(req.model)
-        return req, await self.model_info()
+        adapter = self._adapter(req.model)
+        return req, await self.model_info(), adapter
 
     # ------------------------------------------------------------ routes
 
@@ -360,7 +356,7 @@ class Ingress:
     async def count_message_tokens(self, request: Request) -> dict:
         """Anthropic's count_tokens: the prompt tokens a Messages request would take."""
         _, data = await self._authorized_json(request)
-        req, info = await self._validated(CountTokensRequest, data)
+        req, info, _ = await self._validated(CountTokensRequest, data)
         _, ids = await self._chat_prompt(info, req.chat_messages(), req.offered_tools,
                                          template_kwargs=req.template_kwargs(_template(info)))
         return {"input_tokens": len(ids)}
@@ -389,7 +385,7 @@ class Ingress:
     async def tokenize(self, request: Request) -> dict:
         """vLLM's /tokenize: a prompt (completion form) or messages through the chat template."""
         _, data = await self._authorized_json(request)
-        req, info = await self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest,
+        req, info, _ = await self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest,
                                           data)
         if isinstance(req, TokenizeChatRequest):
             _, ids = await self._chat_prompt(info, req.template_messages(), req.offered_tools,
@@ -403,7 +399,7 @@ class Ingress:
 
     async def detokenize(self, request: Request) -> dict:
         _, data = await self._authorized_json(request)
-        req, info = await self._validated(DetokenizeRequest, data)
+        req, info, _ = await self._validated(DetokenizeRequest, data)
         check_token_ids(req.tokens, info.vocab_size, "tokens", "tokens")
         return {"prompt": info.tokenizer.decode(req.tokens)}
 
@@ -527,10 +523,7 @@ class Ingress:
         async def unload_lora_adapter(request: Request) -> PlainTextResponse:
             _, data = await self._authorized_json(request)
             name = self._parse(UnloadLoraAdapterRequest, data).lora_name
-            if self.adapters.pop(name, None) is None:
-                raise APIError(404, f"The LoRA adapter '{name}' is not loaded.", code="model_not_found",
-                               param="lora_name")
-            self._loaded_at_run_time.discard(name)
+            self._unload_adapter(name)
             return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
         @app.get("/version")

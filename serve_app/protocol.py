@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.beam_search import BeamSearchParams
-from engine.errors import InvalidRequestError
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tokenization import all_ints
 from engine.tools import Tool, forced_tools, parse_tools, resolve_tool_choice
@@ -49,8 +49,9 @@ class APIError(Exception):
 
     @classmethod
     def from_invalid(cls, error: InvalidRequestError) -> APIError:
-        """A 400 for input the engine's rules refuse."""
-        return cls(400, str(error), param=error.param, code=error.code)
+        """A 400 for input the engine's rules refuse; a 404 for a LoRA adapter nothing serves."""
+        return cls(404 if isinstance(error, AdapterNotFoundError) else 400, str(error), param=error.param,
+                   code=error.code)
 
     def body(self) -> dict[str, Any]:
         return {

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.client import EngineClient
-from engine.errors import AdapterNotFoundError, EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.heap import collect_young_less_often
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
@@ -34,6 +34,7 @@ from serve_app.config import EngineReplicaConfig
 from serve_app.draft import draft_transport
 from serve_app.messages import EngineRequest, ErrorInfo, ModelInfo, ReplicaStats, StreamChunk
 from serve_app.metrics import ReplicaMetrics
+from serve_app.protocol import APIError
 from serve_app.router import Router
 from serve_app.slo import SLOTarget, SLOTracker
 
@@ -79,11 +80,11 @@ def _serve_replica_id() -> str | None:
 
 
 def error_info(error: Exception) -> ErrorInfo:
-    """How an engine error is answered: bad input 400, an engine restarting 503, else 500."""
-    if isinstance(error, AdapterNotFoundError):
-        return ErrorInfo(404, str(error), param="model", code="model_not_found")
+    """How an engine error is answered: bad input as the ingress answers it (APIError.from_invalid: 400,
+    404 for an adapter nothing serves), an engine restarting 503, else 500."""
     if isinstance(error, InvalidRequestError):
-        return ErrorInfo(400, str(error), param=error.param, code=error.code)
+        api = APIError.from_invalid(error)
+        return ErrorInfo(api.status, api.message, param=api.param, code=api.code)
     if isinstance(error, EngineDeadError):
         return ErrorInfo(503, f"engine unavailable: {error}", "service_unavailable", retry_after_s=5)
     return ErrorInfo(500, f"engine error: {error}", "internal_error")

@@ -12,6 +12,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("vector_gemm_isa", &vector_gemm_isa, "the instructions vector_gemm's integer products use in this build");
   m.def("vector_gemm_bf16", &vector_gemm_bf16, "whether vector_gemm takes bf16 activations in this build");
+  // module_local (the classes): another build of these kernels (another CPU family's, or another revision's)
+  // may load beside this one
+  py::class_<LoraSlots, std::shared_ptr<LoraSlots>>(m, "LoraSlots", py::module_local(),
+                                                  "the LoRA adapters a model holds, by slot (engine/lora.py)")
+      .def(py::init<int64_t>())
+      .def("set", &LoraSlots::set)
+      .def("clear", &LoraSlots::clear)
+      .def("add", &LoraSlots::add, py::call_guard<py::gil_scoped_release>());
 #if !defined(CBSERVE_MATMULS_ONLY)  // cpu_kernels.TARGETS: the matmuls alone, built for other CPU families
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32 queries, fp32 or fp16 cache)",
         py::call_guard<py::gil_scoped_release>());
@@ -24,13 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q (and k) with k and v written to their cache slots",
         py::call_guard<py::gil_scoped_release>());
-  // module_local: another build of these kernels (another CPU family's, or another revision's) may load beside this one
-  py::class_<LoraSlots, std::shared_ptr<LoraSlots>>(m, "LoraSlots", py::module_local(),
-                                                  "the LoRA adapters a model holds, by slot (engine/lora.py)")
-      .def(py::init<int64_t>())
-      .def("set", &LoraSlots::set)
-      .def("clear", &LoraSlots::clear)
-      .def("add", &LoraSlots::add, py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
                           "a decode step through block-quantized decoder layers in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, double, std::vector<int64_t>, int64_t>())

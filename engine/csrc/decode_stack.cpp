@@ -273,15 +273,17 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
                            const c10::optional<torch::Tensor>& norm_weight, int64_t gated,
                            const c10::optional<torch::Tensor>& residual) {
     const StackMatmul& m = layers_[l].matmuls[which];
-    torch::Tensor y = matmul(m, x, norm_weight, gated, residual);
-    if (!loras.empty()) {
-      Scratch<float> transformed;
-      const float* xp = rows_after_prologue(x.data_ptr<float>(), T, m.weights.K,
-                                            norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps_,
-                                            gated, transformed);
-      loras_->add(l, which, torch::from_blob(const_cast<float*>(xp), {T, m.weights.K}, hidden.options()), y,
-                  *lora_slots);
-    }
+    if (loras.empty()) return matmul(m, x, norm_weight, gated, residual);
+    // with adapters the prologue is made once, for the matmul and the adapters' A x both
+    Scratch<float> transformed;
+    const float* xp = rows_after_prologue(x.data_ptr<float>(), T, m.weights.K,
+                                          norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr, eps_,
+                                          gated, transformed);
+    const torch::Tensor rows = xp == x.data_ptr<float>()
+                                   ? x
+                                   : torch::from_blob(const_cast<float*>(xp), {T, m.weights.K}, hidden.options());
+    torch::Tensor y = matmul(m, rows, c10::nullopt, kGatedNone, residual);
+    loras_->add(l, which, rows, y, *lora_slots);
     return y;
   };
   for (int64_t l = 0; l < num_layers; ++l) {

@@ -74,6 +74,16 @@ constexpr int64_t stored_bytes(int64_t format) {
 }
 constexpr int64_t stored_weights(int64_t format) { return format >= kFormatQ4_K ? 256 : kBlock; }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The bytes of the blocks a few quads ahead of block b (4 blocks: 72-105 bytes), asked for into the cache.
+template <int64_t Format>
+inline void prefetch_quad(const uint8_t* row, int64_t b) {
+  const int64_t at = b * kBlock * stored_bytes(Format) / stored_weights(Format);
+  _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes + 64), _MM_HINT_T0);
+}
+#endif
+
 // Block b (32 weights) of a row as integers q[32] and d, m: the scalar form every build has.
 template <int64_t Format>
 void unpack_block(const uint8_t* row, int64_t b, int16_t* q, float& d, float& m) {
@@ -380,9 +390,7 @@ void dot_rows_bytes(const uint8_t* row, int64_t nb, const QuantizedX& qx, const 
   }
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
-    const int64_t at = b * kBlock * stored_bytes(Format) / stored_weights(Format);
-    _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes + 64), _MM_HINT_T0);
+    prefetch_quad<Format>(row, b);
     ByteQuad quad;
     unpack_bytes<Format>(row, b, quad);
     for (int64_t i = 0; i < MB; ++i) {
@@ -427,10 +435,7 @@ void dot_rows(const uint8_t* row, int64_t nb, const QuantizedX& qx, int64_t m0, 
   __m128 acc[MB], offset_acc[MB];
   for (int64_t i = 0; i < MB; ++i) acc[i] = offset_acc[i] = _mm_setzero_ps();
   for (; b + 4 <= nb; b += 4) {
-    // the bytes of the blocks a few quads ahead (4 blocks: 72-105 bytes), asked for into the cache
-    const int64_t at = b * kBlock * stored_bytes(Format) / stored_weights(Format);
-    _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + at + kPrefetchBytes + 64), _MM_HINT_T0);
+    prefetch_quad<Format>(row, b);
     Quad quad;
     unpack_quad<Format>(row, b, quad);
     for (int64_t i = 0; i < MB; ++i) {

@@ -81,8 +81,9 @@ class KVCacheManager:
 
     def _hashes(self, request: Request) -> list[int]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        # an adapter's requests' blocks hold its keys and values: their hashes are rooted at its name
-        root = None if request.adapter is None else adapter_cache_root(request.adapter.name)
+        # an adapter's requests' blocks hold its keys and values: their hashes are rooted at its name (the
+        # root is read only for the first block)
+        root = adapter_cache_root(request.adapter.name) if request.adapter is not None and not hashes else None
         return extend_block_hashes(hashes, request.token_ids, self.block_size, request.num_tokens, root)
 
     @staticmethod

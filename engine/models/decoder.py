@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
         q_norm, k_norm = (_norm(attn.q_norm, family.norm_offset) if hasattr(attn, "q_norm") else None,
                           _norm(attn.k_norm, family.norm_offset) if hasattr(attn, "k_norm") else None)
         if permutation is not None:
-            weight, bias = self._permuted(weight, permutation), self._permuted(bias, permutation)
+            weight, bias = self.permuted(weight, permutation), self.permuted(bias, permutation)
             q_norm, k_norm = (None if n is None else nn.Parameter(n[permutation], requires_grad=False)
                               for n in (q_norm, k_norm))
         self.qkv = Linear(weight, bias)
@@ -99,7 +99,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, GatedMLP):
             self.matmul_shapes += [tuple(self.mlp.gate_up.weight.shape), tuple(self.mlp.down.weight.shape)]
 
-    def _permuted(self, qkv: torch.Tensor | None, permutation: torch.Tensor) -> torch.Tensor | None:
+    def permuted(self, qkv: torch.Tensor | None, permutation: torch.Tensor) -> torch.Tensor | None:
         """qkv's q and k rows (or biases) with each head's dimensions in `permutation`'s order."""
         if qkv is None:
             return None

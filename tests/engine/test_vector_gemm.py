@@ -156,3 +156,32 @@ def test_decode_steps_past_the_kernels_rows_run_the_stack_and_compute_what_the_l
         if fused and vectored:
             assert max(counting.sizes) > BlockQuantLinear.VECTOR_DECODE_ROWS
     assert [(o.token_ids, o.logprobs) for o in runs[True]] == [(o.token_ids, o.logprobs) for o in runs[False]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_slots_add_each_rows_adapter_delta_in_every_build(kernels, dtype):
+    """engine/csrc/lora.cpp in each build: every row gets its own adapter's s B (A x) on the output
+    columns its parts write (rows of none unchanged), as torch's grouped products give it, for a
+    few rows (shrink and expand split among threads) and many (blocks of one adapter's rows)."""
+    from engine.lora import LoraMatmul
+
+    gen = torch.Generator().manual_seed(3)
+    k, n, parts = 96, 160, [(0, 64), (64, 48), (112, 48)]
+    slots, matmuls = kernels.LoraSlots(2), {}
+    for slot, (rank, chosen) in enumerate([(8, [0, 1, 2]), (16, [1]), (4, [0, 2])]):
+        segments = tuple((j * rank, rank, *parts[p]) for j, p in enumerate(chosen))
+        matmuls[slot] = LoraMatmul((torch.randn(rank * len(chosen), k, generator=gen) * 0.1).to(dtype), segments,
+                                   tuple((torch.randn(rank, parts[p][1], generator=gen) * 0.1).to(dtype)
+                                         for p in chosen))
+        slots.set(slot, 1, 0, matmuls[slot].a, list(matmuls[slot].b), torch.tensor(segments), n)
+    for rows in (1, 3, 64):
+        row_slots = torch.randint(-1, 3, (rows,), generator=gen)
+        x = torch.randn(rows, k, generator=gen)
+        base = torch.randn(rows, n, generator=gen)
+        want = base.clone()
+        for slot, m in matmuls.items():
+            m.add(x, want, (row_slots == slot).nonzero().flatten())
+        got = base.clone()
+        slots.add(1, 0, x, got, row_slots)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[row_slots == -1], base[row_slots == -1])
