@@ -51,12 +51,12 @@ MAX_WAITING = 2
 
 
 def _stats(replica: int, num_waiting: int, received: tuple[str, ...] = ()) -> ReplicaStats:
-    return ReplicaStats(f"r{replica}", True, num_waiting, 32, 32, 4096, 8192, 0.5, 0, BLOCK, received, (), 0.0)
+    return ReplicaStats(f"r{replica}", "m", True, num_waiting, 32, 32, 4096, 8192, 0.5, 0, BLOCK, received, (), 0.0)
 
 
 def _admit_request(rng: random.Random, i: int) -> AdmitRequest:
     prompt = rng.randint(16, 512)
-    return AdmitRequest(f"q{i}", rng.randint(0, 9), prompt, rng.randint(8, 256),
+    return AdmitRequest(f"q{i}", "m", rng.randint(0, 9), prompt, rng.randint(8, 256),
                         prefix_hashes=tuple(rng.getrandbits(62) for _ in range(prompt // BLOCK)))
 
 
@@ -79,7 +79,7 @@ async def _router_run(num_queued: int, num_replicas: int, events: int, seed: int
     ids = iter(range(10**9))
     waiters = [asyncio.ensure_future(_admitted(router, _admit_request(rng, next(ids)))) for _ in range(num_queued)]
     await asyncio.sleep(0)
-    assert len(router.queue) == num_queued
+    assert len(router.lanes["m"].queue) == num_queued
     out: dict[str, float] = {}
 
     new = [_admit_request(rng, next(ids)) for _ in range(events)]
@@ -98,7 +98,7 @@ async def _router_run(num_queued: int, num_replicas: int, events: int, seed: int
     t0 = time.perf_counter()
     for e in range(events):  # each report frees one slot on replica e % R: one dispatch
         r = e % num_replicas
-        view = router.pool.views[f"r{r}"]
+        view = router.lanes["m"].pool.views[f"r{r}"]
         await router.report(_stats(r, MAX_WAITING - 1, tuple(view.pending)))
         dispatched.extend(view.pending)
     out["dispatch"] = (time.perf_counter() - t0) / events

@@ -1,7 +1,7 @@
 """Admission, as the ingress sees it: one interface, the router in this process or a deployment.
 
 `Admission` is what a job asks before it runs: `admit` (the replica to stream from, once one has
-headroom, or a refusal: 429 when the fleet-wide queue is full, 503 with no replica), `release`
+headroom, or a refusal: 429 when its model's queue is full, 503 with no replica of it), `release`
 (the job ended), `replica_lost` (a replica's call failed: stop sending there), and readiness.
 
 `LocalAdmission` holds the Router itself (one ingress replica: the graph's one queue lives in its
@@ -35,7 +35,7 @@ class Admission(Protocol):
 
     def replica_lost(self, replica_id: str) -> None: ...
 
-    async def num_ready_replicas(self) -> int: ...
+    async def ready_replicas(self) -> dict[str, int]: ...
 
     async def check_health(self) -> None: ...
 
@@ -55,8 +55,8 @@ class LocalAdmission:
     def replica_lost(self, replica_id: str) -> None:
         self.router.remove_replica_now(replica_id)
 
-    async def num_ready_replicas(self) -> int:
-        return await self.router.num_ready_replicas()
+    async def ready_replicas(self) -> dict[str, int]:
+        return await self.router.ready_replicas()
 
     async def check_health(self) -> None:
         await self.router.check_health()
@@ -102,8 +102,8 @@ class RouterClient:
     def replica_lost(self, replica_id: str) -> None:
         self._in_background(self._router.remove_replica.remote(replica_id))
 
-    async def num_ready_replicas(self) -> int:
-        return await self._router.num_ready_replicas.remote()
+    async def ready_replicas(self) -> dict[str, int]:
+        return await self._router.ready_replicas.remote()
 
     async def check_health(self) -> None:
         """Nothing of the router's is here: the Router deployment has its own health check."""

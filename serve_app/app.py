@@ -3,12 +3,14 @@ and `.bind(...)`.
 
 Split: the ingress (serve_app.frontend.Frontend, with the Router's and the replicas' handles) ->
 Router (one replica, the global queue) and EngineReplica (num_replicas or autoscaling; each call
-pinned to the replica the router named by PinnedReplicaRequestRouter). Replicas hold the router's
+pinned to the replica the router named by PinnedReplicaRequestRouter). Several models
+(`config.models`): an EngineReplica deployment per model (`EngineReplica-<name>`, its own replicas,
+resources and engine args), one ingress and one router for all. Replicas hold the router's
 handle to push load reports, and, with speculative placement `actor`, the DraftModel deployment's
 (bound so Serve deploys it with the app; engines call it by name).
 Router in the ingress (`config.router_in_ingress`: one ingress replica): no Router deployment;
 the Frontend holds the router, and the replicas report to it by its deployment's name.
-Colocated (`config.colocated`: one engine replica): one deployment, the Frontend holding the
+Colocated (`config.colocated`: one model, one engine replica): one deployment, the Frontend holding the
 router and the engine replica.
 `app_builder(args)` is the YAML entry point (`import_path: serve_app.app:app_builder`); unknown
 keys in `args` are errors.
@@ -16,11 +18,12 @@ keys in `args` are errors.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from engine.client import EngineClient
 from serve_app.autoscaling import POLICY as AUTOSCALING_POLICY
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, EngineReplicaConfig
 from serve_app.draft import DRAFT_DEPLOYMENT, DraftModel
 from serve_app.frontend import Frontend
 from serve_app.replica import EngineReplica
@@ -29,12 +32,19 @@ from serve_app.router import Router
 _QUIET = {"enable_access_log": False}
 
 
-def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
+def replica_deployment_name(config: AppConfig, engine: EngineReplicaConfig) -> str:
+    """`EngineReplica`, or with several models `EngineReplica-<served name>` (characters Serve's
+    names and Prometheus's label values take)."""
+    if len(config.served_models) == 1:
+        return "EngineReplica"
+    return "EngineReplica-" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine.model_name)
+
+
+def replica_deployment_options(config: AppConfig, engine: EngineReplicaConfig) -> dict[str, Any]:
     from ray.serve.config import RequestRouterConfig
 
-    engine = config.engine
     options: dict[str, Any] = dict(
-        name="EngineReplica",
+        name=replica_deployment_name(config, engine),
         ray_actor_options={"num_cpus": engine.num_cpus, "num_gpus": engine.num_gpus,
                            **({"resources": engine.resources} if engine.resources else {})},
         max_ongoing_requests=engine.max_ongoing_requests,
@@ -57,7 +67,7 @@ def replica_deployment_options(config: AppConfig) -> dict[str, Any]:
 def engine_ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
     """The engine replica's actor and resources, taking the ingress's requests and the ingress's
     and router's CPU too."""
-    options = replica_deployment_options(config)
+    options = replica_deployment_options(config, config.engine)
     del options["request_router_config"]  # one replica: nothing to pin
     options["ray_actor_options"]["num_cpus"] += config.ingress.num_cpus + config.router.num_cpus
     options["name"] = "EngineIngress"
@@ -89,8 +99,8 @@ def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
     )
 
 
-def draft_deployment_options(config: AppConfig) -> dict[str, Any]:
-    draft = config.engine.draft
+def draft_deployment_options(engine: EngineReplicaConfig) -> dict[str, Any]:
+    draft = engine.draft
     return dict(
         name=DRAFT_DEPLOYMENT,
         num_replicas=draft.num_replicas,
@@ -106,24 +116,33 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     EngineClient; it must be importable on the workers)."""
     from ray import serve
 
-    engine_config, draft = config.engine.engine_config, None
-    if engine_config.speculative is not None and engine_config.speculative.placement == "actor":
-        draft_dep = serve.deployment(DraftModel, **draft_deployment_options(config))
-        draft = draft_dep.bind(engine_config, config.engine.draft.num_threads)
     frontend = serve.ingress()(Frontend)
     if config.colocated:
         options = engine_ingress_deployment_options(config)
-        return serve.deployment(frontend, **options).bind(config, None, None, engine_cls, draft)
-    replica_dep = serve.deployment(EngineReplica, **replica_deployment_options(config))
+        return serve.deployment(frontend, **options).bind(config, None, None, engine_cls, _draft(config.engine))
     options = ingress_deployment_options(config)
     if config.router_in_ingress:  # the replicas report to the router in the Frontend, by its name
-        replicas = replica_dep.bind(config.engine, options["name"], engine_cls, metrics_enabled=True,
-                                    slo=config.slo, draft=draft)
-        return serve.deployment(frontend, **options).bind(config, None, replicas)
-    router = serve.deployment(Router, **router_deployment_options(config)).bind(config.router, metrics_enabled=True)
-    replicas = replica_dep.bind(config.engine, router, engine_cls, metrics_enabled=True, slo=config.slo,
-                                draft=draft)
+        report_to = options["name"]
+        router = None
+    else:
+        router = report_to = serve.deployment(Router, **router_deployment_options(config)).bind(
+            config.router, metrics_enabled=True)
+    replicas = {
+        engine.model_name: serve.deployment(EngineReplica, **replica_deployment_options(config, engine)).bind(
+            engine, report_to, engine_cls, metrics_enabled=True, slo=config.slo, draft=_draft(engine))
+        for engine in config.served_models}
     return serve.deployment(frontend, **options).bind(config, router, replicas)
+
+
+def _draft(engine: EngineReplicaConfig):
+    """The DraftModel deployment bound for a model that drafts with placement `actor`, else None."""
+    from ray import serve
+
+    engine_config = engine.engine_config
+    if engine_config.speculative is None or engine_config.speculative.placement != "actor":
+        return None
+    return serve.deployment(DraftModel, **draft_deployment_options(engine)).bind(engine_config,
+                                                                               engine.draft.num_threads)
 
 
 def app_builder(args: dict[str, Any] | None = None):

@@ -146,9 +146,9 @@ class RouterConfig(_Strict):
     priority_range: PriorityRange = Field(
         (0, 10), description="Priorities a request may ask for (lower = sooner); outside -> 400. "
                              "With the default, clients can only lower their own priority.")
-    max_queued_requests: int = Field(256, ge=1, description="Bound of the admission queue.")
+    max_queued_requests: int = Field(256, ge=1, description="Bound of each model's admission queue.")
     max_queued_tokens: int = Field(
-        1_000_000, ge=1, description="Bound on prompt + n * max_tokens summed over the queue.")
+        1_000_000, ge=1, description="Bound on prompt + n * max_tokens summed over each model's queue.")
     max_waiting_per_replica: int = Field(
         2, ge=1, description="A replica has headroom while its waiting queue is below this.")
     replica_stale_after_s: float = Field(
@@ -225,7 +225,12 @@ class IngressConfig(_Strict):
 
 
 class AppConfig(_Strict):
-    engine: EngineReplicaConfig = Field(default_factory=EngineReplicaConfig)
+    engine: EngineReplicaConfig = Field(
+        default_factory=EngineReplicaConfig, description="The one model served, where `models` is not given.")
+    models: list[EngineReplicaConfig] = Field(
+        default_factory=list, description="Several models in one app, each an `engine` section (its own replicas, "
+                                          "resources and engine args); a request's `model` picks one, and the first "
+                                          "serves requests that name none. Empty: `engine` alone.")
     router: RouterConfig = Field(default_factory=RouterConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     slo: dict[int, SLOTarget] = Field(
@@ -252,11 +257,29 @@ class AppConfig(_Strict):
         return self
 
     @property
+    def served_models(self) -> list[EngineReplicaConfig]:
+        """The models this app serves, the default (requests that name none) first."""
+        return self.models or [self.engine]
+
+    @model_validator(mode="after")
+    def _models_named_once(self) -> AppConfig:
+        if self.models and "engine" in self.model_fields_set:
+            raise ValueError("give either `engine` (one model) or `models` (several), not both")
+        names = [m.model_name for m in self.served_models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two models are served under one name: {names}; set served_model_name")
+        if sum(_draft_actor(m) for m in self.served_models) > 1:
+            raise ValueError("at most one model may draft with speculative placement `actor`: the app deploys one "
+                             "DraftModel deployment")
+        return self
+
+    @property
     def colocated(self) -> bool:
         """Whether the ingress runs inside the engine replica (ingress.colocated resolved)."""
         if self.ingress.colocated is not None:
             return self.ingress.colocated
-        return self.engine.num_replicas == 1 and self.engine.autoscaling is None and self.ingress.num_replicas == 1
+        return (len(self.served_models) == 1 and self.engine.num_replicas == 1 and self.engine.autoscaling is None
+                and self.ingress.num_replicas == 1)
 
     @property
     def router_in_ingress(self) -> bool:
@@ -277,10 +300,10 @@ class AppConfig(_Strict):
     def _colocation_fits(self) -> AppConfig:
         """One front end per engine: with several, the router could admit a request to an engine
         other than the one whose front end holds it."""
-        if self.ingress.colocated and (self.engine.num_replicas != 1 or self.engine.autoscaling is not None
-                                       or self.ingress.num_replicas != 1):
-            raise ValueError("ingress.colocated needs exactly one engine replica (engine.num_replicas 1, no "
-                             "autoscaling) and ingress.num_replicas 1")
+        if self.ingress.colocated and (len(self.served_models) != 1 or self.engine.num_replicas != 1
+                                       or self.engine.autoscaling is not None or self.ingress.num_replicas != 1):
+            raise ValueError("ingress.colocated needs exactly one model and one engine replica (engine.num_replicas "
+                             "1, no autoscaling) and ingress.num_replicas 1")
         return self
 
     @model_validator(mode="after")
@@ -288,16 +311,22 @@ class AppConfig(_Strict):
         """Serve scales on requests ongoing at replicas, but the router holds the rest: a replica
         never has more than max_num_seqs + max_waiting_per_replica, so a target at or above that
         would never scale up."""
-        auto = self.engine.autoscaling
-        if auto is None:
-            return self
-        ceiling = self.engine.engine_config.scheduler.max_num_seqs + self.router.max_waiting_per_replica
-        if auto.target_ongoing_requests >= ceiling:
-            raise ValueError(
-                f"autoscaling.target_ongoing_requests ({auto.target_ongoing_requests:g}) must be "
-                f"below max_num_seqs + router.max_waiting_per_replica ({ceiling}), the most "
-                "requests the router lets one replica hold; otherwise it never scales up")
+        for model in self.served_models:
+            auto = model.autoscaling
+            if auto is None:
+                continue
+            ceiling = model.engine_config.scheduler.max_num_seqs + self.router.max_waiting_per_replica
+            if auto.target_ongoing_requests >= ceiling:
+                raise ValueError(
+                    f"autoscaling.target_ongoing_requests ({auto.target_ongoing_requests:g}) of model "
+                    f"'{model.model_name}' must be below max_num_seqs + router.max_waiting_per_replica ({ceiling}), "
+                    "the most requests the router lets one replica hold; otherwise it never scales up")
         return self
+
+
+def _draft_actor(model: EngineReplicaConfig) -> bool:
+    speculative = model.engine_config.speculative
+    return speculative is not None and speculative.placement == "actor"
 
 
 def load_config(path: str | Path) -> AppConfig:

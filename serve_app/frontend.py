@@ -31,10 +31,11 @@ from serve_app.serve_internals import rpc_options
 
 
 class Frontend:
-    def __init__(self, config: AppConfig, router: Any = None, replicas: Any = None,
+    def __init__(self, config: AppConfig, router: Any = None, replicas: dict[str, Any] | None = None,
                  engine_cls: type[EngineClient] | None = None, draft: Any = None):
-        """`router`, `replicas`: the deployments' handles, None for the part in this process;
-        `engine_cls`, `draft`: the in-process engine replica's (colocated)."""
+        """`router`: the Router deployment's handle, None for the router in this process; `replicas`:
+        each model's EngineReplica deployment handle by its served name, None for the one engine
+        replica in this process (colocated), whose `engine_cls` and `draft` these are."""
         if router is not None and replicas is None:
             raise ValueError("an engine replica in the ingress needs the router there too")
         rpc = rpc_options(config.ingress.grpc_transport)
@@ -44,9 +45,10 @@ class Frontend:
         if replicas is None:
             self.replica = EngineReplica(config.engine, self.router, engine_cls, metrics_enabled=True, slo=config.slo,
                                          draft=draft)
-            engines = LocalReplicas([self.replica])
+            engines = {config.engine.model_name: LocalReplicas([self.replica])}
         else:
-            engines = ServeReplicas(replicas.options(**rpc), config.ingress.replica_accept_timeout_s)
+            engines = {name: ServeReplicas(handle.options(**rpc), config.ingress.replica_accept_timeout_s)
+                       for name, handle in replicas.items()}
         self.ingress = Ingress(config, admission, engines)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -34,13 +34,11 @@ from starlette.exceptions import HTTPException
 from engine.chat_output import ChatOutputParser
 from engine.errors import InvalidRequestError
 from engine.heap import collect_young_less_often
-from engine.tokenization import check_token_ids, render_chat
-from engine.tools import Tool
+from engine.tokenization import check_token_ids
 from serve_app.admission import Admission
 from serve_app.anthropic_api import CountTokensRequest, MessagesFormatter, MessagesRequest
 from serve_app.anthropic_api import error_body as anthropic_error
 from serve_app.auth import Authorizer, resolve_priority
-from serve_app.batch_tokenizer import BatchTokenizer
 from serve_app.config import AppConfig
 from serve_app.embeddings_api import EmbeddingRequest, EmbeddingsFormatter
 from serve_app.formatting import ChatFormatter, CompletionFormatter
@@ -67,6 +65,7 @@ from serve_app.responses_api import (
     output_history,
     stored_items,
 )
+from serve_app.served_model import ServedModel
 from serve_app.shared_port import SharedPortServer
 
 logger = logging.getLogger("cbserve.ingress")
@@ -83,80 +82,35 @@ def _refuse_constant(name: str) -> None:
 class Ingress:
     """The OpenAI front end over an admission and the engine replicas."""
 
-    def __init__(self, config: AppConfig, admission: Admission, replicas: Replicas):
+    def __init__(self, config: AppConfig, admission: Admission, replicas: dict[str, Replicas]):
+        """`replicas`: each served model's, by its name."""
         collect_young_less_often()  # each request's objects live as long as it does (Serve freezes the rest)
         self.config = config
-        self.admission, self.replicas = admission, replicas
-        self.model_name = config.engine.model_name
-        self.lora = config.engine.engine_config.lora  # the served adapters: the config's, then those loaded
-        self.adapters: dict[str, str] = self.lora.modules  # LoRA adapter name -> path
-        self._loaded_at_run_time: set[str] = set()  # their paths go with their requests to every replica
+        self.admission = admission
+        self.models = {m.model_name: ServedModel(m, replicas[m.model_name]) for m in config.served_models}
+        self.default_model = next(iter(self.models.values()))  # a request that names no model gets it
         self.auth = Authorizer(config.ingress, config.router)
-        self._model_info: ModelInfo | None = None
-        self._tokens: BatchTokenizer | None = None  # the model's tokenizer, off the event loop
-        self._info_lock = asyncio.Lock()
         self._created = int(time.time())
         self.responses = ResponseStore(config.ingress.max_stored_responses, config.ingress.num_replicas)
 
     # ------------------------------------------------------------ helpers
 
-    async def model_info(self) -> ModelInfo:
-        """The engine's model info, fetched once. Its tokenizer comes over pickled, and unpickling
-        it imports transformers (~0.4 s of this process's loop): `/health` and Serve's health
-        check load it once an engine replica is ready, so no request waits for it."""
-        async with self._info_lock:
-            if self._model_info is None:
-                info = await self.replicas.model_info()
-                self._tokens = BatchTokenizer(info.tokenizer)
-                self._model_info = info
-        return self._model_info
-
-    async def _prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        return await self._encode(prompt, param=param) if isinstance(prompt, str) else prompt
-
-    async def _chat_prompt(self, info: ModelInfo, messages: list[dict], tools: list[Tool],
-                           add_generation_prompt: bool = True, template_kwargs: dict | None = None
-                           ) -> tuple[str, list[int]]:
-        """engine.tokenization.encode_chat's text and ids for OpenAI-format `messages`: the
-        template applied here, its text (every special token written out, none to add)
-        tokenized off the event loop."""
-        text = render_chat(info.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
-        return text, await self._encode(text, add_special_tokens=False, param="messages")
-
-    async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        """A text's token ids (the model's info already here), tokenized off the event loop."""
-        assert self._tokens is not None
-        return await self._tokens.encode(text, add_special_tokens, param)
-
-    def _load_adapter(self, req: LoadLoraAdapterRequest) -> None:
-        """/v1/load_lora_adapter: `lora_name` serves the adapter at `lora_path` from now on (the
-        engine's rule, LoraConfig.with_adapter); each engine replica loads it with its first request
-        for it (the path goes with the request)."""
-        if req.lora_name == self.model_name:
-            raise APIError(400, f"An adapter cannot take the base model's name '{req.lora_name}'.", param="lora_name")
-        lora = self.lora.with_adapter(req.lora_name, req.lora_path)
-        if lora != self.lora:
-            self.lora, self.adapters = lora, lora.modules
-            self._loaded_at_run_time.add(req.lora_name)
-
-    def _unload_adapter(self, name: str) -> None:
-        self.lora = self.lora.without_adapter(name)
-        self.adapters = self.lora.modules
-        self._loaded_at_run_time.discard(name)
-
     async def check_health(self) -> None:
-        """Serve's periodic check: the admission's and the replicas' in this process, then the
-        model's info loaded once an engine replica is ready. A failure to load it is logged, not
-        raised: it is no fault of this replica."""
+        """Serve's periodic check: the admission's and the replicas' in this process, then each
+        model's info loaded once an engine replica of it is ready. A failure to load it is logged,
+        not raised: it is no fault of this replica."""
         await self.admission.check_health()
-        await self.replicas.check_health()
-        if self._model_info is not None:
+        for model in self.models.values():
+            await model.replicas.check_health()
+        if all(model.has_info for model in self.models.values()):
             return
         try:
-            if await self.admission.num_ready_replicas():
-                await self.model_info()
+            ready = await self.admission.ready_replicas()
+            for model in self.models.values():
+                if ready.get(model.name):
+                    await model.load_info()
         except Exception:
-            logger.warning("loading the model's info failed; the next request tries again", exc_info=True)
+            logger.warning("loading a model's info failed; the next request tries again", exc_info=True)
 
     async def _read_json(self, request: Request) -> dict:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
@@ -209,34 +163,59 @@ class Ingress:
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"Invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None
 
-    def _adapter(self, model: str | None) -> Adapter:
-        """The LoRA adapter a request's `model` names (`base:adapter`, or the adapter's own name)
-        and its path where it was loaded at run time; (None, None) for the base model. A 404 for a
-        model nothing here serves (a name under adapter_dirs is the engine's to find)."""
-        if model is None or model == self.model_name:
-            return None, None
+    def _model(self, model: str | None) -> tuple[ServedModel, Adapter]:
+        """The served model a request's `model` names, and the LoRA adapter (`base:adapter`, or the
+        adapter's own name) with its path where it was loaded at run time ((None, None): the base
+        model). A 404 for a model nothing here serves (a name under adapter_dirs is the engine's to
+        find)."""
+        if model is None:
+            return self.default_model, (None, None)
+        served = self.models.get(model)
+        if served is not None:
+            return served, (None, None)
         base, colon, name = model.rpartition(":")
-        if self.lora.enable_lora and (not colon or base == self.model_name) and (
-                name in self.adapters or (self.lora.adapter_dirs and name)):
-            return name, self.adapters[name] if name in self._loaded_at_run_time else None
-        served = ", ".join(f"'{m}'" for m in [self.model_name, *self.adapters])
-        raise APIError(404, f"The model '{model}' does not exist; this server serves {served}.",
+        candidates = ([self.models[base]] if base in self.models else []) if colon else list(self.models.values())
+        for served in candidates:  # an adapter a model holds, then one a model's adapter_dirs may hold
+            if name in served.adapters and served.may_serve_adapter(name):
+                return served, served.adapter(name)
+        for served in candidates:
+            if served.may_serve_adapter(name):
+                return served, served.adapter(name)
+        names = ", ".join(f"'{n}'" for m in self.models.values() for n in [m.name, *m.adapters])
+        raise APIError(404, f"The model '{model}' does not exist; this server serves {names}.",
                        code="model_not_found", param="model")
 
-    async def _model_card(self, adapter: str | None = None) -> dict:
-        info = await self.model_info()
-        if adapter is not None:
-            return model_card(adapter, self._created, self.adapters.get(adapter, adapter), info.max_model_len,
-                              parent=self.model_name)
-        return model_card(self.model_name, self._created, self.config.engine.model or self.model_name,
-                          info.max_model_len)
+    def _adapter_home(self, lora_name: str) -> tuple[ServedModel, str]:
+        """The model a load or unload names (`base:adapter`; a bare name: the one model that serves
+        adapters, else the one that holds it) and the adapter's name."""
+        base, colon, name = lora_name.rpartition(":")
+        if colon and base in self.models:
+            return self.models[base], name
+        with_lora = [m for m in self.models.values() if m.lora.enable_lora]
+        holders = [m for m in with_lora if lora_name in m.adapters]
+        if len(holders) == 1 or len(with_lora) == 1:
+            return (holders or with_lora)[0], lora_name
+        if not with_lora:
+            raise APIError(400, "No model of this server serves LoRA adapters (engine_args.enable_lora).",
+                           param="lora_name")
+        names = ", ".join(f"'{m.name}:{lora_name}'" for m in with_lora)
+        raise APIError(400, f"Several models serve LoRA adapters: name the base, as one of {names}.",
+                       param="lora_name")
 
-    async def _accept(self, request: Request, model_cls: type[BaseModel]) -> tuple[Any, int, ModelInfo, Adapter]:
-        """Auth, body, parse, model name, priority: the parsed request, its priority, the model, the
-        LoRA adapter it names."""
+    async def _model_card(self, model: ServedModel, adapter: str | None = None) -> dict:
+        info = await model.load_info()
+        if adapter is not None:
+            return model_card(adapter, self._created, model.adapters.get(adapter, adapter), info.max_model_len,
+                              parent=model.name)
+        return model_card(model.name, self._created, model.config.model or model.name, info.max_model_len)
+
+    async def _accept(self, request: Request, model_cls: type[BaseModel]
+                      ) -> tuple[Any, int, ServedModel, Adapter]:
+        """Auth, body, parse, model name, priority: the parsed request, its priority, the model
+        (its info loaded), the LoRA adapter it names."""
         allowed, data = await self._authorized_json(request)
-        req, info, adapter = await self._validated(model_cls, data)
-        return req, resolve_priority(req.priority, allowed), info, adapter
+        req, model, adapter = await self._validated(model_cls, data)
+        return req, resolve_priority(req.priority, allowed), model, adapter
 
     async def _authorized_json(self, request: Request) -> tuple[Any, dict]:
         """What the caller's key allows, and the body."""
@@ -245,17 +224,19 @@ class Ingress:
     def _authorize(self, request: Request) -> Any:
         return self.auth.authorize(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
-    async def _validated(self, model_cls: type[BaseModel], data: dict) -> tuple[Any, ModelInfo, Adapter]:
-        """The body as `model_cls` with its model name checked, the served model's info, and the
-        LoRA adapter the model name names."""
+    async def _validated(self, model_cls: type[BaseModel], data: dict) -> tuple[Any, ServedModel, Adapter]:
+        """The body as `model_cls`, the model it names (its info loaded), and the LoRA adapter the
+        model name names."""
         req = self._parse(model_cls, data)
-        adapter = self._adapter(req.model)
-        return req, await self.model_info(), adapter
+        model, adapter = self._model(req.model)
+        await model.load_info()
+        return req, model, adapter
 
     # ------------------------------------------------------------ routes
 
     async def completions(self, request: Request):
-        req, priority, info, adapter = await self._accept(request, CompletionRequest)
+        req, priority, model, adapter = await self._accept(request, CompletionRequest)
+        info = model.info
         prompts = req.prompts()
         limit = min(self.config.ingress.max_prompts_per_request, self.config.router.max_queued_requests)
         if len(prompts) > limit:
@@ -263,25 +244,25 @@ class Ingress:
                            param="prompt", code="too_many_prompts")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         _log_user(base_id, req)
-        prompt_ids = ([await self._prompt_ids(prompts[0])] if len(prompts) == 1
-                      else await asyncio.gather(*map(self._prompt_ids, prompts)))  # a batch's texts together
+        prompt_ids = ([await model.prompt_ids(prompts[0])] if len(prompts) == 1
+                      else await asyncio.gather(*map(model.prompt_ids, prompts)))  # a batch's texts together
         jobs = [make_job(f"{base_id}-{i}", ids, req=req, info=info, max_tokens=req.max_tokens,
                          default_max_tokens=self.config.ingress.default_completion_max_tokens,
                          num_logprobs=req.logprobs, priority=priority, choice_offset=i * req.n, param="prompt",
                          adapter=adapter)
                 for i, ids in enumerate(prompt_ids)]
         check_fits_queue(jobs, self.config.router.max_queued_tokens)
-        fmt = CompletionFormatter(base_id, req.model or self.model_name, req, info.tokenizer, len(jobs) * req.n)
-        return await respond(jobs, fmt, req.stream, self.admission, self.replicas)
+        fmt = CompletionFormatter(base_id, req.model or model.name, req, info.tokenizer, len(jobs) * req.n)
+        return await respond(jobs, fmt, req.stream, self.admission, model.replicas)
 
-    async def _chat_job(self, info: ModelInfo, job_id: str, req: Any, messages: list[dict], template_kwargs: dict,
+    async def _chat_job(self, model: ServedModel, job_id: str, req: Any, messages: list[dict], template_kwargs: dict,
                         max_tokens: int | None, num_logprobs: int | None, priority: int, param: str,
                         adapter: Adapter) -> tuple[Job, Callable[[], ChatOutputParser]]:
         """One chat turn's job (chat completions, Responses, Messages): `messages` through the
         template with `req`'s tools (offered_tools, chosen_tool, forced), its parameters a chat
         turn's in the model's format (engine.chat_output), and the parser its output is read with."""
-        calls, forced = req.chosen_tool != "none", req.forced
-        text, ids = await self._chat_prompt(info, messages, req.offered_tools, template_kwargs=template_kwargs)
+        calls, forced, info = req.chosen_tool != "none", req.forced, model.info
+        text, ids = await model.chat_prompt(messages, req.offered_tools, template_kwargs=template_kwargs)
         job = make_job(job_id, ids, req=req, info=info, max_tokens=max_tokens, default_max_tokens=info.max_model_len,
                        num_logprobs=num_logprobs, priority=priority, choice_offset=0, param=param,
                        chat_turn=lambda params: info.chat_format.sampling_params(params, text, forced, calls),
@@ -290,18 +271,19 @@ class Ingress:
         return job, lambda: info.chat_format.parser(text, calls)
 
     async def chat_completions(self, request: Request):
-        req, priority, info, adapter = await self._accept(request, ChatCompletionRequest)
+        req, priority, model, adapter = await self._accept(request, ChatCompletionRequest)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         _log_user(base_id, req)
-        job, parser = await self._chat_job(info, f"{base_id}-0", req, req.template_messages(), req.template_kwargs,
+        job, parser = await self._chat_job(model, f"{base_id}-0", req, req.template_messages(), req.template_kwargs,
                                            req.requested_max_tokens, req.num_logprobs, priority, "messages", adapter)
-        fmt = ChatFormatter(base_id, req.model or self.model_name, req, info.tokenizer, req.n, output_parser=parser)
-        return await respond([job], fmt, req.stream, self.admission, self.replicas)
+        fmt = ChatFormatter(base_id, req.model or model.name, req, model.info.tokenizer, req.n, output_parser=parser)
+        return await respond([job], fmt, req.stream, self.admission, model.replicas)
 
     async def create_response(self, request: Request):
         """OpenAI's Responses API (serve_app.responses_api): one chat turn over the items given,
         after a kept response's conversation where previous_response_id names one."""
-        req, priority, info, adapter = await self._accept(request, ResponsesRequest)
+        req, priority, model, adapter = await self._accept(request, ResponsesRequest)
+        info = model.info
         response_id = f"resp_{uuid.uuid4().hex}"
         _log_user(response_id, req)
         items = req.input_items()
@@ -311,7 +293,7 @@ class Ingress:
         instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
         if not conversation:
             raise APIError(400, "input must hold at least one item", param="input")
-        job, parser = await self._chat_job(info, response_id, req, instructions + conversation,
+        job, parser = await self._chat_job(model, response_id, req, instructions + conversation,
                                            req.template_kwargs(_template(info)), req.max_output_tokens, None, priority,
                                            "input", adapter)
         kept = StoredResponse({}, [], stored_items(items))
@@ -319,20 +301,20 @@ class Ingress:
         def keep(body: dict, blocks: list) -> None:
             kept.body, kept.history = body, conversation + [output_history(blocks)]
 
-        fmt = ResponsesFormatter(response_id, req.model or self.model_name, req, info.tokenizer, parser, keep)
+        fmt = ResponsesFormatter(response_id, req.model or model.name, req, info.tokenizer, parser, keep)
         if req.store:
             self.responses.put(response_id, kept)
         if req.background:
             kept.body = fmt.skeleton("queued")
-            kept.task = asyncio.ensure_future(self._background(job, fmt, kept))
+            kept.task = asyncio.ensure_future(self._background(job, fmt, kept, model.replicas))
             return JSONResponse(kept.body)
-        return await respond([job], fmt, req.stream, self.admission, self.replicas)
+        return await respond([job], fmt, req.stream, self.admission, model.replicas)
 
-    async def _background(self, job: Job, fmt: ResponsesFormatter, kept: StoredResponse) -> None:
+    async def _background(self, job: Job, fmt: ResponsesFormatter, kept: StoredResponse, replicas: Replicas) -> None:
         """A background response run to its end in this process, its state kept as it goes."""
         kept.body = fmt.skeleton("in_progress")
         try:
-            await complete([job], fmt, self.admission, self.replicas)
+            await complete([job], fmt, self.admission, replicas)
         except asyncio.CancelledError:
             kept.body = fmt.skeleton("cancelled")
         except APIError as e:
@@ -345,33 +327,33 @@ class Ingress:
 
     async def create_message(self, request: Request):
         """Anthropic's Messages API (serve_app.anthropic_api); its errors in Anthropic's shape."""
-        req, priority, info, adapter = await self._accept(request, MessagesRequest)
+        req, priority, model, adapter = await self._accept(request, MessagesRequest)
         message_id = f"msg_{uuid.uuid4().hex}"
-        job, parser = await self._chat_job(info, message_id, req, req.chat_messages(),
-                                           req.template_kwargs(_template(info)), req.max_tokens, None, priority,
+        job, parser = await self._chat_job(model, message_id, req, req.chat_messages(),
+                                           req.template_kwargs(_template(model.info)), req.max_tokens, None, priority,
                                            "messages", adapter)
-        fmt = MessagesFormatter(message_id, req.model, req, info.tokenizer, parser)
-        return await respond([job], fmt, req.stream, self.admission, self.replicas)
+        fmt = MessagesFormatter(message_id, req.model, req, model.info.tokenizer, parser)
+        return await respond([job], fmt, req.stream, self.admission, model.replicas)
 
     async def count_message_tokens(self, request: Request) -> dict:
         """Anthropic's count_tokens: the prompt tokens a Messages request would take."""
         _, data = await self._authorized_json(request)
-        req, info, _ = await self._validated(CountTokensRequest, data)
-        _, ids = await self._chat_prompt(info, req.chat_messages(), req.offered_tools,
-                                         template_kwargs=req.template_kwargs(_template(info)))
+        req, model, _ = await self._validated(CountTokensRequest, data)
+        _, ids = await model.chat_prompt(req.chat_messages(), req.offered_tools,
+                                         template_kwargs=req.template_kwargs(_template(model.info)))
         return {"input_tokens": len(ids)}
 
     async def create_embeddings(self, request: Request):
         """OpenAI's embeddings API (serve_app.embeddings_api): one engine request per input."""
-        req, priority, info, adapter = await self._accept(request, EmbeddingRequest)
-        inputs = req.inputs()
+        req, priority, model, adapter = await self._accept(request, EmbeddingRequest)
+        info, inputs = model.info, req.inputs()
         limit = min(self.config.ingress.max_prompts_per_request, self.config.router.max_queued_requests)
         if len(inputs) > limit:
             raise APIError(400, f"A request may hold at most {limit} inputs, got {len(inputs)}.", param="input",
                            code="too_many_inputs")
         base_id = f"embd-{uuid.uuid4().hex}"
         _log_user(base_id, req)
-        ids = await asyncio.gather(*(self._prompt_ids(x, param="input") for x in inputs))
+        ids = await asyncio.gather(*(model.prompt_ids(x, param="input") for x in inputs))
         pooling = req.pooling_params()
         if pooling.dimensions is not None and pooling.dimensions > info.hidden_size:
             raise InvalidRequestError("dimensions", f"dimensions must be at most the model's embedding size "
@@ -379,19 +361,20 @@ class Ingress:
         jobs = [make_embedding_job(f"{base_id}-{i}", prompt, info=info, pooling=pooling, priority=priority,
                                    index=i, adapter=adapter) for i, prompt in enumerate(ids)]
         check_fits_queue(jobs, self.config.router.max_queued_tokens)
-        return JSONResponse(await complete(jobs, EmbeddingsFormatter(self.model_name, req, len(jobs)), self.admission,
-                                           self.replicas))
+        return JSONResponse(await complete(jobs, EmbeddingsFormatter(model.name, req, len(jobs)), self.admission,
+                                           model.replicas))
 
     async def tokenize(self, request: Request) -> dict:
         """vLLM's /tokenize: a prompt (completion form) or messages through the chat template."""
         _, data = await self._authorized_json(request)
-        req, info, _ = await self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest,
-                                          data)
+        req, model, _ = await self._validated(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest,
+                                              data)
+        info = model.info
         if isinstance(req, TokenizeChatRequest):
-            _, ids = await self._chat_prompt(info, req.template_messages(), req.offered_tools,
-                                             req.add_generation_prompt, req.chat_template_kwargs)
+            _, ids = await model.chat_prompt(req.template_messages(), req.offered_tools, req.add_generation_prompt,
+                                             req.chat_template_kwargs)
         else:
-            ids = await self._encode(req.prompt, req.add_special_tokens)
+            ids = await model.encode(req.prompt, req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = info.tokenizer.convert_ids_to_tokens(ids)
@@ -399,23 +382,28 @@ class Ingress:
 
     async def detokenize(self, request: Request) -> dict:
         _, data = await self._authorized_json(request)
-        req, info, _ = await self._validated(DetokenizeRequest, data)
+        req, model, _ = await self._validated(DetokenizeRequest, data)
+        info = model.info
         check_token_ids(req.tokens, info.vocab_size, "tokens", "tokens")
         return {"prompt": info.tokenizer.decode(req.tokens)}
 
     async def health(self) -> JSONResponse:
-        """Ready when the router knows an engine replica that takes requests and this ingress
-        holds the model's info."""
+        """Ready when the router knows, for every model, an engine replica that takes requests, and
+        this ingress holds each model's info."""
         try:
-            ready = await asyncio.wait_for(self.admission.num_ready_replicas(), 5)
-            if ready:
-                await asyncio.wait_for(self.model_info(), 5)
+            counts = await asyncio.wait_for(self.admission.ready_replicas(), 5)
+            ready = {name: counts.get(name, 0) for name in self.models}
+            for model in self.models.values():
+                if ready[model.name]:
+                    await asyncio.wait_for(model.load_info(), 5)
         except Exception as e:
             logger.warning("health: router or engine replica unreachable: %r", e)
-            ready = 0
-        if ready:
-            return JSONResponse({"status": "ok", "ready_replicas": ready})
-        return JSONResponse(APIError(503, "no engine replica is ready", "service_unavailable").body(),
+            ready = dict.fromkeys(self.models, 0)
+        waiting = [name for name, n in ready.items() if not n]
+        if not waiting:
+            return JSONResponse({"status": "ok", "ready_replicas": sum(ready.values()), "models": ready})
+        names = ", ".join(f"'{name}'" for name in waiting)
+        return JSONResponse(APIError(503, f"no engine replica is ready for {names}", "service_unavailable").body(),
                             status_code=503)
 
     # ------------------------------------------------------------ app
@@ -502,29 +490,33 @@ class Ingress:
         @app.get("/v1/models")
         async def models(request: Request) -> dict:
             self._authorize(request)
-            cards = [await self._model_card()] + [await self._model_card(name) for name in self.adapters]
+            cards = [await self._model_card(model, name) for model in self.models.values()
+                     for name in [None, *model.adapters]]
             return {"object": "list", "data": cards}
 
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str, request: Request) -> dict:
             self._authorize(request)
-            name, _ = self._adapter(model_id)
-            if name is not None and name not in self.adapters:  # one adapter_dirs may hold: not known until used
+            served, (name, _) = self._model(model_id)
+            if name is not None and name not in served.adapters:  # one adapter_dirs may hold: not known until used
                 raise APIError(404, f"The model '{model_id}' is not loaded.", code="model_not_found", param="model")
-            return await self._model_card(name)
+            return await self._model_card(served, name)
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(request: Request) -> PlainTextResponse:
             _, data = await self._authorized_json(request)
-            self._load_adapter(self._parse(LoadLoraAdapterRequest, data))
-            return PlainTextResponse(f"Success: LoRA adapter '{data['lora_name']}' added successfully.")
+            req = self._parse(LoadLoraAdapterRequest, data)
+            model, name = self._adapter_home(req.lora_name)
+            model.load_adapter(name, req.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> PlainTextResponse:
             _, data = await self._authorized_json(request)
-            name = self._parse(UnloadLoraAdapterRequest, data).lora_name
-            self._unload_adapter(name)
-            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+            lora_name = self._parse(UnloadLoraAdapterRequest, data).lora_name
+            model, name = self._adapter_home(lora_name)
+            model.unload_adapter(name)
+            return PlainTextResponse(f"Success: LoRA adapter '{lora_name}' removed successfully.")
 
         @app.get("/version")
         async def version() -> dict:

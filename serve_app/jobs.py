@@ -90,12 +90,12 @@ def make_embedding_job(request_id: str, prompt_ids: list[int], *, info: ModelInf
 
 def _admission(request_id: str, prompt_ids: list[int], info: ModelInfo, priority: int, max_tokens: int, n: int,
                lora: str | None) -> AdmitRequest:
-    """What the router sees of a job: its size, its adapter, and its prompt's leading block hashes
+    """What the router sees of a job: its model, its size, its adapter, and its prompt's leading block hashes
     (the engine's, rooted at its adapter's as the engine's prefix cache is)."""
     num_prompt, bs = len(prompt_ids), info.block_size
     root = None if lora is None else adapter_cache_root(lora)
     hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs), root)
-    return AdmitRequest(request_id, priority, num_prompt, max_tokens, n, tuple(hashes), lora)
+    return AdmitRequest(request_id, info.served_model_name, priority, num_prompt, max_tokens, n, tuple(hashes), lora)
 
 
 def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:

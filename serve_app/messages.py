@@ -65,6 +65,7 @@ class ReplicaStats:
     """A replica's load snapshot, pushed to the router when it changes (and as a heartbeat)."""
 
     replica_id: str  # Serve unique replica id (what the ingress pins to)
+    model: str  # the served model it runs (its name clients pass as `model`)
     ready: bool  # the engine takes requests (False while its step loop restarts)
     num_waiting: int  # engine's waiting queue
     num_running: int  # engine's running batch
@@ -83,6 +84,7 @@ class ReplicaStats:
 @dataclass(slots=True, frozen=True)
 class AdmitRequest:
     request_id: str  # same id the replica will see
+    model: str  # the served model it is for: only that model's replicas may take it
     priority: int  # lower = sooner
     num_prompt_tokens: int  # for KV headroom and SJF
     max_tokens: int  # per sample: with the prompt, the engine's SJF estimate

@@ -114,7 +114,7 @@ class EngineReplica:
         self.replica_id = replica_id or _serve_replica_id() or uuid.uuid4().hex[:12]
         self.slo = SLOTracker(slo or {})
         self.metrics = ReplicaMetrics(
-            metrics_enabled, self.replica_id, self.engine.model_report,
+            metrics_enabled, self.replica_id, config.model_name, self.engine.model_report,
             {(priority, name): seconds for priority, target in self.slo.targets.items()
              for name, seconds in target.objectives().items()})
         self._report_to = report_to
@@ -148,9 +148,9 @@ class EngineReplica:
         ended = tuple(r for r in self._ended if not self.engine.has_request(r))
         s = self.engine.stats()
         return ReplicaStats(
-            replica_id=self.replica_id, ready=self.engine.is_ready, num_waiting=s.num_waiting,
-            num_running=s.num_running, max_num_seqs=s.max_num_seqs, num_free_blocks=s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks,
+            replica_id=self.replica_id, model=self.config.model_name, ready=self.engine.is_ready,
+            num_waiting=s.num_waiting, num_running=s.num_running, max_num_seqs=s.max_num_seqs,
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             kv_usage=s.kv_usage, num_queued_tokens=s.num_queued_tokens, block_size=self.engine.block_size,
             received_ids=received, ended_ids=ended, reported_at=time.monotonic(), adapters=s.lora_adapters)
 

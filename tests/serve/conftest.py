@@ -55,13 +55,16 @@ def merge(base: dict, override: dict) -> dict:
 def build_local_app(config: AppConfig, num_replicas: int | None = None, engine_cls: type | None = None
                     ) -> tuple[Any, Router, list[EngineReplica]]:
     """The whole graph in this process, of the app's own parts (the router-in-ingress graph's shape
-    with the replicas in-process too): (the ingress's ASGI app, router, replicas). Replicas start
-    reporting load once an event loop runs (first request or `check_health`)."""
+    with the replicas in-process too): (the ingress's ASGI app, router, replicas, every model's in
+    the config's order). `num_replicas`: each model's, else its config's. Replicas start reporting
+    load once an event loop runs (first request or `check_health`)."""
     router = Router(config.router)
-    replicas = [EngineReplica(config.engine, router, engine_cls, replica_id=f"r{i}", slo=config.slo)
-                for i in range(num_replicas or config.engine.num_replicas)]
-    ingress = Ingress(config, LocalAdmission(router), LocalReplicas(replicas))
-    return ingress.build_asgi_app(), router, replicas
+    by_model = {model.model_name: [EngineReplica(model, router, engine_cls, replica_id=f"r{i}" if k == 0 else
+                                                 f"{model.model_name}-r{i}", slo=config.slo)
+                                   for i in range(num_replicas or model.num_replicas)]
+                for k, model in enumerate(config.served_models)}
+    ingress = Ingress(config, LocalAdmission(router), {name: LocalReplicas(rs) for name, rs in by_model.items()})
+    return ingress.build_asgi_app(), router, [r for rs in by_model.values() for r in rs]
 
 
 @contextlib.asynccontextmanager
@@ -77,7 +80,7 @@ async def local_app(
     for r in replicas:
         await r.check_health()
     for _ in range(200):
-        if len(router.pool.views) == num_replicas:
+        if sum(len(lane.pool.views) for lane in router.lanes.values()) == len(replicas):
             break
         await asyncio.sleep(0.01)
     try:
@@ -127,6 +130,12 @@ def served_real_engine(model: str | None, max_model_len: int, name: str = "tiny"
                        "engine_args": {"max_model_len": max_model_len, "max_num_seqs": 8, "seed": 0}}}
     with served_local_stack(merge(base, config), 1, engine_cls=None) as (url, _, _):
         yield url
+
+
+def one_lane(router: Router) -> Any:
+    """The router's admission of its one model (a test's app serves one)."""
+    (lane,) = router.lanes.values()
+    return lane
 
 
 def run(coro: Any) -> Any:

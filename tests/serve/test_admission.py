@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 
 import pytest
-from conftest import run
+from conftest import one_lane, run
 from handles import Handle
 
 from serve_app.admission import LocalAdmission, RouterClient
@@ -19,16 +19,16 @@ from serve_app.router import Router
 
 
 def req(rid: str) -> AdmitRequest:
-    return AdmitRequest(rid, 0, 10, 10)
+    return AdmitRequest(rid, "m", 0, 10, 10)
 
 
 def full(replica_id: str = "r0") -> ReplicaStats:
     """A replica with no headroom (its engine's waiting queue at the router's bound of 1)."""
-    return ReplicaStats(replica_id, True, 1, 4, 4, 100, 100, 0.0, 0, 16, (), (), 0.0)
+    return ReplicaStats(replica_id, "m", True, 1, 4, 4, 100, 100, 0.0, 0, 16, (), (), 0.0)
 
 
 def room(replica_id: str = "r0", free_slots: int = 1) -> ReplicaStats:
-    return ReplicaStats(replica_id, True, 0, 4 - free_slots, 4, 100, 100, 0.0, 0, 16, (), (), 0.0)
+    return ReplicaStats(replica_id, "m", True, 0, 4 - free_slots, 4, 100, 100, 0.0, 0, 16, (), (), 0.0)
 
 
 class _HeldRouter:
@@ -99,7 +99,7 @@ def test_admissions_that_arrive_while_a_batch_is_on_its_way_go_together_in_the_n
         await _settle()
         assert held.batches == [["a"], ["b", "c", "d"]]
         assert [(await t).replica_id for t in (a, b, c)] == ["r0"] * 3
-        assert not d.done() and len(router.queue) == 1
+        assert not d.done() and len(one_lane(router).queue) == 1
         await router.release(["a"])
         assert (await asyncio.wait_for(d, 1)).replica_id == "r0"
         assert not ingress.released
@@ -121,7 +121,7 @@ def test_a_wait_cancelled_before_its_batch_is_sent_never_reaches_the_router():
         await _settle()
         held.arrive.set()
         await _settle()
-        assert held.batches == [["a"]] and [e.request.request_id for e in router.queue.entries()] == ["a"]
+        assert held.batches == [["a"]] and [e.request.request_id for e in one_lane(router).queue.entries()] == ["a"]
         assert not ingress.released
 
     run(go())
@@ -142,17 +142,17 @@ def test_a_wait_cancelled_after_its_batch_is_sent_is_withdrawn_from_the_routers_
         if acknowledged:
             held.arrive.set()
             await _settle()
-            assert len(router.queue) == 2
+            assert len(one_lane(router).queue) == 2
         a.cancel()
         await _settle()
         assert ingress.released == (["a"] if acknowledged else [])
         held.arrive.set()
         await _settle()
         assert ingress.released == ["a"]
-        assert [e.request.request_id for e in router.queue.entries()] == ["b"]
+        assert [e.request.request_id for e in one_lane(router).queue.entries()] == ["b"]
         await router.report(room())
         assert (await asyncio.wait_for(b, 1)).replica_id == "r0"
-        assert not router.pool.views["r0"].pending.keys() - {"b"}
+        assert not one_lane(router).pool.views["r0"].pending.keys() - {"b"}
 
     run(go())
 
@@ -172,7 +172,7 @@ def test_a_wait_cancelled_while_its_admission_is_on_its_way_back_is_released_onc
         a.cancel()
         await _settle()
         assert ingress.released == ["a"]
-        assert "a" not in router.pool.views["r0"].active and not router.queue
+        assert "a" not in one_lane(router).pool.views["r0"].active and not one_lane(router).queue
 
     run(go())
 
@@ -227,7 +227,7 @@ def test_a_batch_call_that_ends_early_withdraws_what_it_holds():
         assert await answers.__anext__() == []  # the acknowledgement: both queued
         await router.report(room())  # `a` admitted, its answer not read
         await answers.aclose()
-        assert not router.queue and "a" not in router.pool.views["r0"].active
+        assert not one_lane(router).queue and "a" not in one_lane(router).pool.views["r0"].active
 
     run(go())
 
@@ -282,15 +282,15 @@ def test_the_router_in_process_admits_releases_and_withdraws_a_cancelled_wait():
         admission = LocalAdmission(router)
         a, b = (asyncio.ensure_future(admission.admit(req(rid))) for rid in "ab")
         await _settle()
-        assert len(router.queue) == 2
+        assert len(one_lane(router).queue) == 2
         b.cancel()
         await _settle()
-        assert [e.request.request_id for e in router.queue.entries()] == ["a"]
+        assert [e.request.request_id for e in one_lane(router).queue.entries()] == ["a"]
         await router.report(room())
         assert (await asyncio.wait_for(a, 1)).replica_id == "r0"
         admission.release("a")
-        assert "a" not in router.pool.views["r0"].active
+        assert "a" not in one_lane(router).pool.views["r0"].active
         admission.replica_lost("r0")
-        assert await admission.num_ready_replicas() == 0
+        assert await admission.ready_replicas() == {"m": 0}
 
     run(go())

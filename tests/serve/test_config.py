@@ -21,20 +21,20 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").rglob("*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_parse(path):
     cfg = load_config(path)
-    opts = replica_deployment_options(cfg)
+    opts = replica_deployment_options(cfg, cfg.engine)
     assert opts["ray_actor_options"]["num_gpus"] == cfg.engine.num_gpus
     assert ("autoscaling_config" in opts) != ("num_replicas" in opts)
 
 
 def test_gpu_config_takes_one_gpu_per_replica():
     cfg = load_config(Path(__file__).parents[2] / "configs" / "serve-gpu.yaml")
-    assert replica_deployment_options(cfg)["ray_actor_options"]["num_gpus"] == 1
+    assert replica_deployment_options(cfg, cfg.engine)["ray_actor_options"]["num_gpus"] == 1
 
 
 def test_custom_resources_reach_the_replica_actor():
     cfg = AppConfig.model_validate({"engine": {"resources": {"engine_node": 1}}})
-    assert replica_deployment_options(cfg)["ray_actor_options"]["resources"] == {"engine_node": 1}
-    assert "resources" not in replica_deployment_options(AppConfig())["ray_actor_options"]
+    assert replica_deployment_options(cfg, cfg.engine)["ray_actor_options"]["resources"] == {"engine_node": 1}
+    assert "resources" not in replica_deployment_options(AppConfig(), AppConfig().engine)["ray_actor_options"]
     with pytest.raises(ValueError):
         AppConfig.model_validate({"engine": {"resources": {"engine_node": "one"}}})
 
@@ -47,7 +47,7 @@ def test_scaling_settings_reach_serve_under_its_names():
         "min_replicas": 1, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 4,
         "upscale_delay_s": 1.0, "downscale_delay_s": 5.0, "look_back_period_s": 3.0,
         "metrics_interval_s": 0.5}}})
-    opts = replica_deployment_options(cfg)
+    opts = replica_deployment_options(cfg, cfg.engine)
     assert opts["max_replicas_per_node"] == 1
     serve_cfg = AutoscalingConfig(**opts["autoscaling_config"])
     assert set(opts["autoscaling_config"]) == set(AutoscalingSettings.model_fields) | {"policy"}
@@ -155,14 +155,16 @@ def _deployment_names(app) -> set[str]:
     bound = app._bound_deployment
     names = {bound.name}
     for arg in (*bound.init_args, *bound.init_kwargs.values()):
-        if isinstance(arg, Application):
-            names |= _deployment_names(arg)
+        for value in arg.values() if isinstance(arg, dict) else [arg]:  # each model's replicas, by name
+            if isinstance(value, Application):
+                names |= _deployment_names(value)
     return names
 
 
 @pytest.mark.parametrize("config", [{"engine": {"num_replicas": 2}}, {"engine": {"autoscaling": {"max_replicas": 2}}},
-                                    {"ingress": {"num_replicas": 2}}])
+                                    {"ingress": {"num_replicas": 2}},
+                                    {"models": [{"served_model_name": "a"}, {"served_model_name": "b"}]}])
 def test_a_colocated_front_end_with_several_engines_is_an_error(config):
     config = {**config, "ingress": {**config.get("ingress", {}), "colocated": True}}
-    with pytest.raises(ValidationError, match="ingress.colocated needs exactly one engine replica"):
+    with pytest.raises(ValidationError, match="ingress.colocated needs exactly one model and one engine replica"):
         AppConfig.model_validate(config)

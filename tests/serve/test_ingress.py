@@ -255,11 +255,11 @@ def test_models_health_and_api_keys():
 
 
 class _Fleet:
-    """An admission as the ingress's health sees it: how many engine replicas take requests."""
+    """An admission as the ingress's health sees it: how many engine replicas of the model take requests."""
     ready = 0
 
-    async def num_ready_replicas(self) -> int:
-        return self.ready
+    async def ready_replicas(self) -> dict[str, int]:
+        return {"fake": self.ready}
 
     async def check_health(self) -> None:
         pass
@@ -282,7 +282,7 @@ class _Engines:
 
 def test_the_ingress_collects_its_requests_young_objects_less_often():
     gc.set_threshold(700)  # Python's default
-    Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), _Fleet(), _Engines())
+    Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), _Fleet(), {"fake": _Engines()})
     assert gc.get_threshold()[0] == YOUNG_COLLECTION_OBJECTS
 
 
@@ -292,7 +292,7 @@ def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready(
     engine replica is ready; a failed load is retried, and does not fail the ingress's check."""
     async def go():
         fleet, engines = _Fleet(), _Engines()
-        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, engines)
+        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, {"fake": engines})
         transport = httpx.ASGITransport(app=ingress.build_asgi_app())
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             await ingress.check_health()
@@ -308,11 +308,11 @@ def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready(
             await ingress.check_health()
             assert (await client.get("/health")).status_code == 200
             assert engines.calls == 3  # loaded once
-            assert (await ingress.model_info()).served_model_name == "fake"  # what a request reads
+            assert (await ingress.models["fake"].load_info()).served_model_name == "fake"  # what a request reads
             assert engines.calls == 3
 
         fresh = _Engines()
-        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, fresh)
+        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, {"fake": fresh})
         transport = httpx.ASGITransport(app=ingress.build_asgi_app())
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             assert (await client.get("/health")).status_code == 200

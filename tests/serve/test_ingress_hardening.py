@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import local_stack, run
+from conftest import local_stack, one_lane, run
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -70,7 +70,7 @@ def test_values_outside_the_engines_ranges_are_400_and_change_nothing(body, fiel
         async with local_stack() as (client, router, replicas):
             err = _assert_error(await client.post("/v1/completions", json=body), 400, field)
             assert err["param"] == field
-            assert len(router.queue) == 0 and not replicas[0].engine.started
+            assert len(one_lane(router).queue) == 0 and not replicas[0].engine.started
             await _ok(client)
 
     run(go())
@@ -138,7 +138,7 @@ def test_too_many_prompts_or_more_work_than_the_queue_holds_is_refused_at_once()
             assert err["code"] == "too_many_prompts"
             err = _assert_error(await client.post("/v1/completions", json={
                 "prompt": ["hi"] * 4, "max_tokens": 100, "n": 2}), 413, "holds at most 500")
-            assert err["code"] == "request_too_large" and len(router.queue) == 0
+            assert err["code"] == "request_too_large" and len(one_lane(router).queue) == 0
             r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d", "e", "f", "g", "h"],
                                                             "max_tokens": 3})
             assert r.status_code == 200 and len(r.json()["choices"]) == 8

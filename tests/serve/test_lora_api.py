@@ -109,7 +109,7 @@ def test_concurrent_requests_of_several_adapters_each_get_their_own(served, offl
 
 
 def _stats(replica_id: str, running: int, adapters: tuple[str, ...]) -> ReplicaStats:
-    return ReplicaStats(replica_id, True, 0, running, 8, 100, 100, 0.0, 0, 16, (), (), 0.0, adapters)
+    return ReplicaStats(replica_id, "m", True, 0, running, 8, 100, 100, 0.0, 0, 16, (), (), 0.0, adapters)
 
 
 def test_the_router_prefers_a_replica_holding_the_adapter_within_its_load_slack():
@@ -119,12 +119,12 @@ def test_the_router_prefers_a_replica_holding_the_adapter_within_its_load_slack(
     pool = ReplicaPool(RouterConfig(affinity_load_slack=0.05))
     pool.report(_stats("r0", 1, ()), 0.0)
     pool.report(_stats("r1", 1, ("sql",)), 0.0)
-    assert pool.choose(AdmitRequest("q1", 0, 8, 8, adapter="sql")) == "r1"
-    assert pool.choose(AdmitRequest("q2", 0, 8, 8, adapter="poet")) == "r0"  # no holder: least loaded, then id
-    busy = ReplicaStats("r1", True, 0, 4, 8, 60, 100, 0.4, 0, 16, (), (), 0.0, ("sql",))
+    assert pool.choose(AdmitRequest("q1", "m", 0, 8, 8, adapter="sql")) == "r1"
+    assert pool.choose(AdmitRequest("q2", "m", 0, 8, 8, adapter="poet")) == "r0"  # no holder: least loaded, then id
+    busy = ReplicaStats("r1", "m", True, 0, 4, 8, 60, 100, 0.4, 0, 16, (), (), 0.0, ("sql",))
     pool.report(busy, 1.0)
-    assert pool.choose(AdmitRequest("q3", 0, 8, 8, adapter="sql")) == "r0"
-    pool.assign("r0", AdmitRequest("q3", 0, 8, 8, adapter="sql"), 1.0)
+    assert pool.choose(AdmitRequest("q3", "m", 0, 8, 8, adapter="sql")) == "r0"
+    pool.assign("r0", AdmitRequest("q3", "m", 0, 8, 8, adapter="sql"), 1.0)
     assert "sql" in pool.views["r0"].adapters
 
 

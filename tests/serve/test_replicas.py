@@ -11,7 +11,7 @@ import contextlib
 
 import httpx
 import pytest
-from conftest import greedy_text, merge, run, sse_events
+from conftest import greedy_text, merge, one_lane, run, sse_events
 from fake_engine import FakeAsyncEngine
 from handles import ReplicaSetHandle
 
@@ -139,9 +139,9 @@ async def served(replicas: list[EngineReplica], handle, accept_timeout_s: float 
         replica._report_to = router
         await replica.check_health()
     transport = ServeReplicas(handle, accept_timeout_s)
-    ingress = Ingress(cfg, LocalAdmission(router), transport)
+    ingress = Ingress(cfg, LocalAdmission(router), {"fake": transport})
     for _ in range(200):
-        if len(router.pool.views) == len(replicas):
+        if router.lanes and len(one_lane(router).pool.views) == len(replicas):
             break
         await asyncio.sleep(0.01)
     try:
@@ -162,7 +162,7 @@ def text_of(events: list) -> str:
 
 
 def released(router) -> bool:
-    return not any(view.active for view in router.pool.views.values())
+    return not any(view.active for view in one_lane(router).pool.views.values())
 
 
 def test_a_burst_goes_in_few_submit_calls_and_every_chunk_over_the_one_channel(monkeypatch):
@@ -216,7 +216,7 @@ def test_a_channel_that_breaks_fails_its_requests_with_a_503_and_the_next_opens_
                 await asyncio.sleep(0.01)
             assert len(replicas[0].engine.aborted) == 3 and released(router)
             for _ in range(100):  # the replica reported lost, and back with its next report
-                if router.pool.views:
+                if one_lane(router).pool.views:
                     break
                 await asyncio.sleep(0.02)
             after = await client.post("/v1/completions", json=BODY)  # on a new channel
@@ -345,7 +345,7 @@ def test_a_replica_that_never_answers_is_a_503_and_reported_lost_not_a_hang(chan
                                                                  for _ in range(3))), 10)
             for r in responses:
                 assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
-            assert released(router) and "r0" not in router.pool.views
+            assert released(router) and "r0" not in one_lane(router).pool.views
 
     run(go())
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from admission_scenarios import ENGINE, SCENARIOS, Stack
-from conftest import admit_alone, merge, run, served_local_stack
+from conftest import admit_alone, merge, one_lane, run, served_local_stack
 from fake_engine import FakeAsyncEngine
 
 from serve_app.admission_queue import AdmissionQueue
@@ -18,12 +18,12 @@ from serve_app.router import Router
 
 
 def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=(), n: int = 1) -> AdmitRequest:
-    return AdmitRequest(rid, priority, prompt, new, n, tuple(prefix))
+    return AdmitRequest(rid, "m", priority, prompt, new, n, tuple(prefix))
 
 
 def stats(rid: str, waiting=0, running=0, free=100, total=100, received=(),
           queued_tokens=0, ready=True, slots=4, ended=()) -> ReplicaStats:
-    return ReplicaStats(rid, ready, waiting, running, slots, free, total, 1 - free / total, queued_tokens, 16,
+    return ReplicaStats(rid, "m", ready, waiting, running, slots, free, total, 1 - free / total, queued_tokens, 16,
                         tuple(received), tuple(ended), 0.0)
 
 
@@ -181,13 +181,13 @@ def test_router_queue_full_429_with_retry_after_and_cancel_removes():
         await router.report(stats("r0", waiting=1, running=4))  # no headroom
         waiting = asyncio.ensure_future(admit_alone(router, req("a")))
         await asyncio.sleep(0)
-        assert len(router.queue) == 1
+        assert len(one_lane(router).queue) == 1
         refused = await admit_alone(router, req("b"))
         assert refused.replica_id is None and refused.error.status == 429
         assert refused.error.retry_after_s >= 1
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
-        assert len(router.queue) == 0
+        assert len(one_lane(router).queue) == 0
         await router.report(stats("r0", running=4))
         assert (await admit_alone(router, req("c"))).replica_id == "r0"
         router._tick_task.cancel()
@@ -252,6 +252,6 @@ def test_admission_scenario_in_process(name):
             return [r.routing_counters() for r in replicas]
 
         async def num_queued():
-            return len(router.queue)
+            return len(one_lane(router).queue)
 
         asyncio.run(scenario.run(Stack(url, replica_stats, routing_counters, num_queued)))

@@ -37,7 +37,7 @@ def test_router_and_engine_queues_rank_the_same_requests_in_the_same_order(polic
     for i in range(300):
         priority, prompt, max_tokens = rng.randint(0, 9), rng.randint(1, 500), rng.randint(1, 300)
         arrival = float(rng.randint(0, 60))
-        router_q.push(AdmitRequest(f"r{i}", priority, prompt, max_tokens), arrival)
+        router_q.push(AdmitRequest(f"r{i}", "m", priority, prompt, max_tokens), arrival)
         engine_q.add(Request(f"r{i}", [1] * prompt, SamplingParams(max_tokens=max_tokens), priority=priority,
                              arrival_time=arrival))
     router_order, engine_order = [], []
@@ -64,10 +64,10 @@ def test_a_requests_aged_rank_is_continuous_from_router_to_engine(tiny_llama):
         clock = _Clock(100.0)
         router = Router(RouterConfig(policy="priority", aging_rate=1.0), clock=clock)
         router._tick_task.cancel()
-        waiting = asyncio.ensure_future(admit_alone(router, AdmitRequest("old", 9, 4, 4)))
+        waiting = asyncio.ensure_future(admit_alone(router, AdmitRequest("old", "m", 9, 4, 4)))
         await asyncio.sleep(0)
         clock.now += 4.0
-        await router.report(ReplicaStats("r0", True, 0, 0, 1, 64, 64, 0.0, 0, 16, (), (), 0.0))
+        await router.report(ReplicaStats("r0", "m", True, 0, 0, 1, 64, 64, 0.0, 0, 16, (), (), 0.0))
         return (await waiting).queue_wait_s
 
     waited = run(admitted_after_wait())
