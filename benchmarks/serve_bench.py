@@ -563,15 +563,15 @@ def cpu_snapshot() -> dict[str, float]:
 
 
 def load_app_config(config_path: str, engine_overrides: dict[str, Any]) -> Any:
-    """The serve config, with `--engine-arg` values over its `engine.engine_args`."""
+    """The serve config, with `--engine-arg` values over the engine_args of each model it serves."""
     from serve_app.config import AppConfig, load_config
 
     cfg = load_config(config_path)
     if not engine_overrides:
         return cfg
     data = cfg.model_dump(exclude_unset=True)
-    engine = data.setdefault("engine", {})
-    engine["engine_args"] = engine.get("engine_args", {}) | engine_overrides
+    for engine in data["models"] if data.get("models") else [data.setdefault("engine", {})]:
+        engine["engine_args"] = engine.get("engine_args", {}) | engine_overrides
     return AppConfig.model_validate(data)
 
 
@@ -618,8 +618,8 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
         proxy_port = _free_port(host)
     if info is not None:
         info["front_door"] = front_door
-    need = (cfg.engine.num_cpus * max(cfg.engine.num_replicas,
-                                      cfg.engine.autoscaling.max_replicas if cfg.engine.autoscaling else 0)
+    need = (sum(m.num_cpus * max(m.num_replicas, m.autoscaling.max_replicas if m.autoscaling else 0)
+                for m in cfg.served_models)
             + cfg.router.num_cpus + cfg.ingress.num_cpus * cfg.ingress.num_replicas)
     num_cpus = max(os.cpu_count() or 1, math.ceil(need + 0.5))
     import ray
@@ -642,7 +642,7 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
             os.environ["OMP_NUM_THREADS"] = saved_omp
     try:
         if info is not None:
-            info["replica_threads_probe"] = probe_replica_threads(cfg.engine.num_cpus)
+            info["replica_threads_probe"] = probe_replica_threads(cfg.served_models[0].num_cpus)
             log(f"torch threads in a Ray actor like the replica: {info['replica_threads_probe']}")
         serve.start(http_options={"host": host, "port": proxy_port})
         serve.run(build_app(cfg), name="cbserve", route_prefix="/", blocking=False)
@@ -898,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         with launched_app(args.config, args.host, args.port, args.startup_timeout,
                           args.replica_omp_threads, extra, parse_engine_args(args.engine_arg),
                           args.front_door) as (base, cfg):
-            model = args.model or cfg.engine.model_name
+            model = args.model or cfg.served_models[0].model_name
             cpu0: dict[str, float] = {}  # after the warm-up: first requests' one-time costs are not the serving cost
             steps0: dict[str, float] = {}
 
@@ -913,7 +913,8 @@ def main(argv: list[str] | None = None) -> int:
             meta["base_url"] = base
             if args.offline_beside_app:
                 log("offline LLM on the same workload, beside the idle app ...")
-                extra["offline_beside_app"] = run_offline(wl, cfg.engine.model, cfg.engine.engine_args.as_kwargs(),
+                first = cfg.served_models[0]
+                extra["offline_beside_app"] = run_offline(wl, first.model, first.engine_args.as_kwargs(),
                                                           _offline_threads(args, extra), args.max_concurrency)
     else:
         results, wall, model = asyncio.run(run_http(args, wl, args.base_url, args.model, prompter))
@@ -964,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_app_config(args.config, parse_engine_args(args.engine_arg))
         log("offline LLM on the same workload ...")
         try:
-            offline = run_offline(wl, cfg.engine.model, cfg.engine.engine_args.as_kwargs(),
+            offline = run_offline(wl, cfg.served_models[0].model, cfg.served_models[0].engine_args.as_kwargs(),
                                   _offline_threads(args, extra), args.max_concurrency)
             offline["ratio_http_over_offline"] = (summary["output_tps"] / offline["output_tps"]
                                                   if summary["output_tps"] else None)

@@ -168,3 +168,36 @@ def test_a_colocated_front_end_with_several_engines_is_an_error(config):
     config = {**config, "ingress": {**config.get("ingress", {}), "colocated": True}}
     with pytest.raises(ValidationError, match="ingress.colocated needs exactly one model and one engine replica"):
         AppConfig.model_validate(config)
+
+
+def test_several_models_each_get_an_engine_replica_deployment_of_their_own():
+    cfg = AppConfig.model_validate({"models": [
+        {"served_model_name": "small", "num_cpus": 0.5, "engine_args": {"max_num_seqs": 4}},
+        {"model": "/models/Qwen3-0.6B", "num_replicas": 2, "num_cpus": 1.0, "resources": {"big": 1}}]})
+    assert [m.model_name for m in cfg.served_models] == ["small", "Qwen3-0.6B"]
+    assert not cfg.colocated and cfg.router_in_ingress
+    small, qwen = (replica_deployment_options(cfg, m) for m in cfg.served_models)
+    assert (small["name"], qwen["name"]) == ("EngineReplica-small", "EngineReplica-Qwen3-0.6B")
+    assert small["num_replicas"] == 1 and qwen["num_replicas"] == 2
+    assert qwen["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {"big": 1}}
+    assert _deployment_names(build_app(cfg)) == {"Ingress", "EngineReplica-small", "EngineReplica-Qwen3-0.6B"}
+    split = cfg.model_copy(update={"router": cfg.router.model_copy(update={"in_ingress": False})})
+    assert _deployment_names(build_app(split)) == {"Ingress", "Router", "EngineReplica-small",
+                                                   "EngineReplica-Qwen3-0.6B"}
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"engine": {}, "models": [{"served_model_name": "a"}]}, "either `engine`"),
+    ({"models": [{"served_model_name": "a"}, {"served_model_name": "a"}]}, "one name"),
+    ({"models": [{"model": "/m/x"}, {"model": "/n/x"}]}, "one name"),
+    ({"models": [{"served_model_name": "a", "autoscaling": {"max_replicas": 2, "target_ongoing_requests": 500}}]},
+     "of model 'a'"),
+])
+def test_a_models_list_that_cannot_be_served_is_an_error(config, message):
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate(config)
+
+
+def test_the_example_config_of_two_models_loads():
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "serve-models.yaml")
+    assert len(cfg.served_models) == 2 and not cfg.colocated

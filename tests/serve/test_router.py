@@ -17,13 +17,14 @@ from serve_app.replica_pool import ReplicaPool
 from serve_app.router import Router
 
 
-def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=(), n: int = 1) -> AdmitRequest:
-    return AdmitRequest(rid, "m", priority, prompt, new, n, tuple(prefix))
+def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=(), n: int = 1,
+        model: str = "m") -> AdmitRequest:
+    return AdmitRequest(rid, model, priority, prompt, new, n, tuple(prefix))
 
 
 def stats(rid: str, waiting=0, running=0, free=100, total=100, received=(),
-          queued_tokens=0, ready=True, slots=4, ended=()) -> ReplicaStats:
-    return ReplicaStats(rid, "m", ready, waiting, running, slots, free, total, 1 - free / total, queued_tokens, 16,
+          queued_tokens=0, ready=True, slots=4, ended=(), model: str = "m") -> ReplicaStats:
+    return ReplicaStats(rid, model, ready, waiting, running, slots, free, total, 1 - free / total, queued_tokens, 16,
                         tuple(received), tuple(ended), 0.0)
 
 
@@ -200,6 +201,43 @@ def test_router_no_replica_503():
         router = Router(RouterConfig(no_replica_timeout_s=0.2))
         result = await asyncio.wait_for(admit_alone(router, req("a")), timeout=5)
         assert result.error.status == 503
+        router._tick_task.cancel()
+
+    run(go())
+
+
+def test_a_model_without_room_holds_back_only_its_own_requests():
+    """Two models behind one router, model a's replica full:
+    1. a's requests queue up to a's bound, then a's 429 names a, with a Retry-After;
+    2. b's requests, even worse-ranked ones, go to b's replica at once: a's queue neither blocks
+       them nor counts against b's bound;
+    3. once a's replica has room, a's queued requests go there, best-ranked first, never to b's;
+    4. a model with no live replica fails its own queued requests with 503, alone."""
+    async def go():
+        router = Router(RouterConfig(policy="priority", max_queued_requests=2, max_waiting_per_replica=1,
+                                     no_replica_timeout_s=0.3))
+        await router.report(stats("a0", waiting=1, running=4, model="a"))  # no headroom
+        await router.report(stats("b0", model="b"))
+        queued = [asyncio.ensure_future(admit_alone(router, req(f"a{i}", priority=5 - i, model="a")))
+                  for i in range(2)]
+        await asyncio.sleep(0)
+        assert len(router.lanes["a"].queue) == 2
+        refused = await admit_alone(router, req("a-extra", priority=0, model="a"))
+        assert refused.error.status == 429 and "model 'a'" in refused.error.message
+        assert refused.error.retry_after_s >= 1
+        for i in range(2):
+            got = await admit_alone(router, req(f"b{i}", priority=9, model="b"))
+            assert got.replica_id == "b0" and got.error is None
+        assert not queued[0].done() and not queued[1].done()
+        assert await router.ready_replicas() == {"a": 1, "b": 1}
+        await router.report(stats("a0", running=4, model="a"))  # its queue empty: room for one waiting
+        first = await asyncio.wait_for(asyncio.shield(queued[1]), 5)  # priority 4 before 5
+        assert first.replica_id == "a0" and not queued[0].done()
+        router.release_now(["a1"])
+        assert (await asyncio.wait_for(queued[0], 5)).replica_id == "a0"
+        lonely = await asyncio.wait_for(admit_alone(router, req("c0", model="c")), 5)
+        assert lonely.error.status == 503 and "model 'c'" in lonely.error.message
+        assert (await admit_alone(router, req("b2", model="b"))).replica_id == "b0"
         router._tick_task.cancel()
 
     run(go())

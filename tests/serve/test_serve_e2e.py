@@ -253,3 +253,58 @@ def test_real_n_seed_stop_and_errors(real_app, offline_llm):
         client.completions.create(model="tiny", prompt="the " * 600, max_tokens=4)
     ok = client.completions.create(model="tiny", prompt="the cat", max_tokens=2)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.fixture(scope="session")
+def two_model_app(serve_cluster, tmp_path_factory):
+    """The embedded model (its default mode) and a tiny random Qwen3 in one app: an EngineReplica
+    deployment each, one ingress and router."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from tests.conftest import save_tiny_chat_model
+
+    qwen3 = save_tiny_chat_model(tmp_path_factory.mktemp("qwen3-served"), "qwen3")
+    args = {"max_num_seqs": 8, "seed": 0}
+    cfg = AppConfig.model_validate({"models": [
+        {"num_cpus": 0.1, "engine_args": args},
+        {"model": qwen3, "served_model_name": "qwen3-tiny", "num_cpus": 0.1,
+         "engine_args": {**args, "max_model_len": 1024}}]})
+    serve.run(build_app(cfg), name="models", route_prefix="/models")
+    url = app_url(serve_cluster, "models")
+    serve_bench.wait_healthy(url, 300)
+    yield url, qwen3
+    serve.delete("models")
+
+
+def test_two_models_in_one_app_through_the_openai_client(two_model_app):
+    """Each model answers its own requests as the offline engine does (greedy, token for token);
+    /v1/models lists both; an unknown model is a 404; the router's and replicas' series carry the
+    model's name."""
+    import engine
+
+    url, qwen3 = two_model_app
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct", "qwen3-tiny"]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    for model, path in (("SmolLM2-135M-Instruct", None), ("qwen3-tiny", qwen3)):
+        offline = engine.LLM(model=path, seed=0, max_model_len=1024)
+        want = offline.chat(messages, engine.SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        got = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        assert got.model == model
+        assert got.choices[0].message.content == want[0].outputs[0].text
+        del offline
+    with pytest.raises(openai.NotFoundError, match="qwen3-tiny"):
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    deadline, lines = time.time() + 60, []
+    while time.time() < deadline:
+        text = metrics_of_every_node()
+        lines = [line for line in text.splitlines() if 'application="models"' in line
+                 and line.startswith(("ray_cbserve_router_dispatched_total{", "ray_cbserve_ttft_s_count{"))]
+        if {m for m in ("SmolLM2-135M-Instruct", "qwen3-tiny") for line in lines if f'model="{m}"' in line} == {
+                "SmolLM2-135M-Instruct", "qwen3-tiny"} and len({line.split("{")[0] for line in lines}) == 2:
+            break
+        time.sleep(2)
+    for prefix in ("ray_cbserve_router_dispatched_total{", "ray_cbserve_ttft_s_count{"):
+        for model in ("SmolLM2-135M-Instruct", "qwen3-tiny"):
+            assert any(line.startswith(prefix) and f'model="{model}"' in line for line in lines), (prefix, model, lines)
