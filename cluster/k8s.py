@@ -1,5 +1,6 @@
 """Writes the KubeRay manifests that carry a serve config: k8s/base/rayservice.yaml (the app from
-configs/serve.yaml) and the gpu-prod overlay's patch (configs/serve-gpu.yaml and GPU workers).
+configs/serve.yaml), the gpu-prod overlay's patch (configs/serve-gpu.yaml and GPU workers) and the
+multi-model overlay's (configs/serve-models.yaml: several models in one app).
 
 The serve configs stay the one source of truth: each RayService's `serveConfigV2` is the config
 file's content with the HTTP proxy listening on every interface (a pod's address, not loopback).
@@ -102,6 +103,14 @@ def gpu_prod_patch() -> dict:
     }
 
 
+def multi_model_patch() -> dict:
+    """Strategic-merge patch: the serve config of several models in one app, on the base's workers."""
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayService", "metadata": {"name": "cbserve"},
+        "spec": {"serveConfigV2": serve_config_v2(ROOT / "configs" / "serve-models.yaml")},
+    }
+
+
 def outputs() -> dict[Path, str]:
     def dump(doc: dict, *sources: str) -> str:
         header = GENERATED.format(source=" and ".join(sources))
@@ -111,6 +120,8 @@ def outputs() -> dict[Path, str]:
         ROOT / "k8s" / "base" / "rayservice.yaml": dump(rayservice(), "configs/serve.yaml", "cluster/k8s.py"),
         ROOT / "k8s" / "overlays" / "gpu-prod" / "rayservice-gpu.yaml": dump(
             gpu_prod_patch(), "configs/serve-gpu.yaml", "cluster/k8s.py"),
+        ROOT / "k8s" / "overlays" / "multi-model" / "rayservice-models.yaml": dump(
+            multi_model_patch(), "configs/serve-models.yaml", "cluster/k8s.py"),
     }
 
 

@@ -23,7 +23,7 @@ from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).parent / "crds"
-OVERLAYS = ["cpu-dev", "gpu-prod"]
+OVERLAYS = ["cpu-dev", "gpu-prod", "multi-model"]
 KUBERNETES_VERSION = kubernetes_validate.utils.latest_version()
 
 
@@ -121,7 +121,13 @@ def test_overlays_place_engines_as_intended(rendered):
     assert cluster["enableInTreeAutoscaling"] is True
     (workers,) = cluster["workerGroupSpecs"]
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
-    engine = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["engine"]
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    if overlay == "multi-model":  # every model's replica fits in a worker pod, on the CPU
+        assert len(args["models"]) == 2 and "nvidia.com/gpu" not in limits
+        assert all(m["engine_args"]["device"] == "cpu" and float(limits["cpu"]) >= m["num_cpus"]
+                   for m in args["models"])
+        return
+    engine = args["engine"]
     if overlay == "gpu-prod":
         assert limits["nvidia.com/gpu"] == "1" and workers["rayStartParams"]["num-gpus"] == "1"
         assert engine["num_gpus"] == 1 and engine["engine_args"]["device"] == "cuda"
