@@ -3,12 +3,13 @@
 The app, launched as `serve_bench.py --launch` does (a private Ray + Serve, the front door `make serve`
 picks), serves the embedded SmolLM2-135M in its default mode and a Qwen3-shaped model (random weights,
 SmolLM2's tokenizer, 8 layers of hidden size 512, made here), each in its own EngineReplica deployment
-with one core's worth of threads (configs/serve-models.yaml's layout). In each of --rounds rounds,
-alternated: the steady stream alone (Poisson arrivals at --rate req/s on the steady model for
---seconds, 64-256-token prompts, 32 tokens out), then the same stream (same seed) with a burst of the
-64-request mixed workload (benchmarks/workload.py) sent to the other model at its start. Reported:
-the steady stream's TTFT p50/p99 alone and beside the burst, their ratio (median over rounds), and
-the burst's output tok/s; both directions (--steady both).
+with one core's worth of threads (configs/serve-models.yaml's layout). In each of --rounds rounds, in
+alternating order: the steady stream alone (Poisson arrivals at --rate req/s on the steady model for
+--seconds, 64-256-token prompts, 32 tokens out), and the same stream (same arrivals and lengths, fresh
+prompts, so neither phase hits the prefix cache the other filled) with a burst of the 64-request mixed
+workload (benchmarks/workload.py) sent to the other model at its start; an untimed warm-up on both
+models first. Reported: the steady stream's TTFT p50/p99 alone and beside the burst, their ratio
+(median over rounds), and the burst's output tok/s; both directions (--steady both).
 
     .venv/bin/python benchmarks/two_models.py [--rounds 3] [--json OUT]
 """
@@ -79,16 +80,21 @@ async def _run(session, url: str, model: str, requests: list[tuple[list[int], in
     return results
 
 
-def steady_requests(rate: float, seconds: float, seed: int) -> list[tuple[list[int], int, float]]:
+def steady_requests(rate: float, seconds: float, seed: int, salt: int) -> list[tuple[list[int], int, float]]:
+    """The steady stream of `seed` (arrivals and lengths), its prompts' tokens drawn afresh for each
+    `salt`, so no phase's prompts hit the prefix cache another phase filled."""
     import random
 
     rng = random.Random(seed)
     offsets = [t for t in arrival_offsets(int(rate * seconds * 2) + 1, rate, seed) if t < seconds]
-    return [(random_prompt(rng.randint(64, 256), seed=rng.randrange(1 << 30)), 32, t) for t in offsets]
+    return [(random_prompt(rng.randint(64, 256), seed=salt * 100_003 + i), 32, t) for i, t in enumerate(offsets)]
 
 
 def burst_requests(seed: int) -> list[tuple[list[int], int, float]]:
     return [(r.prompt_token_ids, r.output_len, 0.0) for r in make_workload(64, seed=seed).requests]
+
+
+_salts = iter(range(1, 1 << 30))  # each phase's prompts their own
 
 
 async def one_phase(base: str, steady_model: str, burst_model: str | None, args: argparse.Namespace,
@@ -98,7 +104,7 @@ async def one_phase(base: str, steady_model: str, burst_model: str | None, args:
     url = base + "/completions"
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=600.0)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200), timeout=timeout) as session:
-        steady = _run(session, url, steady_model, steady_requests(args.rate, args.seconds, seed))
+        steady = _run(session, url, steady_model, steady_requests(args.rate, args.seconds, seed, next(_salts)))
         if burst_model is None:
             steady_results, burst_results = await steady, []
         else:
@@ -115,11 +121,24 @@ async def one_phase(base: str, steady_model: str, burst_model: str | None, args:
     return out
 
 
+async def warm_up(base: str) -> None:
+    """Untimed: 16 requests of the mixed workload on each model at once, then each model's steady
+    prompts, so no timed phase pays a first step's costs."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        burst = burst_requests(seed=99)[:16]
+        await asyncio.gather(*(_run(session, base + "/completions", m, burst) for m in (EMBEDDED, QWEN3)))
+        for m in (EMBEDDED, QWEN3):
+            await _run(session, base + "/completions", m, steady_requests(4.0, 2.0, 99, next(_salts)))
+
+
 def direction(base: str, steady_model: str, burst_model: str, args: argparse.Namespace) -> dict:
     rounds = []
-    for k in range(args.rounds):
-        alone = asyncio.run(one_phase(base, steady_model, None, args, seed=k))
-        beside = asyncio.run(one_phase(base, steady_model, burst_model, args, seed=k))
+    for k in range(args.rounds):  # the phases' order alternates: neither always follows the other
+        phases = [None, burst_model] if k % 2 == 0 else [burst_model, None]
+        alone, beside = sorted((asyncio.run(one_phase(base, steady_model, b, args, seed=k)) for b in phases),
+                               key=lambda phase: "burst_output_tok_per_s" in phase)
         rounds.append({"alone": alone, "beside_burst": beside,
                        "p99_ratio": beside["ttft_p99_s"] / alone["ttft_p99_s"]})
         print(f"  steady {steady_model}, burst {burst_model}, round {k}: TTFT p99 {alone['ttft_p99_s'] * 1e3:.0f} ms "
@@ -143,6 +162,7 @@ def main() -> None:
         config = Path(tmp) / "serve.yaml"
         config.write_text(yaml.safe_dump(app_config(qwen3)))
         with launched_app(str(config), None, None, 600) as (base, _):
+            asyncio.run(warm_up(base))
             pairs = [(EMBEDDED, QWEN3), (QWEN3, EMBEDDED)]
             results = {f"steady_{s}_burst_{b}": direction(base, s, b, args)
                        for s, b in pairs if args.steady in ("both", s)}

@@ -3,7 +3,8 @@
 The dashboard is Ray's generated Serve dashboard (requests, errors, latency and replicas per
 deployment, as `ray.dashboard` builds it) with the cbserve rows below it: admission queue and SLO
 by priority class, the engine's batch, KV cache and preemptions, and latency percentiles. Both
-read the same Prometheus and share Ray's `datasource` and `Application` variables.
+read the same Prometheus and share Ray's `datasource` and `Application` variables; the cbserve
+rows also filter by `Model` (the served models of an app that serves several).
 
     python -m cluster.grafana --out dashboard.json                      # the JSON only
     python -m cluster.grafana --grafana-url http://grafana:3000 --prometheus-url http://prometheus:9090
@@ -24,7 +25,15 @@ from typing import Any
 DASHBOARD_UID = "cbserve"
 DATASOURCE_UID = "cbserve-prometheus"
 FOLDER_UID = "cbserve"
-APP = 'application=~"$Application"'
+APP = 'application=~"$Application", model=~"$Model"'
+MODEL_VARIABLE = {  # shaped as Ray's Application variable; the `model` label of every cbserve series
+    "allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+    "datasource": "${datasource}", "definition": "label_values(ray_cbserve_replica_ready{}, model)",
+    "hide": 0, "includeAll": True, "label": "Model", "multi": True, "name": "Model", "options": [],
+    "query": {"query": "label_values(ray_cbserve_replica_ready{}, model)",
+              "refId": "Prometheus-Instance-Variable-Query"},
+    "refresh": 1, "regex": "", "skipUrlSync": False, "sort": 1, "type": "query",
+}
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,7 @@ def build_dashboard() -> dict[str, Any]:
             panel_id += 1
             panels.append(_panel_json(panel, panel_id, 8 * (i % 3), y + 8 * (i // 3)))
         y += 8 * ((len(row) + 2) // 3)
+    dashboard["templating"]["list"].append(MODEL_VARIABLE)
     dashboard.update(uid=DASHBOARD_UID, title="cbserve", id=None, tags=["cbserve", "ray", "serve"],
                      version=0)
     dashboard.pop("rayMeta", None)

@@ -99,7 +99,8 @@ def render() -> str:
               *_dataclass_table(SpeculativeConfig), ""]
     parts += ["# The serve config", "",
               f"The `args` of a serve YAML's application (`configs/serve.yaml`), an `{AppConfig.__name__}`: "
-              "each section below is a key of it.", ""]
+              "each section below is a key of it. Several models in one app (`configs/serve-models.yaml`): "
+              "`models`, a list of `engine` sections, in place of `engine`.", ""]
     for where, model in SERVE_SECTIONS:
         parts += [f"## `{where}`", "", *_model_table(model), ""]
     return "\n".join(parts).rstrip() + "\n"

@@ -18,8 +18,9 @@ Invariants (checked by tests):
   estimated waiting queue is below `max_waiting_per_replica` and its estimated free KV blocks
   cover the prompt (an idle replica always has headroom, so a prompt larger than free blocks
   cannot deadlock).
-- Dispatch is strictly in rank order within a model: if its best request fits nowhere, none of
-  that model's overtakes it.
+- Dispatch is in rank order within a model (among a class's LoRA adapters, each adapter's in
+  turn: serve_app.admission_queue): if the request whose turn it is fits nowhere, none of that
+  model's overtakes it.
 - Estimates = last report + what was admitted to that replica but not yet seen by its engine
   (replicas list the request ids that reached them since their previous report) - what ended
   there since (`release()`), counted as waiting beyond the engine's batch slots (`max_num_seqs`):
@@ -260,6 +261,7 @@ class Router:
             self._dequeue(lane, request.request_id)
             if entry.future is None or entry.future.done():
                 continue  # the caller went away
+            lane.queue.served(entry)
             lane.pool.assign(replica_id, request, now)
             lane.dispatch_times.append(now)
             wait = now - entry.arrival

@@ -55,7 +55,9 @@ def test_dashboard_is_rays_serve_dashboard_with_the_cbserve_rows():
         if panel["type"] == "row":
             continue
         assert panel["datasource"]["uid"] == "${datasource}"
-        assert panel["targets"] and all('application=~"$Application"' in t["expr"] for t in panel["targets"])
+        assert panel["targets"] and all('application=~"$Application", model=~"$Model"' in t["expr"]
+                                        for t in panel["targets"])
+    assert any(v["name"] == "Model" and "model)" in v["query"]["query"] for v in dashboard["templating"]["list"])
     # below Ray's panels, no two of ours overlap
     cells = set()
     for panel in ours:

@@ -18,8 +18,8 @@ from serve_app.router import Router
 
 
 def req(rid: str, priority: int = 0, prompt: int = 10, new: int = 10, prefix=(), n: int = 1,
-        model: str = "m") -> AdmitRequest:
-    return AdmitRequest(rid, model, priority, prompt, new, n, tuple(prefix))
+        model: str = "m", adapter: str | None = None) -> AdmitRequest:
+    return AdmitRequest(rid, model, priority, prompt, new, n, tuple(prefix), adapter)
 
 
 def stats(rid: str, waiting=0, running=0, free=100, total=100, received=(),
@@ -48,6 +48,35 @@ def test_queue_order_by_policy(policy, expected):
     q.push(req("c", priority=0, prompt=90), now=2.0)
     q.push(req("d", priority=1, prompt=5), now=3.0)
     assert order(q) == expected
+
+
+def served_order(q: AdmissionQueue) -> list[str]:
+    out = []
+    while (e := q.peek()) is not None:
+        q.remove(e.request.request_id)
+        q.served(e)
+        out.append(e.request.request_id)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sjf", "priority"])
+def test_a_burst_for_one_adapter_takes_turns_with_the_other_adapters_of_its_class(policy):
+    """Six requests for adapter x, then two for y and one for the base, all of one class: after
+    x's first, the flows take turns (each its own requests in rank order) instead of y and the
+    base waiting behind x's burst; a better class still goes first whatever its flow."""
+    q = AdmissionQueue(RouterConfig(policy=policy, aging_rate=0.0))
+    for i in range(6):
+        q.push(req(f"x{i}", prompt=10 + i, adapter="x"), now=float(i))
+    q.push(req("y6", prompt=16, adapter="y"), now=6.0)
+    q.push(req("y7", prompt=17, adapter="y"), now=7.0)
+    q.push(req("b8", prompt=18), now=8.0)
+    assert served_order(q) == ["x0", "y6", "b8", "x1", "y7", "x2", "x3", "x4", "x5"]
+    if policy == "priority":
+        for i in range(3):
+            q.push(req(f"x{i}", priority=1, adapter="x"), now=float(i))
+        q.push(req("z", priority=1, adapter="z"), now=3.0)
+        q.push(req("urgent", priority=0, adapter="x"), now=4.0)
+        assert served_order(q) == ["urgent", "x0", "z", "x1", "x2"]
 
 
 def test_aging_bound_priority_and_sjf():
@@ -238,6 +267,29 @@ def test_a_model_without_room_holds_back_only_its_own_requests():
         lonely = await asyncio.wait_for(admit_alone(router, req("c0", model="c")), 5)
         assert lonely.error.status == 503 and "model 'c'" in lonely.error.message
         assert (await admit_alone(router, req("b2", model="b"))).replica_id == "b0"
+        router._tick_task.cancel()
+
+    run(go())
+
+
+def test_the_router_gives_a_later_adapter_its_turn_before_an_earlier_burst_ends():
+    """One replica, one request at a time: a burst of three for adapter x, then one for y; y's
+    request goes second, not fourth."""
+    async def go():
+        router = Router(RouterConfig(max_waiting_per_replica=1))
+        await router.report(stats("r0", waiting=1, running=4))  # full
+        ids = ["x0", "x1", "x2", "y0"]
+        waiting = {rid: asyncio.ensure_future(admit_alone(router, req(rid, adapter=rid[0]))) for rid in ids}
+        await asyncio.sleep(0)
+        order = []
+        await router.report(stats("r0", running=4))  # room for one waiting
+        for _ in ids:
+            done, _ = await asyncio.wait(waiting.values(), timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            (rid,) = [r for r, f in waiting.items() if f in done]
+            assert waiting.pop(rid).result().replica_id == "r0"
+            order.append(rid)
+            router.release_now([rid])  # it ended: the next one's turn
+        assert order == ["x0", "y0", "x1", "x2"]
         router._tick_task.cancel()
 
     run(go())
