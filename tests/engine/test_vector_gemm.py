@@ -48,16 +48,25 @@ class _Weights:
                                       bf16_activations=self.bf16)
         self.weight = gguf_types.dequantize(parts[0][1], parts[0][0])
 
-    def want(self, x, norm=None, gated=None, residual=None):
-        out = torch.nn.functional.linear(self.layer.activations(x, norm, gated), self.weight, self.layer.bias)
+    def activations(self, x, norm=None, gated=None, kernels=None):
+        """The rounded prologue the reference multiplies: the layer's (the engine's build), or that of
+        `kernels`, the build under test: each build's own exp can put a value on the other side of a
+        rounding step from another's."""
+        if kernels is None:
+            return self.layer.activations(x, norm, gated)
+        norm_weight, eps = norm if norm is not None else (None, 0.0)
+        return kernels.kernel_activations(x.contiguous(), norm_weight, eps, GATED_ACTIVATIONS.get(gated, 0), self.bf16)
+
+    def want(self, x, norm=None, gated=None, residual=None, kernels=None):
+        out = torch.nn.functional.linear(self.activations(x, norm, gated, kernels), self.weight, self.layer.bias)
         return out if residual is None else residual + out
 
-    def assert_close(self, got, x, norm=None, gated=None, residual=None, sums_apart: float = 1.0):
+    def assert_close(self, got, x, norm=None, gated=None, residual=None, sums_apart: float = 1.0, kernels=None):
         """got within fp32 summation error of want: 2^-17 (2^-15 where `sums_apart`, another order of
         summing, is 4) of the sum of the products' magnitudes, which a wrong weight, scale or block
         passes by orders of magnitude."""
-        magnitude = torch.nn.functional.linear(self.layer.activations(x, norm, gated).abs(), self.weight.abs())
-        error = (got - self.want(x, norm, gated, residual)).abs()
+        magnitude = torch.nn.functional.linear(self.activations(x, norm, gated, kernels).abs(), self.weight.abs())
+        error = (got - self.want(x, norm, gated, residual, kernels)).abs()
         assert (error <= 2 ** -17 * sums_apart * magnitude + 1e-6).all(), (error / magnitude).max()
 
     def vector(self, kernels, x, norm=None, gated=None, residual=None):
@@ -117,7 +126,7 @@ def test_the_vector_gemms_fused_prologue_and_residual_compute_what_the_torch_ops
     gated = None if fusion == "norm" else fusion
     x = torch.randn(37, 2 * cols if gated else cols)
     residual = torch.randn(37, 48)
-    w.assert_close(w.vector(kernels, x, norm, gated, residual), x, norm, gated, residual)
+    w.assert_close(w.vector(kernels, x, norm, gated, residual), x, norm, gated, residual, kernels=kernels)
 
 
 def test_layers_past_their_decode_rows_run_the_vector_gemm_where_the_cpu_has_no_amx():

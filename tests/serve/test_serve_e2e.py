@@ -296,7 +296,7 @@ def test_two_models_in_one_app_through_the_openai_client(two_model_app):
         del offline
     with pytest.raises(openai.NotFoundError, match="qwen3-tiny"):
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
-    deadline, lines = time.time() + 60, []
+    deadline, lines = time.time() + 120, []  # a bound: Ray exports a new replica's series within seconds
     while time.time() < deadline:
         text = metrics_of_every_node()
         lines = [line for line in text.splitlines() if 'application="models"' in line
