@@ -1,10 +1,10 @@
 """A real Prometheus (the Debian package) scraping the app on the test cluster (slow).
 
 The shipped cluster/prometheus/prometheus.yml and alerts.yml are used as they are, except that the
-service-discovery file is the test cluster's, targets are relabelled to loopback, and scrapes and
-rule evaluation run every second. The app runs the real engine on a tiny model with a KV cache
+service-discovery file is the test cluster's, targets are relabelled to loopback, scrapes run every
+3 s and rule evaluation every second. The app runs the real engine on a tiny model with a KV cache
 too small for its batch (preemptions) behind a small admission queue (queue depth, rejections),
-under a closed loop of clients for long enough that one-second samples catch the load.
+under a closed loop of clients for long enough that several scrapes catch the load.
 Then, through Prometheus' HTTP API: the queue, batch, KV, TTFT, preemption and rejection series
 moved as the traffic implies; every alert rule evaluates without error; every PromQL expression
 of the Grafana dashboard evaluates, and the cbserve ones return data; and every cbserve metric
@@ -62,9 +62,11 @@ def prom_app(serve_cluster, tiny_llama_words):
 
 
 def _config_for(ray_tmpdir: Path, out: Path) -> Path:
-    """The shipped config, pointed at the test cluster and scraping every second."""
+    """The shipped config, pointed at the test cluster, scraping every 3 s (a node's /metrics under
+    the load of 2 busy cores can take over a second, and a scrape that times out keeps no sample)
+    and evaluating the rules every second."""
     config = yaml.safe_load((SHIPPED / "prometheus.yml").read_text())
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["global"].update(scrape_interval="3s", scrape_timeout="3s", evaluation_interval="1s")
     config["rule_files"] = [str(SHIPPED / f) for f in config["rule_files"]]
     (job,) = config["scrape_configs"]
     job["file_sd_configs"] = [{"files": [str(ray_tmpdir / "session_latest" / "prom_metrics_service_discovery.json")]}]
@@ -115,8 +117,15 @@ def query(prometheus: str, expr: str) -> list[dict]:
 def scalar(prometheus: str, expr: str) -> float:
     result = query(prometheus, expr)
     assert result, f"no series: {expr}; cbserve series: " + str(
-        [r["metric"] for r in query(prometheus, '{__name__=~"ray_cbserve_.*_count|ray_cbserve_router_.*"}')][:5])
+        [r["metric"] for r in query(prometheus, '{__name__=~"ray_cbserve_.*_count|ray_cbserve_router_.*"}')][:5]) + \
+        f"; targets: {_targets(prometheus)}"
     return float(result[0]["value"][1])
+
+
+def _targets(prometheus: str) -> list[tuple]:
+    """Each scrape target's URL, health, last error and last scrape's seconds (what a failure shows)."""
+    targets = httpx.get(prometheus + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+    return [(t["scrapeUrl"], t["health"], t["lastError"], t["lastScrapeDuration"]) for t in targets]
 
 
 async def _traffic(url: str) -> list[tuple[int, int]]:
