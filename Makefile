@@ -29,27 +29,17 @@ $(VENV)/.kernel: $(VENV)/.installed $(wildcard engine/csrc/*)
 	$(PY) -m engine.cpu_kernels
 	touch $@
 
-# The embedded GGUF converted once into ~/.cache/cbserve/models (start-up loads it in ~1 s, not ~20 s), its
-# blocks cached beside it, and its default mode chosen (timed and quality-checked, ~1-2 min) into
-# ~/.cache/cbserve/decisions, so `make serve` only reads the decision. Again when the code it depends on changes.
-$(VENV)/.model: $(VENV)/.kernel $(wildcard engine/models/*.py) engine/quality.py engine/quantization_check.py \
-		engine/serving_mix.py engine/model_loader.py engine/model_setup.py
-	$(PY) -m engine.model_setup
-	touch $@
-
 # Prometheus and promtool (the Debian package; apt-get needs root) for the metrics tests.
 $(VENV)/.prometheus:
 	command -v promtool >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
 	  || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 	touch $@
 
-install: $(VENV)/.installed $(VENV)/.kernel $(VENV)/.model $(VENV)/.prometheus
+install: $(VENV)/.installed $(VENV)/.kernel $(VENV)/.prometheus
 
 # `serve run` with the front door chosen for the graph (direct ingress on port 8000 with one ingress replica) and
-# the header deadline installed in the process that takes connections (serve_app/launch.py). Beside it, niced: a
-# default mode timed while `make install` shared the CPU is timed again once the machine is quiet (for later starts).
+# the header deadline installed in the process that takes connections (serve_app/launch.py).
 serve: install
-	nice -n 19 $(PY) -m engine.model_setup --retime >$(VENV)/retime.log 2>&1 &
 	$(PY) -m serve_app.launch configs/serve.yaml
 
 generate: install

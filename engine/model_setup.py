@@ -1,10 +1,19 @@
-"""The model an engine serves: the checkpoint loaded (engine/model_loader.py), then its matmuls'
-mode checked against fp32, or chosen by `auto` (engine/quantization_check.py). Above the loader,
-so loading stays only loading. One LoadedModel can serve several engines (benchmarks comparing
-configurations load it once)."""
+"""The model an engine serves: its matmuls' mode picked by rule (`auto`), the checkpoint loaded in
+it (engine/model_loader.py), and the quality figures `cbserve check` left for that mode, if any
+(engine/quantization_check.py). A start never times the machine nor scores a mode: what it runs
+follows from the checkpoint and the CPU alone, so it starts in the time its file takes to read,
+however busy the machine. One LoadedModel can serve several engines (benchmarks comparing
+configurations load it once).
+
+`auto`'s rule, on the CPU with fp32 activations: a .gguf file runs its own blocks (`gguf`: what
+its author chose, the fewest bytes a decode step reads; its kernels are held to the gguf package's
+dequantization by the tests); a Hugging Face checkpoint runs `int8` (GGUF Q8_0 blocks: a quarter
+of fp32's bytes a decode step, top-1 agreement with fp32 above the bar on every family measured,
+BENCHMARKS.md) where the C++ kernels load, else fp32. On CUDA, or with 16-bit weights, `none`.
+The KV cache under `auto` is fp16 beside the quantized mode `auto` picks (half the bytes decode
+attention reads), else the model's dtype."""
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from dataclasses import dataclass
@@ -12,12 +21,12 @@ from typing import Any
 
 import torch
 
+from engine.attention.selector import resolve_kv_cache_dtype
 from engine.config import ModelConfig
-from engine.cpu_load import OtherLoad
-from engine.model_loader import load_checkpoint
+from engine.model_loader import default_model_path, load_checkpoint
 from engine.models.linear import weight_bytes_per_token
 from engine.quality import Quality
-from engine.quantization_check import check_quantization, contended_decisions
+from engine.quantization_check import cached_quality
 
 logger = logging.getLogger(__name__)
 
@@ -31,59 +40,41 @@ class LoadedModel:
     quantization: str  # engine.models.linear mode of its matmuls (`auto` resolved)
     weight_bytes_per_token: int  # matmul weight bytes one decode step reads
     dtype: torch.dtype  # of its weights and activations
-    quality: Quality | None  # a quantized mode's figures against fp32 (engine/quantization_check.py)
-    kv_cache_dtype: torch.dtype  # the KV cache the figures were scored through (`auto` resolved)
+    quality: Quality | None  # the mode's figures against fp32, where `cbserve check` measured them
+    kv_cache_dtype: torch.dtype  # the KV cache `auto` resolves to (and the figures were scored through)
 
 
-def load_model(config: ModelConfig, kv_cache_dtype: str = "auto", retime_contended: bool = False) -> LoadedModel:
-    """`kv_cache_dtype`: the engine's CacheConfig.kv_cache_dtype, which a quantized mode's start-up
-    check scores through (and `auto` chooses with the mode). `retime_contended`: `auto` times
-    again a decision it took on a busy machine."""
-    checkpoint = load_checkpoint(config)
-    checked = check_quantization(checkpoint, config, kv_cache_dtype, retime_contended)
-    weight_bytes = weight_bytes_per_token(checked.model)
-    logger.info("model loaded: %s, quantization %s, %s KV cache, %.0f MB of matmul weights per decode step%s",
-                config.resolved_dtype, checked.mode, str(checked.kv_cache_dtype).removeprefix("torch."),
-                weight_bytes / 1e6, f", {checked.quality}" if checked.quality else "")
-    return LoadedModel(checked.model, checkpoint.tokenizer, checkpoint.eos_token_ids, checkpoint.max_model_len,
-                       checked.mode, weight_bytes, getattr(torch, config.resolved_dtype), checked.quality,
-                       checked.kv_cache_dtype)
+def resolve_mode(config: ModelConfig) -> str:
+    """config.quantization, `auto` resolved by the rule above."""
+    if config.quantization != "auto":
+        return config.quantization
+    if config.device != "cpu" or config.resolved_dtype != "float32":
+        return "none"
+    if (config.model or default_model_path()).endswith(".gguf"):
+        return "gguf"
+    from engine.cpu_kernels import load_cpu_kernels
+
+    return "int8" if load_cpu_kernels() is not None else "none"
 
 
-def wait_for_a_quiet_machine(wait_s: float, span_s: float = 5.0) -> bool:
-    """Whether, within `wait_s`, a span of `span_s` came in which other processes left this
-    process's threads their cores (engine/cpu_load.py)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        with OtherLoad() as load:
-            time.sleep(span_s)
-        if not load.contends_with(torch.get_num_threads()):
-            return True
-        if time.monotonic() >= deadline:
-            return False
+def kv_cache_dtype_of(name: str, mode: str, config: ModelConfig) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype for a model in `mode`, `auto` resolved by the rule above."""
+    if name == "auto" and config.quantization == "auto" and mode != "none":
+        name = "float16"
+    return resolve_kv_cache_dtype(name, getattr(torch, config.resolved_dtype), torch.device(config.device))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`make install`: the embedded model converted, and its default mode chosen, once. With
-    `--retime` (`make serve` runs it in the background, niced): a decision timed while other
-    processes took the cores is timed again once the machine is quiet; nothing to do otherwise."""
-    parser = argparse.ArgumentParser(prog="python -m engine.model_setup")
-    parser.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
-    parser.add_argument("--retime", action="store_true", help="time again a decision timed on a busy machine")
-    parser.add_argument("--wait", type=float, default=1800, help="seconds --retime waits for a quiet machine")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = ModelConfig(model=args.model)
-    if args.retime:
-        if not contended_decisions():
-            return
-        if not wait_for_a_quiet_machine(args.wait):
-            logger.info("the machine stayed busy for %.0f s: the decisions stay as timed", args.wait)
-            return
-    loaded = load_model(config, retime_contended=args.retime)
-    print(f"{config.model or 'embedded model'}: quantization {loaded.quantization}, "
-          f"{loaded.kv_cache_dtype} KV cache, {loaded.quality}")
-
-
-if __name__ == "__main__":
-    main()
+def load_model(config: ModelConfig, kv_cache_dtype: str = "auto") -> LoadedModel:
+    """`kv_cache_dtype`: the engine's CacheConfig.kv_cache_dtype (`auto` resolved here)."""
+    started = time.perf_counter()
+    mode = resolve_mode(config)
+    checkpoint = load_checkpoint(config, mode)
+    kv_dtype = kv_cache_dtype_of(kv_cache_dtype, mode, config)
+    quality = cached_quality(config, mode, kv_dtype) if mode != "none" else None
+    weight_bytes = weight_bytes_per_token(checkpoint.model)
+    logger.info("model ready in %.1f s: %s, quantization %s, %s KV cache, %.0f MB of matmul weights per decode "
+                "step, quality %s", time.perf_counter() - started, config.resolved_dtype, mode,
+                str(kv_dtype).removeprefix("torch."), weight_bytes / 1e6,
+                quality if quality is not None else "not checked (`cbserve check` measures it)")
+    return LoadedModel(checkpoint.model, checkpoint.tokenizer, checkpoint.eos_token_ids, checkpoint.max_model_len,
+                       mode, weight_bytes, getattr(torch, config.resolved_dtype), quality, kv_dtype)

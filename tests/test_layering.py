@@ -18,7 +18,7 @@ ENGINE_LAYERS = [
                   "engine.harmony", "engine.chat_output", "engine.beam_search", "engine.drafts"]),
     ("model", ["engine.batch", "engine.kv_cache", "engine.models", "engine.attention", "engine.sampler",
                "engine.grammar", "engine.lora"]),
-    ("loading", ["engine.model_loader", "engine.quality", "engine.serving_mix", "engine.quantization_check",
+    ("loading", ["engine.model_loader", "engine.quality", "engine.quantization_check",
                  "engine.model_setup"]),
     ("step", ["engine.scheduler", "engine.runner"]),
     ("engine", ["engine.llm_engine", "engine.output_processor", "engine.beam_groups"]),

@@ -24,7 +24,6 @@ import sys
 from itertools import islice
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionParams
@@ -230,7 +229,8 @@ class PagedDecoder(nn.Module):
         self.attention = AttentionParams(query_scale ** -0.5, softcap or None)
         final_softcap = getattr(config, family.final_softcap_field) if family.final_softcap_field else None
         self.final_softcap = final_softcap or None
-        self.embed = nn.Parameter(body.embed_tokens.weight.detach(), requires_grad=False)
+        # (vocab, hidden); a GGUF's quantized table stays in its blocks (engine/models/gguf_blocks.py BlockEmbedding)
+        self.embed: nn.Module = nn.Embedding.from_pretrained(body.embed_tokens.weight.detach(), freeze=True)
         scale = torch.tensor(config.hidden_size ** 0.5) if family.embed_scale else None
         self.register_buffer("embed_scale", scale, persistent=False)  # rounded to the model's dtype with it
         kinds = _rope_kinds(hf_model)
@@ -291,7 +291,7 @@ class PagedDecoder(nn.Module):
         backend's; `num_layers`: through the first layers only (a self-draft), then the final norm
         and LM head. With `pooled_indices`: (logits, the final norm's output at those tokens).
         `loras`: the rows' LoRA adapters (installed with install_lora), if any row has one."""
-        hidden = F.embedding(input_ids, self.embed)  # (T, hidden)
+        hidden = self.embed(input_ids)  # (T, hidden)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         cos, sin = self.cos[:, positions], self.sin[:, positions]  # (tables, T, d)
@@ -330,7 +330,7 @@ class PagedDecoder(nn.Module):
         """Where adapters' products run: the C++ kernels' LoraSlots (an fp32 model on a CPU they
         load on; the decode stack reads them too), the Triton kernels' StackedLoraSlots (a model on
         CUDA with Triton), else None (each step's LoraBatch carries them to torch's ops)."""
-        device, dtype = self.embed.device, self.embed.dtype
+        device, dtype = self.norm.device, self.norm.dtype
         if device.type == "cpu" and dtype == torch.float32:
             from engine.cpu_kernels import load_cpu_kernels
 

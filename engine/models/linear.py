@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 
 import numpy as np
 import torch
@@ -234,6 +235,11 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("offsets", offsets)
 
     @property
+    def kinds(self) -> list[str]:
+        """What each part runs as: its GGML type, or `int8` (Q8_0 blocks times bf16 activations)."""
+        return ["int8"] if self.bf16_activations else [qtype.name for qtype in self.qtypes]
+
+    @property
     def part_rows(self) -> list[torch.Tensor]:
         """Each part's rows as the decode kernel reads them."""
         return [getattr(self, f"rows{i}") for i in range(len(self.qtypes))]
@@ -365,25 +371,22 @@ def _bf16_scale(scale: torch.Tensor) -> torch.Tensor:
 WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4}
 
 
-def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> nn.Module:
+def quantize(model: nn.Module, mode: str, gguf=None) -> nn.Module:
     """Replaces the Linears of `model` by the mode's implementation, in place. `int8`, `w8a16`,
     `w4a16`: every matmul whose shape the kernel takes (input width a multiple of 32; others stay
     fp32), except that the weight-only modes keep the LM head fp32, as GPTQ and AWQ checkpoints
     do (a 4-bit LM head alone costs more top-1 agreement than every other matmul together).
-    `gguf`: `stored_blocks`, {module name: its parts (GGML type, blocks)} from the checkpoint
-    (engine/models/gguf_blocks.py); a matmul missing there (a type no kernel runs) as `int8`."""
-    if mode not in QUANTIZATION_MODES or mode == "auto":  # auto is resolved before (engine/quantization_check.py)
+    `gguf`: each matmul in the checkpoint's own blocks, `gguf` the file mapped
+    (engine/models/gguf_blocks.py MappedGGUF; the model's Linears hold no weights), and one with a
+    part of a type no kernel runs as `int8` from its weights dequantized alone."""
+    if mode not in QUANTIZATION_MODES or mode == "auto":  # auto is resolved before (engine/model_setup.py)
         raise ValueError(f"quantize takes one of {QUANTIZATION_MODES[:-1]}, got {mode!r}")
     if mode == "none":
         return model
     from engine.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels() if mode in ("int8", "gguf") else None
-    if mode == "gguf":
-        from engine.models.gguf_blocks import describe
-
-        matmuls = sum(isinstance(m, Linear) for m in model.modules())
-        logger.info("quantization gguf: %s", describe(stored_blocks, matmuls))
+    kinds: Counter[str] = Counter()  # what the matmuls' parts run as
     for name, dense in list(model.named_modules()):
         if not isinstance(dense, Linear):
             continue
@@ -392,15 +395,18 @@ def quantize(model: nn.Module, mode: str, stored_blocks: dict | None = None) -> 
             if dense is model.lm_head or not WeightOnlyLinear.fits(bits, dense.weight):
                 continue
             replacement = WeightOnlyLinear(bits, dense.weight, dense.bias)
-        elif mode == "gguf" and name in stored_blocks:
-            replacement = BlockQuantLinear(stored_blocks[name], dense.bias, kernels)
+        elif mode == "gguf" and (parts := gguf.parts(name)) is not None:
+            replacement = BlockQuantLinear(parts, dense.bias, kernels)
         elif dense.weight.shape[1] % BLOCK == 0:  # `int8`, or a tensor of a type no kernel runs
-            replacement = BlockQuantLinear([(GGMLQuantizationType.Q8_0, int8_blocks(dense.weight))], dense.bias,
+            weight = gguf.dense(name) if mode == "gguf" else dense.weight
+            replacement = BlockQuantLinear([(GGMLQuantizationType.Q8_0, int8_blocks(weight))], dense.bias,
                                            kernels, bf16_activations=True)
         else:
             continue
+        kinds.update(replacement.kinds if isinstance(replacement, BlockQuantLinear) else [mode])
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, replacement)
+    logger.info("matmuls %s: %s", mode, ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()))
     if kernels is not None and (why_not := model.fuse_decode_stack(kernels)) is not None:
         logger.info("quantization %s: decode steps run layer by layer, not in the fused decode stack: %s", mode,
                     why_not)

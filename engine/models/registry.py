@@ -13,7 +13,7 @@ from engine.models.transformers_backend import TransformersDecoder, fallback_ref
 logger = logging.getLogger(__name__)
 
 
-def _native(hf_model, model_impl: str) -> bool:
+def is_native(hf_model, model_impl: str) -> bool:
     """Whether the model runs as its native family (ModelConfig.model_impl)."""
     return model_impl != "transformers" and type(hf_model).__name__ in FAMILIES
 
@@ -24,7 +24,7 @@ def check_servable(hf_model, model_impl: str = "auto") -> None:
     if model_impl == "native" and name not in FAMILIES:
         reason = "it has no native family (model_impl 'native')"
     else:
-        reason = None if _native(hf_model, model_impl) else fallback_refusal(hf_model)
+        reason = None if is_native(hf_model, model_impl) else fallback_refusal(hf_model)
     if reason is not None:
         raise UnsupportedModelError(f"architecture {name} cannot be served: {reason}; natively served: "
                                     f"{sorted(FAMILIES)}")
@@ -33,7 +33,7 @@ def check_servable(hf_model, model_impl: str = "auto") -> None:
 def build_model(hf_model, max_model_len: int, model_impl: str = "auto"):
     name = type(hf_model).__name__
     check_servable(hf_model, model_impl)
-    if _native(hf_model, model_impl):
+    if is_native(hf_model, model_impl):
         return PagedDecoder(hf_model, FAMILIES[name], max_model_len)
     why = "model_impl 'transformers'" if name in FAMILIES else "it has no native family"
     logger.warning("architecture %s runs through transformers' own modeling code with the engine's paged attention "

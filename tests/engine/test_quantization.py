@@ -34,8 +34,7 @@ from engine.models.linear import (
     prologue,
     quantize_activations,
 )
-from engine.quality import KV_CHUNK, Quality, compare, eval_tokens, token_scores
-from engine.serving_mix import SERVING_MIX, MixTiming
+from engine.quality import KV_CHUNK, compare, eval_tokens, token_scores
 from tests.engine.gguf_files import quantize_blocks, random_blocks, write_gguf
 from tests.engine.test_parity import _prompts
 
@@ -396,12 +395,14 @@ def test_int8_quality_against_fp32_on_tiny_models(model, request):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "gguf", "w4a16"])
 def test_quality_against_fp32_on_the_embedded_model(mode):
-    """The start-up check's figures, 6,000 tokens of the shipped text: top-1 agreement >= 97%,
+    """`cbserve check`'s figures, 6,000 tokens of the shipped text: top-1 agreement >= 97%,
     perplexity within 3%. (w8a16, one int8 scale per output channel, measures 96.6%: BENCHMARKS.md.)"""
-    quant = load_model(ModelConfig(quantization=mode))
-    fp32 = load_model(ModelConfig(quantization="none"))
-    print(f"{mode} vs fp32: {quant.quality}")
-    assert quant.quality.passes, quant.quality
+    config = ModelConfig(quantization=mode)
+    quality = quantization_check.check(config, mode, torch.float32)
+    print(f"{mode} vs fp32: {quality}")
+    assert quality.passes, quality
+    quant, fp32 = load_model(config), load_model(ModelConfig(quantization="none"))
+    assert quant.quality == quality  # read back by the next start
     assert quant.weight_bytes_per_token < 0.35 * fp32.weight_bytes_per_token
 
 
@@ -413,81 +414,53 @@ def test_quantization_config_refusals():
     with pytest.raises(ValueError, match="computes in float32"):
         ModelConfig(quantization="w8a16", dtype="bfloat16")
     with pytest.raises(ValueError, match="quality_check_tokens"):
-        ModelConfig(quantization="auto", quality_check_tokens=0)
+        ModelConfig(quality_check_tokens=-1)
 
 
-def test_start_up_figures_are_the_measured_quality_and_later_starts_read_them(tiny_llama, tmp_path, monkeypatch):
+def test_the_checks_figures_are_the_measured_quality_and_starts_read_them(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))  # w8a16 needs no compiled kernels there
-    first = load_model(ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=2048))
-    ref = load_model(ModelConfig(model=tiny_llama, quantization="none"))
+    config = ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=2048)
+    assert load_model(config).quality is None  # never checked: a start scores nothing
+    checked = quantization_check.check(config, "w8a16", torch.float32)
+    ref, quant = load_model(ModelConfig(model=tiny_llama, quantization="none")), load_model(config)
     ids = eval_tokens(ref.tokenizer, 2048)
-    assert first.quality == compare(token_scores(ref.model, ids), token_scores(first.model, ids))
+    assert checked == quant.quality == compare(token_scores(ref.model, ids), token_scores(quant.model, ids))
     [cached] = (tmp_path / "quality").glob("*w8a16*.json")
     cached.write_text(json.dumps({**json.loads(cached.read_text()), "top1_agreement": 0.5}))
-    assert load_model(ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=2048)
-                      ).quality.top1_agreement == 0.5
-    unchecked = load_model(ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=0))
-    assert unchecked.quantization == "w8a16" and unchecked.quality is None
+    assert load_model(config).quality.top1_agreement == 0.5
+    other_length = load_model(ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=1024))
+    assert other_length.quantization == "w8a16" and other_length.quality is None
 
 
-def test_with_an_fp16_cache_the_start_up_figures_are_scored_through_it_and_reported(tiny_llama, tmp_path,
+def test_through_an_fp16_cache_the_check_scores_through_it_and_the_report_carries_it(tiny_llama, tmp_path,
                                                                                       monkeypatch):
     """The check feeds the text in chunks that read the earlier tokens back from an fp16 cache, as
     the engine runs it; figures through each cache are cached apart, and the report carries them."""
     monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))  # w8a16 needs no compiled kernels there
     config = ModelConfig(model=tiny_llama, quantization="w8a16", quality_check_tokens=1024)
-    through_fp16 = load_model(config, kv_cache_dtype="float16")
-    ref = load_model(ModelConfig(model=tiny_llama, quantization="none"))
+    through_fp16 = quantization_check.check(config, "w8a16", torch.float16)
+    whole = quantization_check.check(config, "w8a16", torch.float32)
+    ref, quant = load_model(ModelConfig(model=tiny_llama, quantization="none")), load_model(config)
     ids = eval_tokens(ref.tokenizer, 1024)
     want = compare(token_scores(ref.model, ids),
-                   token_scores(through_fp16.model, ids, kv_cache_dtype=torch.float16, chunk=KV_CHUNK))
-    assert through_fp16.quality == want and through_fp16.kv_cache_dtype == torch.float16
-    whole = load_model(config)
-    assert whole.quality == compare(token_scores(ref.model, ids), token_scores(whole.model, ids))
-    assert whole.quality != through_fp16.quality  # not read back from the fp16 cache's figures
+                   token_scores(quant.model, ids, kv_cache_dtype=torch.float16, chunk=KV_CHUNK))
+    assert through_fp16 == want and whole == compare(token_scores(ref.model, ids), token_scores(quant.model, ids))
+    assert whole != through_fp16  # not read back from the fp16 cache's figures
     assert len(list((tmp_path / "quality").glob("*w8a16*.json"))) == 2
     report = LLM(tiny_llama, quantization="w8a16", quality_check_tokens=1024, kv_cache_dtype="float16",
                  kv_cache_memory_bytes=1 << 20).engine.model_report
     assert (report.kv_cache_dtype, report.top1_agreement) == ("float16", want.top1_agreement)
 
 
-@pytest.mark.parametrize("w4a16_ratio,scored", [(0.7, {"w8a16", "w4a16"}), (1.1, {"w8a16"})])
-def test_auto_scores_faster_modes_first_and_keeps_fp32_when_none_passes(tiny_llama, tmp_path, monkeypatch,
-                                                                         w4a16_ratio, scored):
-    """The serving-mix timings are set here (the tiny model's matmuls are too small to time apart);
-    the rest is the real path. A random model's logits are nearly flat, so every mode's top-1
-    agreement falls below 97% through either cache (the figures say so): fp32, which always
-    qualifies, stays. A mode slower than fp32 is never scored."""
+def test_the_check_stays_within_a_short_max_model_len(tiny_llama, tmp_path, monkeypatch):
+    """Windows shorter than the RoPE tables: 48 positions, where the default window is 256 tokens."""
     monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(quantization_check, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no kernels to compile
-    ratio_by_bits = {8: 0.5, 4: w4a16_ratio}
-
-    def time_mix(model, fp32_model, kv_cache_dtype, max_model_len):
-        bits = next(m.bits for m in model.modules() if isinstance(m, WeightOnlyLinear))
-        return MixTiming({step.name: ratio_by_bits[bits] for step in SERVING_MIX})
-
-    monkeypatch.setattr(quantization_check, "time_mix", time_mix)
-    loaded = load_model(ModelConfig(model=tiny_llama, quantization="auto", quality_check_tokens=2048))
-    files = list((tmp_path / "quality").glob("*.json"))
-    assert {mode for mode in ("w8a16", "w4a16") for f in files if f"-{mode}-" in f.name} == scored
-    assert len(files) == 2 * len(scored)  # through an fp16 cache, then the model's
-    assert not any(Quality(**json.loads(f.read_text())).passes for f in files)
-    assert loaded.quantization == "none" and loaded.quality is None
-    assert all(type(m) is Linear for m in loaded.model.modules() if isinstance(m, (Linear, WeightOnlyLinear)))
-
-
-def test_the_check_and_autos_timing_stay_within_a_short_max_model_len(tiny_llama, tmp_path, monkeypatch):
-    """Windows and serving-mix steps shorter than the RoPE tables: 48 positions, where the default
-    window and prefill chunk are 256 tokens and a decode row's context 64."""
-    load_cpu_kernels()  # the mix runs through the engine's attention kernel, built in the usual cache
-    monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(quantization_check, "AUTO_CANDIDATES", ("w4a16", "w8a16"))  # no block kernels needed
     short = dict(model=tiny_llama, max_model_len=48, quality_check_tokens=512)
-    checked = load_model(ModelConfig(quantization="w8a16", **short))
+    checked = quantization_check.check(ModelConfig(quantization="w8a16", **short), "w8a16", torch.float32)
     ref = load_model(ModelConfig(model=tiny_llama, max_model_len=48, quantization="none"))
+    quant = load_model(ModelConfig(model=tiny_llama, max_model_len=48, quantization="w8a16"))
     ids = eval_tokens(ref.tokenizer, 512)
-    assert checked.quality == compare(token_scores(ref.model, ids, 48), token_scores(checked.model, ids, 48), 48)
-    assert load_model(ModelConfig(quantization="auto", **short)).quantization == "none"  # flat logits: none passes
+    assert checked == compare(token_scores(ref.model, ids, 48), token_scores(quant.model, ids, 48), 48)
 
 
 def _same_alone_and_in_a_batch(model: str | None, mode: str, engine_args: dict, num_prompts: int, max_tokens: int):

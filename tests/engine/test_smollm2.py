@@ -32,45 +32,56 @@ def test_embedded_model_matches_transformers_on_chat_prompts():
 
 
 @pytest.mark.slow
-def test_the_converted_gguf_in_the_cache_is_the_gguf():
-    """The engine loads the embedded GGUF from its converted copy; transformers reading the GGUF
-    itself gives the same weights (bit for bit), config, tokenizer and chat template."""
+def test_the_engines_reading_of_the_gguf_is_transformers_reading():
+    """Each tensor the engine dequantizes from the mapped file, one at a time, is the one
+    transformers' GGUF loader makes (bit for bit); the config, generation config, tokenizer and
+    chat template kept from the file's metadata are those transformers reads from the file."""
     import os
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from engine.model_loader import converted_gguf, default_model_path
+    from engine.model_loader import default_model_path, gguf_metadata
+    from engine.models.gguf_blocks import MappedGGUF
 
-    converted, tokenizer = load_hf(None)
-    assert str(converted_gguf(default_model_path())) == converted.name_or_path
+    direct, direct_tokenizer = load_hf(None)
     directory, gguf_file = os.path.split(default_model_path())
-    direct = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-    direct_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    want, got = direct.state_dict(), converted.state_dict()
+    kept = gguf_metadata(default_model_path())
+    config = AutoConfig.from_pretrained(kept)
+    with init_empty_weights(include_buffers=False):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    got = MappedGGUF(default_model_path(), config).state_dict(skeleton, skip=set())
+    want = {k: v for k, v in direct.state_dict().items() if k != "lm_head.weight"}  # tied to the embedding
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
-    assert direct.config.tie_word_embeddings == converted.config.tie_word_embeddings
-    assert direct.generation_config.eos_token_id == converted.generation_config.eos_token_id
+    assert config.tie_word_embeddings == direct.config.tie_word_embeddings
+    assert GenerationConfig.from_pretrained(kept).eos_token_id == direct.generation_config.eos_token_id
+    tokenizer = AutoTokenizer.from_pretrained(kept)
     assert direct_tokenizer.chat_template == tokenizer.chat_template
     text = "Hello, wörld! 12345 <|im_start|>user\nok"
     assert direct_tokenizer.encode(text) == tokenizer.encode(text)
     assert direct_tokenizer.apply_chat_template(CHATS[1]) == tokenizer.apply_chat_template(CHATS[1])
+    assert sum(f.stat().st_size for f in kept.iterdir()) < 10e6  # what the cache keeps of the model: metadata
 
 
 @pytest.mark.slow
-def test_loading_the_converted_gguf_fills_no_weight_at_random(monkeypatch):
-    """Every weight of the converted copy comes from its file: with a tied LM head stored under
-    the head's name, transformers filled the embedding at random first, on every start."""
+def test_loading_the_gguf_fills_no_weight_at_random(monkeypatch):
+    """Every weight comes from the file: the model is built on the meta device, then given the
+    file's tensors; nothing is drawn at random first, in any mode."""
+    from engine.config import ModelConfig
+    from engine.model_setup import load_model
+
     filled = []
     normal = torch.Tensor.normal_
 
     def recording(tensor, *args, **kwargs):
-        if tensor.device.type != "meta":  # the model is built on meta, then loaded
+        if tensor.device.type != "meta":
             filled.append(tuple(tensor.shape))
         return normal(tensor, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "normal_", recording)
-    load_hf(None)
+    load_model(ModelConfig(quantization="none"))
+    load_model(ModelConfig(quantization="gguf"))
     assert filled == []
 
 
