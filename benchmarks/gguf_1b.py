@@ -7,7 +7,9 @@ embedded SmolLM2 tokenizer, vocabulary 49,152) saved in bf16, converted by llama
 `convert_hf_to_gguf.py` (SRC: the llama.cpp tree vendored in the llama-cpp-python sdist; it imports
 sentencepiece, in the `bench` extra) to F16,
 and quantized by its `llama-quantize` (built out of tree from the same tree) to each type: Q4_K_M
-(Q4_K, with Q6_K for attn_v and half of ffn_down), Q6_K, Q8_0.
+(Q4_K, with Q6_K for attn_v and half of ffn_down), Q6_K, Q8_0. `--shapes 3b,8b`: Llama-3.2-3B and
+Llama-3.1-8B shapes too (the same vocabulary), their F16 files written tensor by tensor by the gguf
+package (no model in memory), quantized to Q4_K_M by llama-quantize.
 
 `run DIR --types Q4_K_M,... [--llama-server BIN]`: per type, cbserve (`quantization: gguf`: random
 weights give flat logits, which no quality check passes, so the mode is forced) and llama.cpp's
@@ -18,7 +20,8 @@ bandwidth measured in the same run) and the int8 compute limit of the workload (
 multiply-adds per token over the kernels' own rate on a 512-row batch, measured in the same run);
 quality against the fp32 model dequantized from the same file, teacher-forced on the shipped text.
 
-    .venv/bin/python benchmarks/gguf_1b.py make /tmp/b1b --llama-cpp SRC --llama-quantize BUILD/bin/llama-quantize
+    .venv/bin/python benchmarks/gguf_1b.py make /tmp/b1b --llama-cpp SRC --llama-quantize BUILD/bin/llama-quantize \\
+        [--shapes 3b,8b]
     .venv/bin/python benchmarks/gguf_1b.py run /tmp/b1b --types Q4_K_M,Q6_K,Q8_0 --repeats 3 \\
         --llama-server BUILD/bin/llama-server --json benchmarks/results/gguf_1b_<cpu>.json
 """
@@ -74,6 +77,82 @@ def make(directory: Path, llama_cpp: Path, llama_quantize: str, types: list[str]
         if not out.exists():
             subprocess.run([llama_quantize, str(f16), str(out), qtype, "2"], check=True)
         print(f"{out}: {out.stat().st_size / 1e6:.0f} MB")
+
+
+# the larger shapes people serve on CPUs: (hidden, MLP, layers, query heads, KV heads, tied embeddings)
+SHAPES = {"3b": (3072, 8192, 28, 24, 8, True), "8b": (4096, 14336, 32, 32, 8, False)}
+
+
+def make_shaped(directory: Path, shape: str, llama_quantize: str, qtype: str = "Q4_K_M") -> Path:
+    """A Llama-3.2-3B- or Llama-3.1-8B-shaped checkpoint (SHAPES; head dim 128, the 1B's vocabulary and
+    tokenizer read from its F16 file made by `make`): an F16 GGUF written tensor by tensor with the gguf
+    package's writer (random values, never the whole model in memory), quantized by llama-quantize."""
+    import gguf
+    import numpy as np
+
+    out = directory / f"model-{shape}-{qtype}.gguf"
+    if out.exists():
+        return out
+    hidden, mlp, layers, heads, kv_heads, tied = SHAPES[shape]
+    source = gguf.GGUFReader(directory / "model-F16.gguf")
+    fields = {name: source.fields[name].contents() for name in source.fields}
+    vocab = len(fields["tokenizer.ggml.tokens"])
+    f16 = directory / f"model-{shape}-F16.gguf"
+    writer = gguf.GGUFWriter(f16, "llama")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(mlp)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+    if "tokenizer.chat_template" in fields:
+        writer.add_chat_template(fields["tokenizer.chat_template"])
+    head = hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not tied:
+        shapes["output.weight"] = (vocab, hidden)
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.attn_q.weight": (heads * head, hidden),
+                   f"blk.{i}.attn_k.weight": (kv_heads * head, hidden),
+                   f"blk.{i}.attn_v.weight": (kv_heads * head, hidden),
+                   f"blk.{i}.attn_output.weight": (hidden, heads * head), f"blk.{i}.ffn_norm.weight": (hidden,),
+                   f"blk.{i}.ffn_gate.weight": (mlp, hidden), f"blk.{i}.ffn_up.weight": (mlp, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, mlp)}
+    pool = (np.random.default_rng(0).standard_normal(1 << 24) * 0.02).astype(np.float16)
+
+    def values(name: str, shape: tuple[int, ...], at: int) -> np.ndarray:
+        if len(shape) == 1:  # a norm's weight
+            return np.ones(shape, np.float32)
+        count = int(np.prod(shape))
+        return np.resize(np.roll(pool, at), count).reshape(shape)
+
+    for name, shape in shapes.items():
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        writer.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                               raw_dtype=gguf.GGMLQuantizationType.F32 if len(shape) == 1
+                               else gguf.GGMLQuantizationType.F16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for at, (name, shape) in enumerate(shapes.items()):
+        writer.write_tensor_data(values(name, shape, 7919 * at))
+    writer.close()
+    subprocess.run([llama_quantize, str(f16), str(out), qtype, "2"], check=True)
+    f16.unlink()
+    print(f"{out}: {out.stat().st_size / 1e6:.0f} MB")
+    return out
 
 
 def read_bandwidth(repeats: int = 7) -> float:
@@ -168,6 +247,7 @@ def main() -> None:
     parser.add_argument("command", choices=("make", "run"))
     parser.add_argument("directory", type=Path)
     parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--shapes", default="", help="make: also these larger shapes in Q4_K_M (3b, 8b)")
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's source tree (make)")
     parser.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary (make)")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (run)")
@@ -179,6 +259,8 @@ def main() -> None:
     args.directory.mkdir(parents=True, exist_ok=True)
     if args.command == "make":
         make(args.directory, args.llama_cpp, args.llama_quantize, types)
+        for shape in filter(None, args.shapes.split(",")):
+            make_shaped(args.directory, shape, args.llama_quantize)
         return
     results = run(args.directory, types, args.repeats, args.llama_server, args.quality_tokens)
     if args.json:

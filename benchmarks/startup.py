@@ -1,28 +1,25 @@
-"""`make serve`'s start-up: from the launcher's start to the first completion, and where it goes.
+"""Start-up on the user's model: cbserve beside llama.cpp's server on the same GGUF files (CPU).
 
-Each round starts `python -m serve_app.launch configs/serve.yaml` as `make serve` does (its own
-session, a fresh RAY_TMPDIR), polls `/health` every 20 ms, then sends two completions of two
-tokens: the first one's answer is the start-up; the second shows what the first paid for work
-left to it. The phases come from Serve's own logs: the controller up (Ray started), the app built
-(its import path run), the engine replica initializing and initialized (its engine process
-spawned, loaded and ready).
+Per file and round (cbserve and llama.cpp alternated):
+- offline: a process running `LLM(model=FILE)`, then one greedy 8-token answer: seconds from the
+  process's start to ready and to the answer, and its peak resident memory; `cold` on a cache
+  holding only the compiled kernels (the file's metadata converted on the way), then `warm`;
+- served: `python -m serve_app.launch` on configs/serve.yaml with the model set, as `make serve`
+  starts it: seconds to the first answer (Ray and Serve included), cold then warm;
+- llama.cpp: `llama-server -m FILE -t 2`: seconds to its first answer and its peak memory;
+- two engines on the file at once, each ready: what each holds beside the file's pages they share
+  (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup), the KV pool included.
+The KV pool is the default 1 GiB. The OS page cache keeps the file between starts (as on a node
+that served it before); `cold` is cbserve's own cache.
 
-`--baseline REV` alternates with a git worktree of REV (A B B A ...), run from there (its
-directory first on PYTHONPATH, so Ray's workers and the engine process import its code). Each
-tree's `make install` model step (`python -m engine.model_setup`) runs first, so no start times
-or scores `auto`. `--install-beside N` runs that step as a first `make install` does, on a
-cache with no decision or quality figures yet (the compiled kernels and the converted model
-linked in), beside N processes spinning on the CPU: the starts then show what a first start
-after an install on a busy machine takes.
-
-    python benchmarks/startup.py --rounds 5 [--baseline HEAD~3] [--install-beside 2] [--json startup.json]
+    python benchmarks/startup.py --models /tmp/b1b/model-Q4_K_M.gguf,... --llama-server BIN --rounds 3 \\
+        [--json startup.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -30,10 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 import httpx
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,146 +38,140 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.quantization import cpu_features  # noqa: E402
 from benchmarks.serve_bench import wait_healthy  # noqa: E402
 from engine.cache_dir import CACHE_ENV, cache_dir  # noqa: E402
-from engine.cpu_load import OtherLoad  # noqa: E402
 
-URL = "http://127.0.0.1:8000"
-# (phase, Serve log file glob, line pattern): the first matching line's time
-PHASES = [("controller up", "controller_*.log", "Controller starting"),
-          ("app built", "controller_*.log", "built app"),
-          ("replica initializing", "replica_*.log", "Started initializing replica"),
-          ("replica initialized", "replica_*.log", "Finished initializing replica")]
-_STAMP = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
-
-
-def serve_phases(ray_tmp: Path, started_at: float) -> dict[str, float]:
-    """Seconds from `started_at` (a time.time()) to each phase, as Serve logged it."""
-    logs = next(ray_tmp.glob("ray/session_*/logs/serve"), None)
-    found = {}
-    for phase, pattern, text in PHASES:
-        for path in sorted(logs.glob(pattern)) if logs else []:
-            for line in path.read_text(errors="replace").splitlines():
-                stamp = _STAMP.match(line)
-                if stamp and text in line:
-                    found[phase] = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - started_at
-                    break
-            if phase in found:
-                break
-    return found
+OFFLINE = """
+import json, sys, time
+started = float(sys.argv[2])
+from engine import LLM, SamplingParams
+llm = LLM(model=sys.argv[1])
+ready = time.time() - started
+llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+print(json.dumps({"ready_s": ready, "answer_s": time.time() - started}), flush=True)
+if len(sys.argv) > 3:  # held: the parent reads this process's memory, then closes stdin
+    sys.stdin.read()
+"""
 
 
-def one_start(tree: Path, pythonpath: str | None, timeout_s: float) -> dict[str, float]:
-    """One `make serve` start from `tree`: the phases, /health, and the two completions' times."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="cbserve-startup-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_TMPDIR": str(ray_tmp)}
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    started_at, start = time.time(), time.monotonic()
-    launcher = subprocess.Popen([sys.executable, "-m", "serve_app.launch", "configs/serve.yaml"], cwd=tree, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    def launcher_alive() -> None:
+def fresh_cache() -> dict[str, str]:
+    """An environment whose cbserve cache holds this machine's compiled kernels and nothing else."""
+    root = Path(tempfile.mkdtemp(prefix="cbserve-cache-"))
+    (root / "kernels").symlink_to(cache_dir("kernels"))
+    return os.environ | {CACHE_ENV: str(root)}
+
+
+def offline(path: str, env: dict[str, str]) -> dict[str, float]:
+    child = subprocess.Popen([sys.executable, "-c", OFFLINE, path, str(time.time())], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = child.stdout.read()
+    peak = reap(child)
+    return json.loads(out.strip().splitlines()[-1]) | {"peak_gb": peak}
+
+
+def reap(child: subprocess.Popen) -> float:
+    """Waits for the child; its peak resident memory, GB (ru_maxrss)."""
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode not in (0, -signal.SIGTERM):
+        raise RuntimeError(f"{child.args[:3]} exited with {child.returncode}")
+    return usage.ru_maxrss / 1e6
+
+
+def private_gb(pid: int) -> float:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) / 1e6
+
+
+def two_engines(path: str) -> list[float]:
+    """Each of two engines' memory beside the pages they share, both ready on the same file."""
+    children = []
+    for _ in range(2):
+        child = subprocess.Popen([sys.executable, "-c", OFFLINE, path, str(time.time()), "hold"], cwd=ROOT,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        child.stdout.readline()  # ready and answered
+        children.append(child)
+    held = [private_gb(child.pid) for child in children]
+    for child in children:
+        child.stdin.close()
+        reap(child)
+    return held
+
+
+def served(path: str, env: dict[str, str], timeout_s: float) -> float:
+    """Seconds from the launcher's start to its first answer, with the model set in configs/serve.yaml."""
+    config = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+    config["applications"][0]["args"]["engine"]["model"] = path
+    directory = Path(tempfile.mkdtemp(prefix="cbserve-startup-"))
+    (directory / "serve.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in env.items() if not k.startswith("RAY_")} | {"RAY_TMPDIR": str(directory)}
+    start = time.monotonic()
+    launcher = subprocess.Popen([sys.executable, "-m", "serve_app.launch", str(directory / "serve.yaml")], cwd=ROOT,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def alive() -> None:
         if launcher.poll() is not None:
             raise RuntimeError(f"the launcher exited with {launcher.returncode}")
 
-    result: dict[str, float] = {}
     try:
-        wait_healthy(URL, timeout_s, launcher_alive, poll_s=0.02)
-        result["health"] = time.monotonic() - start
-        for name in ("first completion", "second completion"):
-            sent = time.monotonic()
-            httpx.post(f"{URL}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).raise_for_status()
-            result[name] = time.monotonic() - start
-            result[f"{name} alone"] = time.monotonic() - sent
-        result |= serve_phases(ray_tmp, started_at)
+        wait_healthy("http://127.0.0.1:8000", timeout_s, alive, poll_s=0.05)
+        httpx.post("http://127.0.0.1:8000/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                   timeout=120).raise_for_status()
+        return time.monotonic() - start
     finally:
-        launcher.send_signal(signal.SIGTERM)  # as a service manager stops `make serve`: Ray and the engine exit
-        launcher.wait(60)
-        time.sleep(3)  # the port and the cores free again
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    return result
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(120)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
-def prepare(tree: Path, pythonpath: str | None) -> None:
-    """The tree's `make install` model step: the embedded model converted, `auto` decided."""
-    env = os.environ | ({"PYTHONPATH": pythonpath} if pythonpath else {})
-    subprocess.run([sys.executable, "-m", "engine.model_setup"], cwd=tree, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def fresh_decisions_cache() -> Path:
-    """A cache root holding this machine's compiled kernels and converted models, and nothing
-    decided or scored yet; made this process's (and so its children's) CBSERVE_CACHE."""
-    root = Path(tempfile.mkdtemp(prefix="cbserve-cache-"))
-    for kind in ("kernels", "models"):
-        cache_dir(kind).mkdir(parents=True, exist_ok=True)
-        (root / kind).symlink_to(cache_dir(kind))
-    os.environ[CACHE_ENV] = str(root)
-    return root
-
-
-def spinning(count: int) -> list[subprocess.Popen]:
-    code = "while True: pass"
-    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+def llama_server(binary: str, path: str, timeout_s: float) -> dict[str, float]:
+    start = time.monotonic()
+    server = subprocess.Popen([binary, "-m", path, "--port", "8090", "-t", "2", "-c", "4096", "--no-webui"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy("http://127.0.0.1:8090", timeout_s, poll_s=0.05)
+        httpx.post("http://127.0.0.1:8090/completion", json={"prompt": "Hi", "n_predict": 2},
+                   timeout=120).raise_for_status()
+        answer = time.monotonic() - start
+    finally:
+        server.send_signal(signal.SIGTERM)
+        peak = reap(server)
+    return {"answer_s": answer, "peak_gb": peak}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", required=True, help="GGUF files, comma-separated")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--baseline", help="git revision to alternate with this tree")
-    p.add_argument("--timeout", type=float, default=180.0)
-    p.add_argument("--install-beside", type=int, default=0, metavar="N",
-                   help="the install step on a cache with nothing decided, beside N spinning processes")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--no-serve", action="store_true", help="offline and llama.cpp only")
     p.add_argument("--json")
     args = p.parse_args()
-    print(f"CPU: {cpu_features()}; {os.cpu_count()} cores")
-    trees = {"this tree": (ROOT, None)}
-    worktree = None
-    if args.baseline:
-        worktree = Path(tempfile.mkdtemp(prefix="cbserve-baseline-")) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(worktree), args.baseline], cwd=ROOT, check=True)
-        trees = {f"baseline ({args.baseline})": (worktree, str(worktree))} | trees
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
-    install: dict[str, object] = {}
-    try:
-        if args.install_beside:
-            cache = fresh_decisions_cache()
-            spinners = spinning(args.install_beside)
-            start = time.monotonic()
-            with OtherLoad() as load:
-                try:
-                    for tree, pythonpath in trees.values():
-                        prepare(tree, pythonpath)
-                finally:
-                    for spinner in spinners:
-                        spinner.kill()
-                        spinner.wait()
-            decisions = [json.loads(p.read_text()) for p in (cache / "decisions").glob("*.json")]
-            install = {"beside": args.install_beside, "seconds": time.monotonic() - start, "other_cores": load.cores,
-                       "contended_cores": [d.get("contended_cores") for d in decisions]}
-            print(f"install step beside {args.install_beside} spinning processes: {install['seconds']:.0f} s, "
-                  f"decisions marked with the cores others took: {install['contended_cores']}", flush=True)
-        for tree, pythonpath in trees.values():
-            prepare(tree, pythonpath)
+    print(f"CPU: {cpu_features()}; {os.cpu_count()} cores", flush=True)
+    results = {}
+    for path in args.models.split(","):
+        runs: dict[str, list] = {}
         for r in range(args.rounds):
-            order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]  # neither always goes first
-            for name, (tree, pythonpath) in order:
-                runs[name].append(one_start(tree, pythonpath, args.timeout))
-                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in runs[name][-1].items()),
-                      flush=True)
-    finally:
-        if worktree is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, check=False)
-    keys = [phase for phase, _, _ in PHASES] + ["health", "first completion", "first completion alone",
-                                                  "second completion alone"]
-    medians = {name: {k: statistics.median(run[k] for run in rs) for k in keys if all(k in run for run in rs)}
-               for name, rs in runs.items()}
-    print(f"\n| seconds, median of {args.rounds} (from the launcher's start; `alone`: that request's own) | "
-          + " | ".join(trees) + " |")
-    print("|---|" + "---:|" * len(trees))
-    for k in keys:
-        print(f"| {k} | " + " | ".join(f"{medians[name].get(k, float('nan')):.2f}" for name in trees) + " |")
+            steps = [("cbserve", None), ("llama.cpp", None)]
+            for name, _ in steps if r % 2 == 0 else steps[::-1]:
+                if name == "llama.cpp" and args.llama_server:
+                    runs.setdefault("llama.cpp", []).append(llama_server(args.llama_server, path, args.timeout))
+                elif name == "cbserve":
+                    env = fresh_cache()
+                    runs.setdefault("offline cold", []).append(offline(path, env))
+                    runs.setdefault("offline warm", []).append(offline(path, env))
+                    if not args.no_serve:
+                        env = fresh_cache()
+                        runs.setdefault("served cold", []).append({"answer_s": served(path, env, args.timeout)})
+                        runs.setdefault("served warm", []).append({"answer_s": served(path, env, args.timeout)})
+            print(f"{Path(path).name} round {r + 1}: {json.dumps({k: v[-1] for k, v in runs.items()})}", flush=True)
+        runs["two engines private_gb"] = [two_engines(path)]
+        medians = {kind: {key: statistics.median(run[key] for run in rs) for key in rs[0]}
+                   for kind, rs in runs.items() if isinstance(rs[0], dict)}
+        medians["two engines private_gb"] = runs["two engines private_gb"][0]
+        results[path] = {"size_gb": os.path.getsize(path) / 1e9, "runs": runs, "medians": medians}
+        print(f"{Path(path).name} ({results[path]['size_gb']:.2f} GB) medians: {json.dumps(medians)}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "baseline": args.baseline, "install": install,
-                                               "runs": runs, "medians": medians}, indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_features(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

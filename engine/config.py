@@ -53,8 +53,9 @@ class ModelConfig:
     dtype: str = _opt("auto", "weights, activations and KV cache: 'auto' (bfloat16 on CUDA, float32 on CPU), "
                               "'float32', 'bfloat16' or 'float16'")
     quantization: str = _opt("auto", "matmul weights: 'auto' (by rule, nothing timed or scored at start: a .gguf "
-                                     "file's own blocks ('gguf'); a Hugging Face checkpoint 'int8' where the C++ "
-                                     "kernels load; 'none' on CUDA, with 16-bit weights or without the kernels), "
+                                     "file's own blocks ('gguf'); a Hugging Face checkpoint stored in 16 bits "
+                                     "'int8' where the C++ kernels load, one stored in fp32 'none'; 'none' on CUDA "
+                                     "or with 16-bit activations), "
                                      "'none' (fp32, exact), 'int8' (GGUF Q8_0 blocks, a quarter of "
                                      "fp32's bytes per decode step, activations rounded to bf16), 'gguf' (a .gguf "
                                      "model's own blocks mapped from the file, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/"

@@ -7,9 +7,10 @@ configurations load it once).
 
 `auto`'s rule, on the CPU with fp32 activations: a .gguf file runs its own blocks (`gguf`: what
 its author chose, the fewest bytes a decode step reads; its kernels are held to the gguf package's
-dequantization by the tests); a Hugging Face checkpoint runs `int8` (GGUF Q8_0 blocks: a quarter
-of fp32's bytes a decode step, top-1 agreement with fp32 above the bar on every family measured,
-BENCHMARKS.md) where the C++ kernels load, else fp32. On CUDA, or with 16-bit weights, `none`.
+dequantization by the tests); a Hugging Face checkpoint stored in 16 bits (as they are published)
+runs `int8` (GGUF Q8_0 blocks: a quarter of fp32's bytes a decode step, top-1 agreement with fp32
+above the bar on every family measured, BENCHMARKS.md) where the C++ kernels load, else fp32; one
+stored in fp32 runs fp32, its own precision. On CUDA, or with 16-bit activations, `none`.
 The KV cache under `auto` is fp16 beside the quantized mode `auto` picks (half the bytes decode
 attention reads), else the model's dtype."""
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from engine.attention.selector import resolve_kv_cache_dtype
 from engine.config import ModelConfig
@@ -50,8 +52,11 @@ def resolve_mode(config: ModelConfig) -> str:
         return config.quantization
     if config.device != "cpu" or config.resolved_dtype != "float32":
         return "none"
-    if (config.model or default_model_path()).endswith(".gguf"):
+    path = config.model or default_model_path()
+    if path.endswith(".gguf"):
         return "gguf"
+    if str(getattr(AutoConfig.from_pretrained(path), "dtype", None)).removeprefix("torch.") == "float32":
+        return "none"  # the checkpoint's own precision, exactly
     from engine.cpu_kernels import load_cpu_kernels
 
     return "int8" if load_cpu_kernels() is not None else "none"

@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prologue(x) (M, K) rounded per block of 32 to 15 bits, or to bf16, as the kernels multiply it",
         py::call_guard<py::gil_scoped_release>());
   m.def("vector_gemm", &vector_gemm,
-        "residual + x (M, K) fp32 @ block-quantized weights in tile order + bias, for large batches without AMX",
+        "residual + x (M, K) fp32 @ block-quantized weights (parts' rows) + bias, for large batches without AMX",
         py::call_guard<py::gil_scoped_release>());
   m.def("vector_gemm_isa", &vector_gemm_isa, "the instructions vector_gemm's integer products use in this build");
   m.def("vector_gemm_bf16", &vector_gemm_bf16, "whether vector_gemm takes bf16 activations in this build");
@@ -37,7 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double, double, std::vector<int64_t>, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_experts", &DecodeStack::add_experts)
-      .def("set_tiles", &DecodeStack::set_tiles)
+      .def("use_vector_gemm", &DecodeStack::use_vector_gemm)
       .def("use_lora", &DecodeStack::use_lora)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());

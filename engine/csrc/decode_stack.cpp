@@ -124,8 +124,7 @@ DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_d
 StackMatmul DecodeStack::stack_matmul(std::vector<torch::Tensor> parts, std::vector<int64_t> formats,
                                       c10::optional<torch::Tensor> bias) const {
   // forward_team reads these raw, where nothing may throw: their types checked once, here (weight_rows)
-  StackMatmul m{weight_rows(std::move(parts), std::move(formats)), std::move(bias), c10::nullopt, c10::nullopt,
-                c10::nullopt};
+  StackMatmul m{weight_rows(std::move(parts), std::move(formats)), std::move(bias)};
   TORCH_CHECK(!m.bias.has_value() || (m.bias->scalar_type() == torch::kFloat && m.bias->is_contiguous() &&
                                       m.bias->numel() == m.weights.N()), "bias: contiguous fp32 (N)");
   return m;
@@ -208,14 +207,10 @@ void DecodeStack::add_experts(torch::Tensor router, std::vector<std::vector<torc
   layers_.back().experts = std::move(experts);
 }
 
-void DecodeStack::set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, torch::Tensor scales,
-                            c10::optional<torch::Tensor> offsets) {
+void DecodeStack::use_vector_gemm(int64_t layer, int64_t which) {
   TORCH_CHECK(layer >= 0 && layer < num_layers() && which >= 0 && which < 4, "layer, which: a layer's matmul");
   TORCH_CHECK(which < 2 || layers_[layer].gated_mlp, "that layer has experts in place of its gated MLP");
-  StackMatmul& m = layers_[layer].matmuls[which];
-  m.tiles = tiles;
-  m.scales = scales;
-  m.offsets = offsets;
+  layers_[layer].matmuls[which].vectored = true;
 }
 
 std::vector<std::vector<const LoraMatmul*>> DecodeStack::lora_rows(const c10::optional<torch::Tensor>& lora_slots,
@@ -233,8 +228,8 @@ std::vector<std::vector<const LoraMatmul*>> DecodeStack::lora_rows(const c10::op
 torch::Tensor DecodeStack::matmul(const StackMatmul& m, const torch::Tensor& x,
                                   const c10::optional<torch::Tensor>& norm_weight, int64_t gated,
                                   const c10::optional<torch::Tensor>& residual) const {
-  if (m.tiles.has_value() && x.size(0) > kernel_rows_)
-    return vector_gemm(x, *m.tiles, *m.scales, m.offsets, m.bias, norm_weight, eps_, gated, residual);
+  if (m.vectored && x.size(0) > kernel_rows_)
+    return vector_gemm(x, m.weights.parts, m.weights.formats, m.bias, norm_weight, eps_, gated, residual);
   return block_quant_linear(x, m.weights.parts, m.weights.formats, m.bias, norm_weight, eps_, gated, residual);
 }
 
@@ -260,7 +255,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const torch::Tensor& co
     TORCH_CHECK(layer.slot < kv_cache.size(0) && layer.rope < cos.size(0), "a layer's slot or table is missing");
     TORCH_CHECK(layer.gated_mlp || layer.experts, "a layer without its MLP");
     experts |= static_cast<bool>(layer.experts);
-    for (const StackMatmul& m : layer.matmuls) tiled |= m.tiles.has_value();
+    for (const StackMatmul& m : layer.matmuls) tiled |= m.vectored;
   }
   hidden = hidden.contiguous();
   const std::vector<std::vector<const LoraMatmul*>> loras = lora_rows(lora_slots, num_layers);

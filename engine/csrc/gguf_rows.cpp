@@ -137,6 +137,12 @@ void unpack_block(const uint8_t* row, int64_t b, int16_t* q, float& d, float& m)
   }
 }
 
+// A row's nb blocks as unpack_block gives each.
+template <int64_t Format>
+void unpack_blocks(const uint8_t* row, int64_t nb, int16_t* q, float* d, float* m) {
+  for (int64_t b = 0; b < nb; ++b) unpack_block<Format>(row, b, q + b * kBlock, d[b], m[b]);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // Four blocks [b, b + 4) in registers: each block's weights 0-15 (lo) and 16-31 (hi) as int16,
 // their d and m.
@@ -479,6 +485,32 @@ void dot_pass(const uint8_t* row, int64_t nb, const QuantizedX& qx, int64_t m0, 
 }
 
 }  // namespace
+
+void unpack_row(int64_t format, const uint8_t* row, int64_t nb, int16_t* q, float* d, float* m) {
+  if (format == kFormatQ8_0 || format == kFormatQ8_0Bf16 || format == kFormatQ4_1) {
+    const bool q8 = format != kFormatQ4_1;  // Q8_0: q[K] int8 then d[nb]; Q4_1: nibbles[K / 2], d[nb], m[nb]
+    const uint8_t* ds = row + nb * (q8 ? kBlock : kBlock / 2);
+    for (int64_t b = 0; b < nb; ++b) {
+      d[b] = half_of(ds + 2 * b);
+      m[b] = q8 ? 0.f : half_of(ds + 2 * nb + 2 * b);
+      for (int64_t j = 0; j < 16 && !q8; ++j) {
+        q[b * kBlock + j] = row[b * 16 + j] & 0x0F;
+        q[b * kBlock + j + 16] = row[b * 16 + j] >> 4;
+      }
+      for (int64_t j = 0; j < kBlock && q8; ++j) q[b * kBlock + j] = static_cast<int8_t>(row[b * kBlock + j]);
+    }
+    return;
+  }
+  switch (format) {
+    case kFormatQ4_0: return unpack_blocks<kFormatQ4_0>(row, nb, q, d, m);
+    case kFormatQ5_0: return unpack_blocks<kFormatQ5_0>(row, nb, q, d, m);
+    case kFormatQ5_1: return unpack_blocks<kFormatQ5_1>(row, nb, q, d, m);
+    case kFormatQ4_K: return unpack_blocks<kFormatQ4_K>(row, nb, q, d, m);
+    case kFormatQ5_K: return unpack_blocks<kFormatQ5_K>(row, nb, q, d, m);
+    case kFormatQ6_K: return unpack_blocks<kFormatQ6_K>(row, nb, q, d, m);
+    default: return unpack_blocks<kFormatIQ4_XS>(row, nb, q, d, m);
+  }
+}
 
 int64_t stored_row_bytes(int64_t format, int64_t K) {
   return K / stored_weights(format) * stored_bytes(format);

@@ -199,13 +199,20 @@ torch::Tensor bf16_tile_gemm(const torch::Tensor& x, const torch::Tensor& tiles,
 void check_block_scales(const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets, int64_t nb, int64_t N,
                         bool bf16_activations);
 
+// gguf_rows.cpp: row `row` of a part in `format` (its blocks as block_quant_linear reads them: Q8_0
+// and Q4_1 regrouped, the rest as stored) as block integers, engine/models/gguf_types.py
+// block_integers: q[nb * 32] (Q6_K's sub-scales folded in), d[nb] and m[nb] (0 without an offset),
+// w = d * q + m computed as gguf computes it.
+void unpack_row(int64_t format, const uint8_t* row, int64_t nb, int16_t* q, float* d, float* m);
+
 // vector_gemm.cpp: block_quant_gemm's products for CPUs without AMX tiles, on the vector units
 // (AVX512-VNNI, AVX-512, AVX2, or a plain loop, by the build's CPU features): residual + prologue(x)
-// (M, K) times weights in tile order (N / 16, K / 32, 512): int8 q (integer formats, x quantized per
-// block of 32 inside) or bf16 q (x rounded to bf16; AVX512-BF16), with scales d and (Q4_1)
-// offsets m (K / 32, N), w = d * q (+ m), + bias.
-torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
+// (M, K) times the weights block_quant_linear reads (parts' rows and formats, WeightRows), + bias:
+// each pass's columns unpacked from their rows into integer tiles (int8 q, int16 for Q6_K; x
+// quantized per block of 32 inside) or bf16 q (format 2: x rounded to bf16; AVX512-BF16), with
+// scales d and offsets m, w = d * q (+ m). The weights are never held in another layout.
+torch::Tensor vector_gemm(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                          const std::vector<int64_t>& formats, const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                           const c10::optional<torch::Tensor>& residual);
 // The instructions vector_gemm's integer products were built for: avx512_vnni, avx512, avx2 or plain.
@@ -299,10 +306,11 @@ void rope_write_kv_into(const float* qkv, const float* cos, const float* sin, co
 void prefetch_kv_slots(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& slot_mapping);
 
 // decode_stack.cpp: one block-quantized matmul of a decode stack: block_quant_linear's weights and
-// bias, and where the vector GEMM takes it past kernel_rows tokens its tiles, scales, offsets.
+// bias, and whether the vector GEMM takes it past kernel_rows tokens.
 struct StackMatmul {
   WeightRows weights;
-  c10::optional<torch::Tensor> bias, tiles, scales, offsets;
+  c10::optional<torch::Tensor> bias;
+  bool vectored = false;
 };
 
 // decode_stack.cpp: a decode step (one token per request) through a stack of block-quantized
@@ -312,8 +320,8 @@ struct StackMatmul {
 // soft-capped where softcap > 0), o (+ an optional post-attention norm) + residual, RMSNorm +
 // gate/up, the gated activation + down (+ an optional post-MLP norm) + residual; or in place of
 // the gated MLP a mixture of experts (add_experts): fp32 routing, top-k, each routed expert's two
-// matmuls over its tokens, an optional shared expert with its sigmoid gate. Matmuls with vector
-// GEMM tiles run it on steps of more than kernel_rows tokens, block_quant_linear on the rest;
+// matmuls over its tokens, an optional shared expert with its sigmoid gate. Vectored matmuls run
+// the vector GEMM on steps of more than kernel_rows tokens, block_quant_linear on the rest;
 // layers with experts take steps of up to kernel_rows tokens only.
 class DecodeStack {
  public:
@@ -333,9 +341,8 @@ class DecodeStack {
                    std::vector<std::vector<int64_t>> formats, int64_t top_k, bool renormalize,
                    std::vector<std::vector<torch::Tensor>> shared_rows, std::vector<std::vector<int64_t>> shared_formats,
                    c10::optional<torch::Tensor> shared_gate);
-  // Gives matmul `which` (0-3) of layer `layer` the vector GEMM's tiles, scales and offsets.
-  void set_tiles(int64_t layer, int64_t which, torch::Tensor tiles, torch::Tensor scales,
-                 c10::optional<torch::Tensor> offsets);
+  // Runs matmul `which` (0-3) of layer `layer` on the vector GEMM past kernel_rows tokens.
+  void use_vector_gemm(int64_t layer, int64_t which);
   // The LoRA adapters forward's lora_slots name (held: the model installs adapters into them).
   void use_lora(std::shared_ptr<LoraSlots> loras) { loras_ = std::move(loras); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -366,7 +373,7 @@ class DecodeStack {
     int64_t gated, slot, group, rope;
     std::unique_ptr<Experts> experts;
   };
-  // matmul m of x, its prologue and residual fused (the vector GEMM past kernel_rows rows where m has tiles).
+  // matmul m of x, its prologue and residual fused (the vector GEMM past kernel_rows rows where m is vectored).
   torch::Tensor matmul(const StackMatmul& m, const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_weight,
                        int64_t gated, const c10::optional<torch::Tensor>& residual) const;
   // forward when every matmul runs block_quant_linear's kernel: one thread team for the whole step,

@@ -16,12 +16,15 @@
 //
 // Each output is acc = fma(block sum, d_w * d_x, acc) (+ fma(m_w, s_x, acc)) over the blocks in
 // order, whatever the pass's shape, so a row's output is the same bits in any batch; the decode
-// kernel and the tiles sum the same products in another order (the same to fp32 rounding).
+// kernel and the AMX tiles sum the same products in another order (the same to fp32 rounding).
 //
-// Weights in tile order (engine/models/linear.py, `tile_order`): for each 16 output columns and each
-// block, 16 rows of 16 columns' values 2r and 2r + 1, the operand of a pair product; int8 for the
-// integer formats, bf16 for bf16 activations. Threads split the columns; rows go in chunks that stay
-// in the cache while the columns' weights pass.
+// The weights are the decode kernel's rows (a GGUF file's blocks, mapped): no other copy of them is
+// kept. Each pass unpacks its 16-48 columns (unpack_row: the integers q, d and m of every block)
+// into a panel in tile order, for each 16 output columns and each block 16 rows of 16 columns'
+// values 2r and 2r + 1, the operand of a pair product (int8 for the integer formats, int16 for
+// Q6_K, bf16 for bf16 activations), and runs every row of x over it: a weight is unpacked once a
+// call, which past a few dozen rows costs a small share of the products (BENCHMARKS.md). Threads
+// split the passes.
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -52,11 +55,12 @@ struct Operands {
   const float* xs;     // their scaled sums (M, nbp), which Q4_1's offsets multiply
   int64_t nbp;
   const uint16_t* xb;  // bf16 activations: (M, K) bf16 bits
-  const int8_t* wq;    // integer weights in tile order (N / 16, nb, 512)
+  const int8_t* wq;    // integer weights of columns [w0, w0 + wN) in tile order (wN / 16, nb, 512)
   const int16_t* ws;   // or 16-bit integer weights in tile order
   const uint16_t* wb;  // bf16 weights in tile order
-  const float* scales;   // (nb, N)
-  const float* offsets;  // (nb, N), Q4_1
+  const float* scales;   // (nb, wN)
+  const float* offsets;  // (nb, wN), or null where no part has offsets
+  int64_t w0, wN;        // the columns the weights above hold
   const float* bias;
   const float* residual;
   float* out;
@@ -67,6 +71,69 @@ inline int32_t pair_at(const void* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
+
+// Where column c's value k of block b sits in tile order: per 16 columns and block, 16 pairs of the
+// 16 columns' values 2r and 2r + 1.
+inline int64_t tile_at(int64_t c, int64_t nb, int64_t b, int64_t k) {
+  return ((c / kGroup * nb + b) * kPairs + k / 2) * 2 * kGroup + 2 * (c % kGroup) + k % 2;
+}
+
+// Columns [w0, w0 + wN) of the weights (wN a multiple of 16), unpacked from their rows as a pass reads them.
+struct Panel {
+  Scratch<int8_t> q8;
+  Scratch<int16_t> q16;
+  Scratch<uint16_t> qb;
+  Scratch<float> d, m;
+  Scratch<int16_t> row_q;
+  Scratch<float> row_d, row_m;
+  Panel(int64_t columns, int64_t nb, bool wide, bool bf16)
+      : d(scratch<float>(nb * columns)), m(scratch<float>(nb * columns)), row_q(scratch<int16_t>(nb * kBlock)),
+        row_d(scratch<float>(nb)), row_m(scratch<float>(nb)) {
+    if (bf16) qb = scratch<uint16_t>(nb * kBlock * columns);
+    else if (wide) q16 = scratch<int16_t>(nb * kBlock * columns);
+    else q8 = scratch<int8_t>(nb * kBlock * columns);
+  }
+
+  // Column c's unpacked row (row_q) into the panel in tile order, each value as `as` gives it.
+  template <typename T, typename As>
+  void place(T* panel, int64_t c, int64_t nb, As as) const {
+    T* column = panel + tile_at(c, nb, 0, 0);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int16_t* q = row_q.get() + b * kBlock;
+      T* pairs = column + b * kPairs * 2 * kGroup;
+      for (int64_t p = 0; p < kPairs; ++p) {
+        pairs[p * 2 * kGroup] = as(q[2 * p]);
+        pairs[p * 2 * kGroup + 1] = as(q[2 * p + 1]);
+      }
+    }
+  }
+
+  // Fills the panel with columns [w0, w0 + wN) and points o's weights at it (and its offsets, `offsets`).
+  void unpack(const WeightRows& w, int64_t w0, int64_t wN, bool offsets, Operands& o) {
+    const int64_t nb = o.nb;
+    for (int64_t c = 0; c < wN; ++c) {
+      const int64_t n = w0 + c;
+      const size_t part = std::upper_bound(w.first.begin(), w.first.end(), n) - w.first.begin() - 1;
+      const torch::Tensor& rows = w.parts[part];
+      unpack_row(w.formats[part], rows.data_ptr<uint8_t>() + (n - w.first[part]) * rows.size(1), nb, row_q.get(),
+                 row_d.get(), row_m.get());
+      for (int64_t b = 0; b < nb; ++b) {
+        d[b * wN + c] = row_d[b];
+        m[b * wN + c] = row_m[b];
+      }
+      if (qb) place(qb.get(), c, nb, [](int16_t v) { return bf16_bits(static_cast<float>(v)); });
+      else if (q16) place(q16.get(), c, nb, [](int16_t v) { return v; });
+      else place(q8.get(), c, nb, [](int16_t v) { return static_cast<int8_t>(v); });
+    }
+    o.wq = q8.get();
+    o.ws = q16.get();
+    o.wb = qb.get();
+    o.scales = d.get();
+    o.offsets = offsets ? m.get() : nullptr;
+    o.w0 = w0;
+    o.wN = wN;
+  }
+};
 
 #if defined(CBSERVE_VECTOR_AVX512) || defined(CBSERVE_VECTOR_AVX2)
 
@@ -120,9 +187,8 @@ constexpr int kRowsPerPass = 3, kVectorsPerPass = 2;  // 16 registers
 #endif
 
 // Where vector v of a pass starting at column n0 reads block b's pair product p in tile order.
-inline int64_t panel_at(int64_t n0, int v, int64_t nb, int64_t b, int64_t p) {
-  const int64_t n = n0 + v * Simd::kLanes;
-  return ((n / kGroup * nb + b) * kPairs + p) * 2 * kGroup + 2 * (n % kGroup);
+inline int64_t panel_at(const Operands& o, int64_t n0, int v, int64_t b, int64_t p) {
+  return tile_at(n0 - o.w0 + v * Simd::kLanes, o.nb, b, 2 * p);
 }
 
 // out (rows m0 .. m0 + MR, columns n0 .. n0 + V * kLanes) = residual + (a pass's sums + bias).
@@ -153,16 +219,16 @@ void integer_pass(const Operands& o, int64_t m0, int64_t n0) {
 #pragma GCC unroll 4
     for (int64_t p = 0; p < kPairs; ++p) {
       Simd::I w[V];
-      for (int v = 0; v < V; ++v) w[v] = Simd::widen(weights + panel_at(n0, v, o.nb, b, p));
+      for (int v = 0; v < V; ++v) w[v] = Simd::widen(weights + panel_at(o, n0, v, b, p));
       for (int r = 0; r < MR; ++r) {
         const Simd::I x = Simd::broadcast(o.xq + (m0 + r) * o.K + b * kBlock + 2 * p);
         for (int v = 0; v < V; ++v) sums[r][v] = Simd::dot(sums[r][v], w[v], x);
       }
     }
     for (int v = 0; v < V; ++v) {
-      const Simd::F dw = Simd::load(o.scales + b * o.N + n0 + v * Simd::kLanes);
+      const Simd::F dw = Simd::load(o.scales + b * o.wN + n0 - o.w0 + v * Simd::kLanes);
       Simd::F mw;
-      if constexpr (Offsets) mw = Simd::load(o.offsets + b * o.N + n0 + v * Simd::kLanes);
+      if constexpr (Offsets) mw = Simd::load(o.offsets + b * o.wN + n0 - o.w0 + v * Simd::kLanes);
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (m0 + r) * o.nbp + b;
         acc[r][v] = Simd::fma(Simd::to_float(sums[r][v]), Simd::mul(dw, Simd::set1(o.xd[at])), acc[r][v]);
@@ -188,14 +254,14 @@ void bf16_pass(const Operands& o, int64_t m0, int64_t n0) {
 #pragma GCC unroll 4
     for (int64_t p = 0; p < kPairs; ++p) {
       __m512bh w[V];
-      for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(o.wb + panel_at(n0, v, o.nb, b, p));
+      for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(o.wb + panel_at(o, n0, v, b, p));
       for (int r = 0; r < MR; ++r) {
         const __m512bh x = (__m512bh)_mm512_set1_epi32(pair_at(o.xb + (m0 + r) * o.K + b * kBlock + 2 * p));
         for (int v = 0; v < V; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], w[v], x);
       }
     }
     for (int v = 0; v < V; ++v) {
-      const __m512 dw = _mm512_loadu_ps(o.scales + b * o.N + n0 + v * 16);
+      const __m512 dw = _mm512_loadu_ps(o.scales + b * o.wN + n0 - o.w0 + v * 16);
       for (int r = 0; r < MR; ++r) acc[r][v] = _mm512_fmadd_ps(sums[r][v], dw, acc[r][v]);
     }
   }
@@ -229,37 +295,38 @@ struct Bf16Pass {
 };
 #endif
 
-// Every pass: threads split the column passes; each thread takes x in chunks (about 256 KiB) that
-// stay in the cache while its columns' weights pass, and each pass's weights (a few KiB) serve the
-// chunk's row tiles one after another.
+// Every pass: threads split the column passes; each unpacks its pass's columns from their rows
+// (a few KiB a block, int8: 16-48 columns of K weights) and runs every row of x over them, so a
+// weight is unpacked once a call whatever the batch.
 template <template <int, int> class Pass>
-void run_passes(const Operands& o, int64_t x_bytes) {
+void run_passes(const Operands& o, const WeightRows& w, bool wide, bool bf16, bool offsets) {
   const int64_t columns = kVectorsPerPass * Simd::kLanes;
   const int64_t column_passes = (o.N + columns - 1) / columns;
-  const int64_t chunk_rows = std::max<int64_t>(kRowsPerPass, (int64_t(1) << 18) / (o.K * x_bytes)) / kRowsPerPass * kRowsPerPass;
   at::parallel_for(0, column_passes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < o.M; first += chunk_rows) {
-      const int64_t last = std::min(o.M, first + chunk_rows);
-      for (int64_t pass = begin; pass < end; ++pass) {
-        const int64_t n0 = pass * columns;
-        const int vectors = static_cast<int>(std::min<int64_t>(kVectorsPerPass, (o.N - n0) / Simd::kLanes));
-        for (int64_t m0 = first; m0 < last; m0 += kRowsPerPass)
-          run_pass<Pass>(static_cast<int>(std::min<int64_t>(kRowsPerPass, last - m0)), vectors, o, m0, n0);
-      }
+    Panel panel(columns, o.nb, wide, bf16);
+    Operands local = o;
+    for (int64_t pass = begin; pass < end; ++pass) {
+      const int64_t n0 = pass * columns, width = std::min(columns, o.N - n0);
+      panel.unpack(w, n0, width, offsets, local);
+      const int vectors = static_cast<int>(width / Simd::kLanes);
+      for (int64_t m0 = 0; m0 < o.M; m0 += kRowsPerPass)
+        run_pass<Pass>(static_cast<int>(std::min<int64_t>(kRowsPerPass, o.M - m0)), vectors, local, m0, n0);
     }
   });
 }
 
 #else  // the plain loop, the same arithmetic per output
 
-void plain_gemm(const Operands& o, bool bf16) {
+void plain_gemm(Operands o, const WeightRows& w, bool wide, bool bf16, bool offsets) {
+  Panel panel(o.N, o.nb, wide, bf16);
+  panel.unpack(w, 0, o.N, offsets, o);
   at::parallel_for(0, o.N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < o.M; ++m) {
       for (int64_t n = n0; n < n1; ++n) {
         float acc = 0.f;
         for (int64_t b = 0; b < o.nb; ++b) {
           const int64_t group = ((n / kGroup * o.nb + b) * kPairs) * 2 * kGroup + 2 * (n % kGroup);
-          const float dw = o.scales[b * o.N + n];
+          const float dw = o.scales[b * o.wN + n];
           if (bf16) {
             float sum = 0.f;
             for (int64_t p = 0; p < kPairs; ++p) {
@@ -284,7 +351,7 @@ void plain_gemm(const Operands& o, bool bf16) {
             }
             const int64_t at = m * o.nbp + b;
             acc = std::fma(static_cast<float>(sum), dw * o.xd[at], acc);
-            if (o.offsets) acc = std::fma(o.offsets[b * o.N + n], o.xs[at], acc);
+            if (o.offsets) acc = std::fma(o.offsets[b * o.wN + n], o.xs[at], acc);
           }
         }
         const int64_t at = m * o.N + n;
@@ -320,19 +387,17 @@ bool vector_gemm_bf16() {
 #endif
 }
 
-torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& offsets, const c10::optional<torch::Tensor>& bias,
+torch::Tensor vector_gemm(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                          const std::vector<int64_t>& formats, const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& norm_weight, double eps, int64_t gated,
                           const c10::optional<torch::Tensor>& residual) {
-  const bool bf16 = panels.scalar_type() == torch::kBFloat16, wide = panels.scalar_type() == torch::kShort;
-  TORCH_CHECK(bf16 || wide || panels.scalar_type() == torch::kChar,
-              "panels: int8 or int16 (integer formats) or bf16 (bf16 activations)");
+  const WeightRows w = weight_rows(parts, formats);
+  const bool bf16 = w.has(kFormatQ8_0Bf16), wide = w.has(kFormatQ6_K);
+  const bool offsets = w.has(kFormatQ4_1) || w.has(kFormatQ5_1) || w.has(kFormatQ4_K) || w.has(kFormatQ5_K);
   TORCH_CHECK(!bf16 || vector_gemm_bf16(), "vector_gemm with bf16 activations needs AVX512-BF16, which this CPU or build lacks");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanelValues,
-              "panels: contiguous (N / 16, K / 32, 512) in tile order");
-  const int64_t nb = panels.size(1), K = nb * kBlock, M = x.size(0), N = panels.size(0) * kGroup;
+  const int64_t K = w.K, nb = K / kBlock, M = x.size(0), N = w.N();
+  TORCH_CHECK(N % kGroup == 0, "vector_gemm: whole groups of 16 output columns");
   check_prologue(x, K, norm_weight, gated);
-  check_block_scales(scales, offsets, nb, N, bf16);
   check_bias_residual(bias, residual, M, N);
   auto out = torch::empty({M, N}, x.options());
   Scratch<float> transformed;
@@ -348,28 +413,26 @@ torch::Tensor vector_gemm(const torch::Tensor& x, const torch::Tensor& panels, c
     qx = quantize_x(rows, M, K);
   }
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const Operands o{M, N, K, nb, qx.q.get(), qx.d.get(), qx.s.get(), qx.nbp, xb.get(),
-                   panels.scalar_type() == torch::kChar ? panels.data_ptr<int8_t>() : nullptr,
-                   wide ? panels.data_ptr<int16_t>() : nullptr,
-                   bf16 ? reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()) : nullptr,
-                   scales.data_ptr<float>(), offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
+  // the weights, scales and offsets are each pass's panel's (Panel::unpack)
+  const Operands o{M, N, K, nb, qx.q.get(), qx.d.get(), qx.s.get(), qx.nbp, xb.get(), nullptr, nullptr, nullptr,
+                   nullptr, nullptr, 0, N,
                    b.defined() ? b.data_ptr<float>() : nullptr,
                    residual.has_value() ? residual->data_ptr<float>() : nullptr, out.data_ptr<float>()};
 #if defined(CBSERVE_VECTOR_AVX512) || defined(CBSERVE_VECTOR_AVX2)
   if (bf16) {
 #if defined(CBSERVE_VECTOR_BF16)
-    run_passes<Bf16Pass>(o, 2);
+    run_passes<Bf16Pass>(o, w, wide, bf16, offsets);
 #endif
   } else if (wide) {
-    if (o.offsets) run_passes<IntegerPass<int16_t, true>::Pass>(o, 2);
-    else run_passes<IntegerPass<int16_t, false>::Pass>(o, 2);
-  } else if (o.offsets) {
-    run_passes<IntegerPass<int8_t, true>::Pass>(o, 2);
+    if (offsets) run_passes<IntegerPass<int16_t, true>::Pass>(o, w, wide, bf16, offsets);
+    else run_passes<IntegerPass<int16_t, false>::Pass>(o, w, wide, bf16, offsets);
+  } else if (offsets) {
+    run_passes<IntegerPass<int8_t, true>::Pass>(o, w, wide, bf16, offsets);
   } else {
-    run_passes<IntegerPass<int8_t, false>::Pass>(o, 2);
+    run_passes<IntegerPass<int8_t, false>::Pass>(o, w, wide, bf16, offsets);
   }
 #else
-  plain_gemm(o, bf16);
+  plain_gemm(o, w, wide, bf16, offsets);
 #endif
   return out;
 }

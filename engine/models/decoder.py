@@ -278,8 +278,8 @@ class PagedDecoder(nn.Module):
                                   mlp.renormalize, [m.part_rows for m in shared], [m.formats for m in shared],
                                   mlp.shared_gate)
             elif vectored:
-                for which, m in enumerate(matmuls):
-                    stack.set_tiles(index, which, m.tiles, m.scales, m.offsets)
+                for which in range(len(matmuls)):
+                    stack.use_vector_gemm(index, which)
         self.decode_rows = sys.maxsize if vectored else kernel_rows
         self.decode_stack = stack
         return None

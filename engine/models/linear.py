@@ -130,15 +130,14 @@ def tile_order(values: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(rows // 16, cols // BLOCK, -1).contiguous()
 
 
-def tile_blocks(parts: list[tuple[GGMLQuantizationType, np.ndarray]], dtype: torch.dtype = torch.bfloat16
+def tile_blocks(parts: list[tuple[GGMLQuantizationType, np.ndarray]]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A matmul's parts (GGUF blocks (N_p, row bytes) each, stacked by rows) as the large-batch GEMMs
-    read them (engine/csrc/block_quant_gemm.cpp, vector_gemm.cpp): the integer weights q
-    (engine/models/gguf_types.py block_integers) as `dtype` (bf16, int8 or int16, exact each) in tile
-    order; the scales d and offsets m (zero for a part without) as (K / 32, N) fp32, so 16 columns'
-    scales of a block load as one vector. w = d * q (+ m)."""
+    """A matmul's parts (GGUF blocks (N_p, row bytes) each, stacked by rows) as the AMX tile GEMM
+    reads them (engine/csrc/block_quant_gemm.cpp): the integer weights q (engine/models/gguf_types.py
+    block_integers) as bf16 (exact) in tile order; the scales d and offsets m (zero for a part
+    without) as (K / 32, N) fp32, so 16 columns' scales of a block load as one vector. w = d * q (+ m)."""
     integers = [gguf_types.block_integers(blocks, qtype) for qtype, blocks in parts]
-    q = torch.cat([part_q.to(dtype) for part_q, _, _ in integers])
+    q = torch.cat([part_q.to(torch.bfloat16) for part_q, _, _ in integers])
     scales = torch.cat([d for _, d, _ in integers]).t().contiguous()
     offsets = None
     if any(m is not None for _, _, m in integers):
@@ -184,15 +183,18 @@ class BlockQuantLinear(nn.Module):
     `decode_rows` rows (decode steps, small chunks) run the C++ kernel, which reads only the blocks.
     Larger inputs (prefill, large decode batches) run, where the CPU has AMX tiles and the
     integers fit bf16 exactly, the tile GEMM (on the blocks' integers, the same integer dot products
-    per block; or on the exact weights as bf16 pairs); else the vector GEMM (`vectored`: the same
-    products on AVX512-VNNI, AVX-512 or AVX2, and with bf16 activations on AVX512-BF16); else fp32
+    per block; or on the exact weights as bf16 pairs: a copy of the weights in that layout); else the
+    vector GEMM (`vectored`: the same products on AVX512-VNNI, AVX-512 or AVX2, and with bf16
+    activations on AVX512-BF16, on the blocks themselves, each pass's unpacked as it goes); else fp32
     GEMM of the dequantized weights on the same rounded activations: the same values every way, so
     the same results to fp32 rounding, whatever the batch. Without the compiled kernels every
     input takes the fp32 GEMM."""
 
     DECODE_ROWS = 28  # up to here the kernel beats fp32 GEMM on this model family's shapes (BENCHMARKS.md)
     TILED_DECODE_ROWS = 8  # with AMX tiles, the tile GEMM beats the kernel from 5-8 rows on (BENCHMARKS.md)
-    VECTOR_DECODE_ROWS = 4  # the vector GEMM beats the kernel from VECTOR_DECODE_ROWS + 1 rows on (BENCHMARKS.md)
+    # the vector GEMM, which unpacks each weight once a call, beats the kernel from VECTOR_DECODE_ROWS + 1 rows on
+    # (BENCHMARKS.md)
+    VECTOR_DECODE_ROWS = 28
     # bf16 activations: up to these rows the integer tiles (2 bytes a weight, scaled per block) run, past
     # them the exact bf16 pairs (4 bytes a weight, no scaling inside K) (BENCHMARKS.md)
     INTEGER_TILE_ROWS = 64
@@ -220,10 +222,7 @@ class BlockQuantLinear(nn.Module):
                          and (kernels.vector_gemm_bf16() or not bf16_activations))
         self.decode_rows = (self.TILED_DECODE_ROWS if self.tiled else self.VECTOR_DECODE_ROWS if self.vectored
                             else self.DECODE_ROWS)  # rows the kernel takes
-        tiles, scales, offsets = (None, None, None)
-        if self.tiled or self.vectored:  # the vector GEMM's integers in int8 (or int16), half the bytes of bf16
-            tile_dtype = integers if self.vectored and not bf16_activations else torch.bfloat16
-            tiles, scales, offsets = tile_blocks(parts, tile_dtype)
+        tiles, scales, offsets = tile_blocks(parts) if self.tiled else (None, None, None)
         # fp32 weights (N, K) only where the fp32 GEMM is a path the engine takes: elsewhere they would
         # cost 4 bytes a weight of memory, and their dequantizing a share of every start (BENCHMARKS.md)
         dense = None if self.tiled or self.vectored else _dequantized(parts)
@@ -265,11 +264,11 @@ class BlockQuantLinear(nn.Module):
 
     def forward_vector(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The vector GEMM on the tiles, prologue and residual fused (needs `vectored`)."""
+        """The vector GEMM on the rows, prologue and residual fused (needs `vectored`)."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
         residual = None if residual is None else residual.contiguous()
-        return self._kernels.vector_gemm(x.contiguous(), self.tiles, self.scales, self.offsets, self.bias, norm_weight,
-                                         eps, _gate_code(gated), residual)
+        return self._kernels.vector_gemm(x.contiguous(), self.part_rows, self.formats, self.bias, norm_weight, eps,
+                                         _gate_code(gated), residual)
 
     def forward_tiles(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: str | None = None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:

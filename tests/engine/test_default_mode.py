@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from engine import LLM, cpu_load
 from engine.cache_dir import cache_dir
@@ -43,9 +44,9 @@ def test_other_load_is_the_machine_s_busy_time_less_this_process_s():
 
 
 def test_auto_runs_a_ggufs_own_blocks_and_a_directory_in_int8_scoring_nothing(tiny_llama, tmp_path, monkeypatch):
-    """The rule: a .gguf file its own blocks, a Hugging Face directory `int8` (the kernels load
-    here), each through an fp16 KV cache; nothing is timed or scored (no figures written), and an
-    explicit mode keeps the model's cache."""
+    """The rule: a .gguf file its own blocks, a Hugging Face directory stored in 16 bits `int8` (the
+    kernels load here), each through an fp16 KV cache, one stored in fp32 fp32; nothing is timed or
+    scored (no figures written), and an explicit mode keeps the model's cache."""
     load_cpu_kernels()
     kernels = cache_dir("kernels")  # built in the usual cache, linked into a fresh one
     monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path / "cache"))
@@ -56,8 +57,12 @@ def test_auto_runs_a_ggufs_own_blocks_and_a_directory_in_int8_scoring_nothing(ti
     blocks = load_model(ModelConfig(model=gguf))
     assert (blocks.quantization, blocks.kv_cache_dtype, blocks.quality) == ("gguf", torch.float16, None)
     assert all(isinstance(m, BlockQuantLinear) for m in blocks.model.modules() if isinstance(m, Linear))
-    directory = load_model(ModelConfig(model=tiny_llama))
+    published = save_tiny_model(tmp_path / "bf16", "llama")  # stored in 16 bits, as checkpoints are published
+    AutoModelForCausalLM.from_pretrained(published, dtype=torch.bfloat16).save_pretrained(published)
+    directory = load_model(ModelConfig(model=published))
     assert (directory.quantization, directory.kv_cache_dtype) == ("int8", torch.float16)
+    exact = load_model(ModelConfig(model=tiny_llama))  # stored in fp32: its own precision
+    assert (exact.quantization, exact.kv_cache_dtype) == ("none", torch.float32)
     explicit = load_model(ModelConfig(model=tiny_llama, quantization="int8"))
     assert (explicit.quantization, explicit.kv_cache_dtype) == ("int8", torch.float32)
     assert not (tmp_path / "cache" / "quality").exists() and not (tmp_path / "cache" / "decisions").exists()
@@ -71,13 +76,16 @@ def test_auto_is_fp32_where_the_quantized_kernels_do_not_run(tiny_llama):
 
 
 def test_cbserve_check_scores_the_mode_a_start_runs_and_the_next_start_reports_it(tiny_llama, tmp_path,
-                                                                                  monkeypatch, capsys):
+                                                                                  monkeypatch, capsys, caplog):
     """The check on a random model (flat logits: below the bar) exits 1 and logs the mode to run
     instead; its figures then reach the engine's model report."""
     monkeypatch.setenv("CBSERVE_CACHE", str(tmp_path))  # w8a16 needs no compiled kernels there
-    assert cli_main(["check", "--model", tiny_llama, "--quantization", "w8a16", "--quality-check-tokens",
-                     "1024"]) == 1
+    with caplog.at_level("ERROR"):
+        assert cli_main(["check", "--model", tiny_llama, "--quantization", "w8a16", "--quality-check-tokens",
+                         "1024"]) == 1
     assert "quantization w8a16" in capsys.readouterr().out
+    [failed] = [r.getMessage() for r in caplog.records if "QUALITY CHECK FAILED" in r.getMessage()]
+    assert "run quantization 'int8' instead" in failed
     report = LLM(tiny_llama, quantization="w8a16", quality_check_tokens=1024,
                  kv_cache_memory_bytes=1 << 20).engine.model_report
     assert report.quantization == "w8a16" and 0 < report.top1_agreement < 0.97

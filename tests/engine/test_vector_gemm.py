@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from engine import LLM, SamplingParams
 from engine.cpu_kernels import TARGETS, cpu_flags, load_cpu_kernels, runnable_targets
 from engine.models import gguf_types
-from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, int8_blocks, tile_blocks, widest_integers
+from engine.models.linear import GATED_ACTIVATIONS, BlockQuantLinear, int8_blocks
 from tests.engine.gguf_files import random_blocks
 from tests.engine.test_parity import _prompts
 from tests.engine.test_quantization import KINDS, _CountingStack, _name, _width
@@ -33,8 +33,8 @@ def _expected_isa(build: str) -> str:
 
 
 class _Weights:
-    """One matmul's weights of a kind: the tiles, scales and offsets the vector GEMM reads, the
-    decode kernel's rows, and the dequantized fp32 values (the reference)."""
+    """One matmul's weights of a kind: the rows the decode kernel and the vector GEMM read, and the
+    dequantized fp32 values (the reference)."""
 
     def __init__(self, kind, rows: int, cols: int, with_bias: bool):
         self.bf16 = kind == "int8"
@@ -42,8 +42,6 @@ class _Weights:
             parts = [(GGMLQuantizationType.Q8_0, int8_blocks(torch.randn(rows, cols) * 0.05))]
         else:
             parts = [(kind, random_blocks(kind, rows, cols, np.random.default_rng(rows + cols)))]
-        integers = torch.bfloat16 if self.bf16 else widest_integers(parts)
-        self.tiles, self.scales, self.offsets = tile_blocks(parts, integers)
         self.layer = BlockQuantLinear(parts, torch.randn(rows) if with_bias else None, load_cpu_kernels(),
                                       bf16_activations=self.bf16)
         self.weight = gguf_types.dequantize(parts[0][1], parts[0][0])
@@ -71,7 +69,7 @@ class _Weights:
 
     def vector(self, kernels, x, norm=None, gated=None, residual=None):
         norm_weight, eps = norm if norm is not None else (None, 0.0)
-        return kernels.vector_gemm(x, self.tiles, self.scales, self.offsets, self.layer.bias, norm_weight, eps,
+        return kernels.vector_gemm(x, self.layer.part_rows, self.layer.formats, self.layer.bias, norm_weight, eps,
                                    GATED_ACTIVATIONS.get(gated, 0), residual)
 
 
@@ -114,6 +112,23 @@ def test_the_vector_gemm_computes_fp32_gemm_of_the_dequantized_weights_each_row_
     assert torch.equal(shifted, whole[7:300])
 
 
+def test_the_vector_gemm_reads_a_fused_matmuls_parts_each_in_its_own_type(kernels):
+    """A q/k/v-like matmul whose parts a Q4_K_M file stores in Q4_K and Q6_K, and a Q4_1 part (the
+    regrouped rows), with passes that straddle the parts: each column unpacked from its own part."""
+    rng = np.random.default_rng(5)
+    parts = [(GGMLQuantizationType.Q4_K, random_blocks(GGMLQuantizationType.Q4_K, 32, 512, rng)),
+             (GGMLQuantizationType.Q6_K, random_blocks(GGMLQuantizationType.Q6_K, 16, 512, rng)),
+             (GGMLQuantizationType.Q4_1, random_blocks(GGMLQuantizationType.Q4_1, 48, 512, rng))]
+    layer = BlockQuantLinear(parts, None, load_cpu_kernels())
+    weight = torch.cat([gguf_types.dequantize(blocks, qtype) for qtype, blocks in parts])
+    x = torch.randn(70, 512)
+    got = kernels.vector_gemm(x, layer.part_rows, layer.formats, None, None, 0.0, 0, None)
+    activations = kernels.kernel_activations(x, None, 0.0, 0, False)
+    magnitude = torch.nn.functional.linear(activations.abs(), weight.abs())
+    error = (got - torch.nn.functional.linear(activations, weight)).abs()
+    assert (error <= 2 ** -17 * magnitude + 1e-6).all(), (error / magnitude).max()
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=_name)
 @pytest.mark.parametrize("fusion", ["norm", "silu", "gelu_tanh"])
 def test_the_vector_gemms_fused_prologue_and_residual_compute_what_the_torch_ops_compute(kernels, kind, fusion):
@@ -149,11 +164,11 @@ def test_decode_steps_past_the_kernels_rows_run_the_stack_and_compute_what_the_l
     """Decode steps of more rows than the decode kernel takes go through the fused stack on the
     vector GEMM (where the CPU has no AMX and the build has bf16 products), the same tokens and
     log-probabilities bit for bit as the layers' own modules."""
-    prompts = _prompts(12, seed=4)
+    prompts = _prompts(BlockQuantLinear.VECTOR_DECODE_ROWS + 4, seed=4)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     runs = {}
     for fused in (True, False):
-        llm = LLM(model=tiny_llama, quantization="int8", max_num_seqs=12, max_num_batched_tokens=64)
+        llm = LLM(model=tiny_llama, quantization="int8", max_num_seqs=len(prompts), max_num_batched_tokens=64)
         paged = llm.engine.loaded.model
         vectored = all(m.vectored for layer in paged.layers
                        for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down))
