@@ -109,10 +109,13 @@ class MappedGGUF:
         return self.processor.process(data if expert is None else data[expert], name).weights
 
     def parts(self, module: str) -> Parts | None:
-        """A matmul's parts as the file stores them, or None where a part is of a type no kernel runs."""
-        sources = self.matmuls[module]
-        if not all(runs(self.tensors[n].tensor_type, int(self.tensors[n].shape[0])) for n, _ in sources):
-            return None  # GGUF's shape: columns first
+        """A matmul's parts as the file stores them, or None where a part is of a type no kernel runs
+        (or the file keeps it otherwise: a transformers-path model's, a fused tensor of its own)."""
+        sources = self.matmuls.get(module)
+        kernels_run = sources is not None and all(  # GGUF's shape: columns first
+            runs(self.tensors[n].tensor_type, int(self.tensors[n].shape[0])) for n, _ in sources)
+        if not kernels_run:
+            return None
         return [(self.tensors[n].tensor_type, self._rows(n, e)) for n, e in sources]
 
     def dense(self, module: str) -> torch.Tensor:

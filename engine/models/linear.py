@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
+from tqdm.auto import tqdm
 
 from engine.config import QUANTIZATION_MODES
 from engine.models import gguf_types
@@ -376,8 +377,8 @@ def quantize(model: nn.Module, mode: str, gguf=None) -> nn.Module:
     fp32), except that the weight-only modes keep the LM head fp32, as GPTQ and AWQ checkpoints
     do (a 4-bit LM head alone costs more top-1 agreement than every other matmul together).
     `gguf`: each matmul in the checkpoint's own blocks, `gguf` the file mapped
-    (engine/models/gguf_blocks.py MappedGGUF; the model's Linears hold no weights), and one with a
-    part of a type no kernel runs as `int8` from its weights dequantized alone."""
+    (engine/models/gguf_blocks.py MappedGGUF; those Linears hold no weights), and one with a part of
+    a type no kernel runs, or that the file does not store as the paged model's parts, as `int8`."""
     if mode not in QUANTIZATION_MODES or mode == "auto":  # auto is resolved before (engine/model_setup.py)
         raise ValueError(f"quantize takes one of {QUANTIZATION_MODES[:-1]}, got {mode!r}")
     if mode == "none":
@@ -386,7 +387,8 @@ def quantize(model: nn.Module, mode: str, gguf=None) -> nn.Module:
 
     kernels = load_cpu_kernels() if mode in ("int8", "gguf") else None
     kinds: Counter[str] = Counter()  # what the matmuls' parts run as
-    for name, dense in list(model.named_modules()):
+    # a bar where quantizing takes a while (a large checkpoint's int8: seconds a layer); none for mapped blocks
+    for name, dense in tqdm(list(model.named_modules()), desc=f"quantization {mode}", unit="module", delay=3):
         if not isinstance(dense, Linear):
             continue
         if mode in WEIGHT_ONLY_BITS:
@@ -394,10 +396,10 @@ def quantize(model: nn.Module, mode: str, gguf=None) -> nn.Module:
             if dense is model.lm_head or not WeightOnlyLinear.fits(bits, dense.weight):
                 continue
             replacement = WeightOnlyLinear(bits, dense.weight, dense.bias)
-        elif mode == "gguf" and (parts := gguf.parts(name)) is not None:
+        elif mode == "gguf" and gguf is not None and (parts := gguf.parts(name)) is not None:
             replacement = BlockQuantLinear(parts, dense.bias, kernels)
         elif dense.weight.shape[1] % BLOCK == 0:  # `int8`, or a tensor of a type no kernel runs
-            weight = gguf.dense(name) if mode == "gguf" else dense.weight
+            weight = gguf.dense(name) if dense.weight.is_meta else dense.weight
             replacement = BlockQuantLinear([(GGMLQuantizationType.Q8_0, int8_blocks(weight))], dense.bias,
                                            kernels, bf16_activations=True)
         else:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.cache_dir import cache_dir
 from engine.config import ModelConfig
 from engine.cpu_kernels import load_cpu_kernels
@@ -128,3 +128,16 @@ def test_a_start_says_what_it_does_phase_by_phase(tmp_path, monkeypatch, caplog)
         caplog.clear()
         LLM(path, kv_cache_memory_bytes=1 << 24)
     assert not any("from its metadata" in r.getMessage() for r in caplog.records)  # kept from the first start
+
+
+def test_a_gguf_through_transformers_code_loads_dense_and_runs_its_matmuls_as_int8(tmp_path):
+    """model_impl 'transformers': the file's tensors dequantized into transformers' modules one at a
+    time (its own matmul layout, not the paged model's parts), every matmul then quantized to int8."""
+    load_cpu_kernels()
+    path = _qwen3_gguf(tmp_path, 256, 2, 768)
+    llm = LLM(path, quantization="gguf", model_impl="transformers", kv_cache_memory_bytes=1 << 24)
+    quantized = [m for m in llm.engine.loaded.model.modules() if isinstance(m, BlockQuantLinear)]
+    assert quantized and all(m.bf16_activations for m in quantized)
+    (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
