@@ -18,6 +18,7 @@ that served it before); `cold` is cbserve's own cache.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -53,8 +54,10 @@ if len(sys.argv) > 3:  # held: the parent reads this process's memory, then clos
 
 
 def fresh_cache() -> dict[str, str]:
-    """An environment whose cbserve cache holds this machine's compiled kernels and nothing else."""
+    """An environment whose cbserve cache holds this machine's compiled kernels and nothing else
+    (removed when this process exits)."""
     root = Path(tempfile.mkdtemp(prefix="cbserve-cache-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     (root / "kernels").symlink_to(cache_dir("kernels"))
     return os.environ | {CACHE_ENV: str(root)}
 
