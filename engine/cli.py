@@ -23,7 +23,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         if str(f.type) in ("bool", "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
-            kind = {"int": int, "float": float, "int | None": int, "list[int] | None": _int_list,
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float,
+                    "list[int] | None": _int_list,
                     "list[str] | None": lambda text: text.split(",")}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, help=help)
 

@@ -122,9 +122,13 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
     num_blocks: int | None = _opt(None, "KV blocks on the device; overrides kv_cache_memory_bytes when set")
-    kv_cache_memory_bytes: int | None = _opt(None, "KV pool size in bytes; None: 1 GiB on the CPU, on CUDA what "
-                                                    "gpu_memory_utilization leaves after the weights, a profiled "
-                                                    "peak step and the CUDA graphs")
+    kv_cache_memory_bytes: int | None = _opt(None, "KV pool size in bytes; None: on the CPU cpu_memory_utilization "
+                                                    "of the memory left after the weights where set, else 1 GiB; "
+                                                    "on CUDA what gpu_memory_utilization leaves after the weights, a "
+                                                    "profiled peak step and the CUDA graphs")
+    cpu_memory_utilization: float | None = _opt(None, "CPU: the fraction of the host memory available once the "
+                                                      "weights are loaded that the KV pool takes (its pages are "
+                                                      "the OS's until blocks are written); None: 1 GiB")
     gpu_memory_utilization: float = _opt(0.9, "CUDA: the fraction of the GPU's memory this engine may take (weights, "
                                               "activations, graphs and the KV pool)")
     swap_space_bytes: int = _opt(1 << 30, "host pool for swap preemption, bytes")
@@ -146,6 +150,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_memory_utilization is not None and not 0 < self.cpu_memory_utilization <= 1:
+            raise ValueError(f"cpu_memory_utilization must be in (0, 1], got {self.cpu_memory_utilization}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
 

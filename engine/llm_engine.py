@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
 
 import torch
 
@@ -138,7 +139,8 @@ class LLMEngine:
     def _pool_blocks(self, backend: AttentionBackend, device: torch.device, kv_dtype: torch.dtype, block_bytes: int,
                      graphs: GraphSettings | None) -> int:
         """KV blocks in kv_cache_memory_bytes, or on CUDA by default in what gpu_memory_utilization
-        leaves; never more than max_num_seqs requests of max_model_len tokens can fill."""
+        leaves, on the CPU in cpu_memory_utilization of the memory the weights left; never more than
+        max_num_seqs requests of max_model_len tokens can fill."""
         cache, scheduler = self.config.cache, self.config.scheduler
         useful_blocks = scheduler.max_num_seqs * self.loaded.model.kv_layout.peak_blocks(
             self.max_model_len, cache.block_size, scheduler.max_num_batched_tokens)
@@ -147,6 +149,8 @@ class LLMEngine:
             peak = peak_step_bytes(self.loaded.model, backend, device, kv_dtype, cache.block_size, num_tokens,
                                    min(scheduler.max_num_seqs, num_tokens))
             pool_bytes = kv_pool_bytes(device, cache.gpu_memory_utilization, peak, graphs.memory_bytes if graphs else 0)
+        elif cache.kv_cache_memory_bytes is None and cache.cpu_memory_utilization is not None:
+            pool_bytes = int(cache.cpu_memory_utilization * host_memory_available())
         else:
             pool_bytes = cache.kv_cache_bytes
         num_blocks = min(pool_bytes // block_bytes, useful_blocks)
@@ -336,3 +340,11 @@ class LLMEngine:
         self._last_step = self._last_step.after(len(out.scheduled), num_tokens, t3 - t0, scheduling + (t3 - t2),
                                                 launched_next=self._ahead is not None)
         return compiled + events
+
+
+def host_memory_available() -> int:
+    """Bytes of memory the host can give without swapping (/proc/meminfo's MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable: set kv_cache_memory_bytes")

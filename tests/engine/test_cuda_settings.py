@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, llm_engine
 from engine.attention.base import AttentionParams
 from engine.attention.selector import kv_block_bytes, select_backend
 from engine.cli import main as cli_main
@@ -61,3 +61,26 @@ def test_on_the_cpu_the_pool_is_a_fixed_budget_and_no_graphs_run(tiny_llama):
     assert engine.runner.graphs is None
     assert engine.runner.kv_cache.shape[engine.runner.backend.block_dim()] == engine.kv.pool.num_blocks  # no sink
     assert CacheConfig(kv_cache_memory_bytes=1 << 20).kv_cache_bytes == 1 << 20
+
+
+def test_on_the_cpu_the_pool_may_take_a_fraction_of_the_memory_the_weights_left(tiny_llama, monkeypatch, caplog):
+    """cpu_memory_utilization: that share of MemAvailable, read once the model is loaded (set here, as a
+    host with 8 GiB free would report it), capped where max_num_seqs requests could never fill it;
+    reported at start. Its flag reaches the engine."""
+    monkeypatch.setattr(llm_engine, "host_memory_available", lambda: 8 << 30)
+    with caplog.at_level("INFO"):
+        engine = LLM(tiny_llama, max_num_seqs=4096, cpu_memory_utilization=0.05).engine
+    block_bytes = kv_block_bytes(engine.loaded.model, 16, engine.runner.kv_cache.dtype)
+    pool_bytes = int(0.05 * (8 << 30))
+    assert engine.kv.pool.num_blocks == pool_bytes // block_bytes
+    assert f"(of {pool_bytes / 2**30:.2f} GiB available)" in caplog.text
+    capped = LLM(tiny_llama, max_num_seqs=2, cpu_memory_utilization=0.05).engine
+    assert capped.kv.pool.num_blocks < pool_bytes // block_bytes
+    assert llm_engine.host_memory_available() > 0  # the real /proc/meminfo reading
+    with pytest.raises(ValueError, match="cpu_memory_utilization"):
+        CacheConfig(cpu_memory_utilization=1.5)
+    seen = {}
+    monkeypatch.setattr("engine.cli.LLM", lambda **kwargs: seen.update(kwargs) or (_ for _ in ()).throw(SystemExit))
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "--prompt", "x", "--cpu-memory-utilization", "0.3"])
+    assert seen["cpu_memory_utilization"] == 0.3
