@@ -172,7 +172,7 @@ def int8_rate(llm: LLM, rows: int = 512, repeats: int = 5) -> float:
     matmul = max((m for m in llm.engine.loaded.model.modules() if isinstance(m, BlockQuantLinear)),
                  key=lambda m: m.weight_bytes)
     columns = sum(rows.shape[0] for rows in matmul.part_rows)
-    x = torch.randn(rows, matmul.tiles.shape[1] * 32 if matmul.tiles is not None else matmul.weight.shape[1])
+    x = torch.randn(rows, matmul.in_features)
     matmul(x)
     seconds = []
     for _ in range(repeats):
@@ -184,8 +184,7 @@ def int8_rate(llm: LLM, rows: int = 512, repeats: int = 5) -> float:
 
 def model_multiply_adds(llm: LLM) -> int:
     """Multiply-adds one token costs in the model's matmuls (its parameters, the embedding lookup aside)."""
-    return sum(sum(r.shape[0] for r in m.part_rows) * (m.tiles.shape[1] * 32 if m.tiles is not None
-                                                       else m.weight.shape[1])
+    return sum(sum(r.shape[0] for r in m.part_rows) * m.in_features
                for m in llm.engine.loaded.model.modules() if isinstance(m, BlockQuantLinear))
 
 

@@ -213,6 +213,8 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("bias", bias.detach() if bias is not None else None)
         self._kernels = kernels
         self.weight_bytes = sum(rows.numel() for rows in self.part_rows)  # what a decode step reads
+        weights, block_bytes = GGML_QUANT_SIZES[qtypes[0]]
+        self.in_features = parts[0][1].shape[1] // block_bytes * weights  # K: a row's blocks' weights
         # the batch GEMMs take 16 output columns at a time
         whole_groups = kernels is not None and all(blocks.shape[0] % 16 == 0 for _, blocks in parts)
         integers = widest_integers(parts)
