@@ -155,13 +155,6 @@ def load_cpu_kernels(march: str | None = None, matmuls_only: bool = False):
         return None
 
 
-def load_kernels_from(csrc: Path, march: str = "native"):
-    """A build of other kernel sources (a directory laid out as csrc/, say another revision's) for
-    this CPU or a TARGETS family, cached as the engine's own: benchmarks compare two builds in one
-    process."""
-    return _load(march, False, csrc)
-
-
 if __name__ == "__main__":  # `make install`: build (or find) the kernels, say where
     logging.basicConfig(level=logging.INFO)
     name, directory = _name_and_dir(_engine_march(), False)

@@ -31,8 +31,8 @@ from engine.chat_output import ChatOutputFormat
 from engine.config import EngineConfig
 from engine.drafts import DraftTransportFactory
 from engine.errors import InvalidRequestError, RequestFailedError
+from engine.gc_settings import freeze_startup_heap
 from engine.grammar import GrammarCompiler, RequestGrammar
-from engine.heap import freeze_startup_heap
 from engine.kv_cache.manager import KVCacheManager
 from engine.lora import Adapters
 from engine.metrics import EngineStats, ModelReport, StepStats

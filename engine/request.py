@@ -107,11 +107,6 @@ class Request:
         return len(self.token_ids) - self.num_computed_tokens == 1 and self.pooling is None
 
     @property
-    def num_remaining_tokens(self) -> int:
-        """Tokens still to be computed: uncomputed input plus the outputs not yet generated."""
-        return self.num_uncomputed_tokens + self.params.max_tokens - self.num_output_tokens
-
-    @property
     def num_cacheable_tokens(self) -> int:
         """Leading tokens the prefix cache may serve: not the last (its logits are needed), nor
         a prompt token whose next token's logprobs are still to be computed, nor any of a prompt

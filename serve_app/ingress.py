@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 
 from engine.chat_output import ChatOutputParser
 from engine.errors import InvalidRequestError
-from engine.heap import collect_young_less_often
+from engine.gc_settings import collect_young_less_often
 from engine.tokenization import check_token_ids
 from serve_app.admission import Admission
 from serve_app.anthropic_api import CountTokensRequest, MessagesFormatter, MessagesRequest

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # lowest first; a module belongs to the first entry naming it or a package above it
 ENGINE_LAYERS = [
     ("foundations", ["engine.errors", "engine.config", "engine.outputs", "engine.sampling_params",
-                     "engine.metrics", "engine.cache_dir", "engine.lazy_heap", "engine.heap", "engine.cpu_kernels",
-                     "engine.cpu_load"]),
+                     "engine.metrics", "engine.cache_dir", "engine.lazy_heap", "engine.gc_settings",
+                     "engine.cpu_kernels", "engine.cpu_load"]),
     ("requests", ["engine.request", "engine.tokenization", "engine.tools", "engine.tool_formats", "engine.reasoning",
                   "engine.harmony", "engine.chat_output", "engine.beam_search", "engine.drafts"]),
     ("model", ["engine.batch", "engine.kv_cache", "engine.models", "engine.attention", "engine.sampler",

@@ -2,7 +2,7 @@
 // handed out again. The decode stack's threads quantize every matmul's input into scratch arrays,
 // hundreds of times a token. Through malloc, threads sharing an arena (in a process with more
 // threads than glibc makes arenas, 8 per core, as a Ray driver's) queued on its lock at each one,
-// and a decode step took twice as long (BENCHMARKS.md, "Serve's idle pace").
+// and a decode step took twice as long (BENCHMARKS.md, "Serving over HTTP").
 #include "kernels.h"
 #include <cstdlib>
 

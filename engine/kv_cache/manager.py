@@ -319,9 +319,6 @@ class KVCacheManager:
         return sum(sum(b != NULL_BLOCK for b in table) + max(0, end_block - len(table))
                    for table in self.host_tables[request.request_id])
 
-    def num_swapped_blocks(self, request: Request) -> int:
-        return sum(b != NULL_BLOCK for table in self.host_tables[request.request_id] for b in table)
-
     def check_integrity(self) -> None:
         """Asserts exact accounting: device ref counts equal owners, host blocks owned once."""
         owners = Counter(b for tables in self.block_tables.values() for table in tables for b in table

@@ -54,10 +54,6 @@ def _norm(module: nn.Module, offset: bool) -> nn.Parameter:
     return nn.Parameter(1.0 + weight if offset else weight, requires_grad=False)
 
 
-def _optional(weight: torch.Tensor | None) -> nn.Parameter | None:
-    return None if weight is None else nn.Parameter(weight, requires_grad=False)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, hf_layer, family: Family, config, layout: KVLayout, index: int, rope: int,
                  permutation: torch.Tensor | None):

@@ -12,7 +12,7 @@ import pytest
 from conftest import greedy_text, local_app, local_stack, run, sse_events
 from fake_engine import FakeAsyncEngine, FakeTokenizer
 
-from engine.heap import YOUNG_COLLECTION_OBJECTS
+from engine.gc_settings import YOUNG_COLLECTION_OBJECTS
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
 from serve_app.messages import ModelInfo

@@ -1,5 +1,5 @@
 """A built engine's start-up objects are frozen out of the garbage collector's walks and its
-young collections come less often (engine/heap.py); an engine dropped before the next is built
+young collections come less often (engine/gc_settings.py); an engine dropped before the next is built
 is still collected."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import weakref
 
 from engine import LLM, SamplingParams
-from engine.heap import YOUNG_COLLECTION_OBJECTS
+from engine.gc_settings import YOUNG_COLLECTION_OBJECTS
 
 
 def test_a_built_engine_freezes_the_heap_and_a_dropped_one_in_a_cycle_is_collected(tiny_llama):
