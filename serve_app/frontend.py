@@ -3,7 +3,7 @@
 app.py picks the graph's shape by what it binds here (a plain class; it applies serve.ingress and
 serve.deployment):
 - split: the Router deployment's handle and the EngineReplica deployment's: admission by
-  serve_app.admission.RouterClient, replicas by serve_app.replicas.ServeReplicas;
+  serve_app.admission.RouterClient, replicas by serve_app.transport.ServeReplicas;
 - router in the ingress (one ingress replica): no router handle: the Router runs in this process
   (LocalAdmission), so each request's admission and release are calls in-process, and the
   engine replicas send their load reports here by name (`report`);
@@ -25,9 +25,10 @@ from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
 from serve_app.messages import ReplicaStats
 from serve_app.replica import EngineReplica
-from serve_app.replicas import LocalReplicas, ServeReplicas
+from serve_app.replicas import LocalReplicas
 from serve_app.router import Router
 from serve_app.serve_internals import rpc_options
+from serve_app.transport import ServeReplicas
 
 
 class Frontend:

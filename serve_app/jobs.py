@@ -29,7 +29,8 @@ from serve_app.admission import Admission
 from serve_app.formatting import Formatter
 from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
 from serve_app.protocol import APIError
-from serve_app.replicas import Replicas, ReplicaUnavailable
+from serve_app.replicas import Replicas
+from serve_app.transport import ReplicaUnavailable
 
 logger = logging.getLogger("cbserve.ingress")
 MAX_PREFIX_BLOCKS = 32  # the router's affinity key covers at most this many leading blocks

@@ -1,5 +1,6 @@
 """`PinnedReplicaRequestRouter`: a Serve RequestRouter for the EngineReplica deployment that sends
-a call to the replica named by its `replica_hint` keyword argument (chosen by our Router).
+a call to the replica its message names (`replica_id` of its first argument: serve_app.transport's
+messages), the one our Router chose.
 
 It runs inside each caller's DeploymentHandle (the ingress), so it holds no global state: the
 global queue lives in serve_app.router. Calls without a hint (model_info) go to any replica.
@@ -21,8 +22,8 @@ class PinnedReplicaRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         hint = None
-        if pending_request is not None:
-            hint = pending_request.kwargs.get("replica_hint")
+        if pending_request is not None and pending_request.args:
+            hint = getattr(pending_request.args[0], "replica_id", None)
         if hint is not None:
             for replica in candidate_replicas:
                 if replica.replica_id.unique_id == hint:

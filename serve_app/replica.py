@@ -2,9 +2,8 @@
 
 Owns: building the engine through the EngineClient contract (`engine_cls` injectable, default
 engine.AsyncEngine), running an `EngineRequest` on it and streaming its coalesced chunks
-(serve_app.coalescer): in-process (`stream`: the colocated graph), or to a caller's channel
-(`channel`, one Serve stream per caller carrying all its requests' chunks, batched as the engine
-makes them ready) for requests the caller submits in batches (`submit`, aborted by `abort`);
+(serve_app.coalescer): in-process (`stream`: the colocated graph), or over the channels of
+serve_app.transport (`channel`, `submit`, `abort`);
 mapping engine errors to error chunks, telling Serve whether the engine can serve
 (`check_health`), and reporting its load to the router when it changes (and at least every
 `stats_heartbeat_s`), at most once per output interval of the engine (its counts change no more
@@ -24,7 +23,7 @@ from typing import Any
 
 from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.heap import collect_young_less_often
+from engine.gc_settings import collect_young_less_often
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import PoolingParams
@@ -37,31 +36,10 @@ from serve_app.metrics import ReplicaMetrics
 from serve_app.protocol import APIError
 from serve_app.router import Router
 from serve_app.slo import SLOTarget, SLOTracker
+from serve_app.transport import Abort, Batch, Open, ReplicaChannels, Submit
 
 logger = logging.getLogger("cbserve.replica")
 _MIN_REPORT_GAP_S = 0.01  # reports no closer than this, or than the engine's output interval
-CHANNEL_IDLE_S = 2.0  # a channel no request has used for this long ends: Serve's drain waits for open calls
-
-
-class _Outbox:
-    """A channel's chunks not yet sent, and how many requests send through it."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, StreamChunk]] = []
-        self.ready = asyncio.Event()
-        self.num_live = 0
-
-    def put(self, request_id: str, chunk: StreamChunk) -> None:
-        self.items.append((request_id, chunk))
-        self.ready.set()
-
-    async def take(self) -> list[tuple[str, StreamChunk]]:
-        """Once `ready`: the chunks put so far, after the other streams woken by the same engine
-        output have put theirs."""
-        await asyncio.sleep(0)
-        self.ready.clear()
-        batch, self.items = self.items, []
-        return batch
 
 
 async def _raising(error: Exception) -> AsyncIterator[RequestOutput]:
@@ -122,8 +100,7 @@ class EngineReplica:
         self._unreported: dict[str, None] = {}  # received, not yet listed in a load report (ordered set)
         self._ended: dict[str, None] = {}  # ended, not yet listed in a load report (ordered set)
         self._live: set[str] = set()  # requests streaming, or submitted and not ended
-        self._tasks: dict[str, asyncio.Task] = {}  # the submitted requests running, by id
-        self._outboxes: dict[str, _Outbox] = {}  # by channel id: the callers' open channels
+        self.channels = ReplicaChannels(self.replica_id, self._outcome, self._end)  # serve_app.transport's
         self.num_misrouted = 0
         self._report_now: asyncio.Event | None = None
         self._report_task: asyncio.Task | None = None
@@ -154,46 +131,30 @@ class EngineReplica:
             kv_usage=s.kv_usage, num_queued_tokens=s.num_queued_tokens, block_size=self.engine.block_size,
             received_ids=received, ended_ids=ended, reported_at=time.monotonic(), adapters=s.lora_adapters)
 
-    async def channel(self, channel_id: str, replica_hint: str | None = None
-                      ) -> AsyncIterator[str | list[tuple[str, StreamChunk]]]:
-        """One caller's stream of its requests' chunks: a request submitted naming this
-        `channel_id` sends its chunks here, (request id, chunk) pairs batched with the others
-        ready at the same moment, so each stream message costs one Serve message per caller,
-        not one per request. The first message is this replica's id (the caller checks the
-        channel reached the replica it names). Ends after CHANNEL_IDLE_S with no request on it,
-        so Serve's drain, which waits for open calls, ends too. `replica_hint` is read by the
-        pinning request router in the caller."""
-        outbox = self._outboxes[channel_id] = _Outbox()
-        try:
-            yield self.replica_id
-            while True:
-                try:
-                    await asyncio.wait_for(outbox.ready.wait(), CHANNEL_IDLE_S)
-                except TimeoutError:
-                    if outbox.num_live == 0:
-                        return
-                    continue
-                if batch := await outbox.take():
-                    yield batch
-        finally:
-            if self._outboxes.get(channel_id) is outbox:
-                del self._outboxes[channel_id]
+    async def channel(self, message: Open) -> AsyncIterator[str | Batch]:
+        """A caller's channel: its submitted requests' chunks (serve_app.transport)."""
+        async with contextlib.aclosing(self.channels.open(message)) as items:
+            async for item in items:
+                yield item
 
-    async def submit(self, requests: list[EngineRequest], channel_id: str, replica_hint: str | None = None) -> bool:
-        """Requests one caller sent together, each run as a task of its own putting its chunks on
-        the caller's channel. False, running none of them, when that channel is not open here
-        (it ended idle as they came, or the call reached another replica than the one named):
-        the caller opens another and sends them again."""
-        outbox = self._outboxes.get(channel_id)
-        if outbox is None:
+    async def submit(self, message: Submit) -> bool:
+        """Requests a caller sent together, run on its channel; False, running none, when that
+        channel is not open here."""
+        if message.replica_id != self.replica_id:
+            self.num_misrouted += len(message.requests)  # the pinning router missed (e.g. a stale handle view)
+        if not self.channels.submit(message):
             return False
-        for request in requests:
-            self._start(request, replica_hint, outbox)
+        for request in message.requests:
+            self._receive(request.request_id)
         return True
+
+    async def abort(self, message: Abort) -> None:
+        """Ends submitted requests whose clients left (the engine aborts each)."""
+        self.channels.abort(message)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
         """The request's coalesced chunks, for a caller in this process; closing it aborts the request."""
-        self._receive(request.request_id, None)
+        self._receive(request.request_id)
         try:
             async with contextlib.aclosing(self._outcome(request)) as chunks:
                 async for chunk in chunks:
@@ -201,46 +162,16 @@ class EngineReplica:
         finally:
             self._end(request.request_id)
 
-    async def abort(self, request_ids: list[str], replica_hint: str | None = None) -> None:
-        """Ends submitted requests whose clients left (the engine aborts each); ids not running
-        here (ended already, or never sent here) are ignored."""
-        for request_id in request_ids:
-            task = self._tasks.get(request_id)
-            if task is not None:
-                task.cancel()
-
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric (serve_app.autoscaling): the requests inside this
         replica, which a channel carries many of."""
         return {LIVE_REQUESTS: len(self._live)}
 
-    def _receive(self, request_id: str, replica_hint: str | None) -> None:
+    def _receive(self, request_id: str) -> None:
         self._maybe_start_reporting()
         self._num_received += 1
         self._unreported[request_id] = None
         self._live.add(request_id)
-        if replica_hint is not None and replica_hint != self.replica_id:
-            self.num_misrouted += 1  # the pinning router missed (e.g. a stale handle view)
-
-    def _start(self, request: EngineRequest, replica_hint: str | None, outbox: _Outbox) -> None:
-        """The submitted request as a task putting its chunks in `outbox`."""
-        request_id = request.request_id
-        self._receive(request_id, replica_hint)
-        outbox.num_live += 1
-        task = self._tasks[request_id] = asyncio.ensure_future(self._put_chunks(request, outbox))
-
-        def ended(_: asyncio.Task) -> None:
-            self._tasks.pop(request_id, None)
-            self._end(request_id)  # a task cancelled before it ran never entered `_outcome`
-            outbox.num_live -= 1
-            outbox.ready.set()
-
-        task.add_done_callback(ended)
-
-    async def _put_chunks(self, request: EngineRequest, outbox: _Outbox) -> None:
-        async with contextlib.aclosing(self._outcome(request)) as chunks:
-            async for chunk in chunks:
-                outbox.put(request.request_id, chunk)
 
     def _end(self, request_id: str) -> None:
         if request_id in self._live:

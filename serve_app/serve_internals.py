@@ -1,4 +1,5 @@
-"""The one place the app reaches into Ray's private API (checked on Ray 2.60.0).
+"""The one place the app reaches into Ray's private API (checked on Ray 2.60.0; tests/serve/test_serve_internals.py
+fails when Ray changes what it relies on).
 
 `own_serve_request_id()` gives the calling task a Serve request id of its own: Serve indexes a
 custom request router's pending calls by the HTTP request's id, so concurrent calls made for one

@@ -1,7 +1,7 @@
 """Stand-ins for Serve's DeploymentHandles, for tests of the parts that call deployments by handle
-(serve_app.admission.RouterClient, serve_app.replicas.ServeReplicas) without Ray: `h.method.remote(...)`
+(serve_app.admission.RouterClient, serve_app.transport.ServeReplicas) without Ray: `h.method.remote(...)`
 -> an awaitable, `h.options(stream=True).method.remote(...)` -> an async iterator with `cancel()`;
-`ReplicaSetHandle` sends a call to the replica its `replica_hint` names, as serve_app.pinning does."""
+`ReplicaSetHandle` sends a call to the replica its message names, as serve_app.pinning does."""
 
 from __future__ import annotations
 
@@ -60,15 +60,15 @@ class Handle:
 
 
 class ReplicaSetHandle(Handle):
-    """A list of replicas: each call to the one named by its `replica_hint` kwarg (else the first)."""
+    """A list of replicas: each call to the one its message names (`replica_id` of its first
+    argument), else the first."""
 
     def __getattr__(self, name: str) -> _Method:
         replicas = self._target
 
-        def call(*args: Any, replica_hint: str | None = None, **kwargs: Any) -> Any:
-            chosen = next((r for r in replicas if r.replica_id == replica_hint), replicas[0])
-            if replica_hint is not None:
-                kwargs["replica_hint"] = replica_hint
+        def call(*args: Any, **kwargs: Any) -> Any:
+            named = getattr(args[0], "replica_id", None) if args else None
+            chosen = next((r for r in replicas if r.replica_id == named), replicas[0])
             return getattr(chosen, name)(*args, **kwargs)
 
         return _Method(call, self._stream)

@@ -10,12 +10,13 @@ import time
 from conftest import greedy_text, run
 from fake_engine import FakeAsyncEngine
 
-from engine.heap import YOUNG_COLLECTION_OBJECTS
+from engine.gc_settings import YOUNG_COLLECTION_OBJECTS
 from engine.sampling_params import SamplingParams
 from serve_app.config import EngineReplicaConfig
 from serve_app.messages import EngineRequest
 from serve_app.replica import EngineReplica
 from serve_app.slo import SLOTarget
+from serve_app.transport import Abort, Open, Submit
 
 
 def make(interval: float = 0.0, router=None, slo=None, **engine_opts) -> EngineReplica:
@@ -95,16 +96,16 @@ def test_a_report_lists_a_request_only_once_the_engine_counts_it():
     sees leaves the request out. Once the engine holds it, the report lists it and counts it."""
     async def go():
         replica = make(step_delay_s=0.01, max_num_seqs=1)
-        channel = replica.channel("c")
+        channel = replica.channel(Open("c", replica.replica_id))
         await channel.__anext__()
-        assert await replica.submit([request("q", max_tokens=100)], "c")
+        assert await replica.submit(Submit("c", replica.replica_id, [request("q", max_tokens=100)]))
         before = replica.stats()
         assert before.received_ids == () and before.num_waiting == 0
         while not replica.engine.has_request("q"):
             await asyncio.sleep(0.001)
         after = replica.stats()
         assert after.received_ids == ("q",) and after.num_waiting + after.num_running == 1
-        await replica.abort(["q"])
+        await replica.abort(Abort(replica.replica_id, ["q"]))
         await channel.aclose()
 
     run(go())

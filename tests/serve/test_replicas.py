@@ -1,13 +1,15 @@
-"""The engine replicas by handle (serve_app.replicas.ServeReplicas) and their end of it
-(EngineReplica.channel, .submit, .abort): requests sent in batched calls, every chunk back over one
-channel per ingress and replica (many requests' chunks a message), and every way a channel or a
-call can end failing only the requests on it with a 503, never hanging them. In-process: the calls
+"""The transport between the ingress and the engine replicas (serve_app.transport), state by state
+of its docstring: both ends, ServeReplicas and EngineReplica.channel / .submit / .abort: requests
+sent in batched calls, every chunk back over one channel per ingress and replica (many requests'
+chunks a message), and every way a channel or a call can end failing only the requests on it with
+a 503, never hanging them. In-process: the calls
 go through a handle's stand-in (tests/serve/handles.py); through Serve: test_serve_e2e."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import httpx
 import pytest
@@ -15,15 +17,15 @@ from conftest import greedy_text, merge, one_lane, run, sse_events
 from fake_engine import FakeAsyncEngine
 from handles import ReplicaSetHandle
 
-import serve_app.replica as replica_module
+import serve_app.transport as transport
 from engine.sampling_params import SamplingParams
 from serve_app.admission import LocalAdmission
 from serve_app.config import AppConfig, EngineReplicaConfig
 from serve_app.ingress import Ingress
 from serve_app.messages import EngineRequest
 from serve_app.replica import EngineReplica
-from serve_app.replicas import ReplicaUnavailable, ServeReplicas
 from serve_app.router import Router
+from serve_app.transport import Abort, Open, ReplicaUnavailable, ServeReplicas, Submit
 
 
 def make_replica(replica_id: str = "r", **engine_opts) -> EngineReplica:
@@ -42,9 +44,9 @@ async def drain(stream) -> list:
 def test_a_channel_carries_its_requests_chunks_batched_and_a_submit_only_acknowledges():
     async def go():
         replica = make_replica(step_delay_s=0.005)
-        channel = replica.channel("ingress-1")
+        channel = replica.channel(Open("ingress-1", "r"))
         assert await channel.__anext__() == "r"  # the replica names itself first
-        assert await replica.submit([request(f"q{i}") for i in range(4)], "ingress-1") is True
+        assert await replica.submit(Submit("ingress-1", "r", [request(f"q{i}") for i in range(4)])) is True
         assert replica.record_autoscaling_stats() == {"live_requests": 4}
         texts: dict[str, str] = {}
         messages = finished = 0
@@ -57,7 +59,7 @@ def test_a_channel_carries_its_requests_chunks_batched_and_a_submit_only_acknowl
         assert texts == {f"q{i}": greedy_text([11, 2], 12) for i in range(4)}
         assert messages <= 14  # 4 requests x 12 tokens, one step's chunks a message
         await channel.aclose()
-        assert replica._outboxes == {} and replica._tasks == {}
+        assert replica.channels.outboxes == {} and replica.channels.tasks == {}
         assert replica.record_autoscaling_stats() == {"live_requests": 0}
 
     run(go())
@@ -65,22 +67,22 @@ def test_a_channel_carries_its_requests_chunks_batched_and_a_submit_only_acknowl
 
 def test_a_submit_naming_a_channel_not_open_here_runs_nothing():
     replica = make_replica()
-    assert run(replica.submit([request("q")], "gone")) is False
-    assert replica._tasks == {} and replica._live == set()
+    assert run(replica.submit(Submit("gone", "r", [request("q")]))) is False
+    assert replica.channels.tasks == {} and replica._live == set()
 
 
 def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
     """Serve's drain of a replica waits for its open calls: a channel must not hold it open."""
-    monkeypatch.setattr(replica_module, "CHANNEL_IDLE_S", 0.05)
+    monkeypatch.setattr(transport, "CHANNEL_IDLE_S", 0.05)
 
     async def go():
         replica = make_replica(step_delay_s=0.04)  # steps slower than the idle window
-        channel = replica.channel("c")
+        channel = replica.channel(Open("c", "r"))
         await channel.__anext__()
-        assert await replica.submit([request("slow", max_tokens=6)], "c")
+        assert await replica.submit(Submit("c", "r", [request("slow", max_tokens=6)]))
         batches = await asyncio.wait_for(drain(channel), 5)  # ends by itself, after the request and the window
         assert sum(chunk.finished for batch in batches for _, chunk in batch) == 1
-        assert replica._outboxes == {}
+        assert replica.channels.outboxes == {}
 
     run(go())
 
@@ -88,11 +90,11 @@ def test_a_channel_ends_once_idle_but_not_while_a_request_is_on_it(monkeypatch):
 def test_a_submitted_request_is_aborted_alone():
     async def go():
         replica = make_replica(step_delay_s=0.01)
-        channel = replica.channel("c")
+        channel = replica.channel(Open("c", "r"))
         await channel.__anext__()
-        assert await replica.submit([request("stays", 20), request("leaves", 200)], "c")
+        assert await replica.submit(Submit("c", "r", [request("stays", 20), request("leaves", 200)]))
         await asyncio.sleep(0.05)
-        await replica.abort(["leaves", "unknown"])
+        await replica.abort(Abort("r", ["leaves", "unknown"]))
         for _ in range(500):
             if replica.engine.finished:
                 break
@@ -114,13 +116,13 @@ class _Counted:
         for replica in replicas:
             submit, abort = replica.submit, replica.abort
 
-            def counted(requests, channel_id, replica_hint=None, submit=submit):
-                self.submits.append(([r.request_id for r in requests], channel_id))
-                return submit(requests, channel_id, replica_hint)
+            def counted(message, submit=submit):
+                self.submits.append(([r.request_id for r in message.requests], message.channel_id))
+                return submit(message)
 
-            def aborted(request_ids, replica_hint=None, abort=abort):
-                self.aborts.append(list(request_ids))
-                return abort(request_ids, replica_hint)
+            def aborted(message, abort=abort):
+                self.aborts.append(list(message.request_ids))
+                return abort(message)
 
             replica.submit, replica.abort = counted, aborted
 
@@ -167,8 +169,8 @@ def released(router) -> bool:
 
 def test_a_burst_goes_in_few_submit_calls_and_every_chunk_over_the_one_channel(monkeypatch):
     put = []
-    original = replica_module._Outbox.put
-    monkeypatch.setattr(replica_module._Outbox, "put",
+    original = transport._Outbox.put
+    monkeypatch.setattr(transport._Outbox, "put",
                         lambda self, rid, chunk: (put.append((rid, self)), original(self, rid, chunk)))
 
     async def go():
@@ -190,13 +192,13 @@ def test_a_channel_that_breaks_fails_its_requests_with_a_503_and_the_next_opens_
     original = EngineReplica.channel
     broken = []
 
-    async def breaks_once(self, channel_id, replica_hint=None):
+    async def breaks_once(self, opened):
         sent = 0
-        async for message in original(self, channel_id, replica_hint):
+        async for message in original(self, opened):
             yield message
             sent += 1
             if sent == 3 and not broken:  # the replica's id and two batches
-                broken.append(channel_id)
+                broken.append(opened.channel_id)
                 raise ConnectionError("channel lost")
 
     monkeypatch.setattr(EngineReplica, "channel", breaks_once)
@@ -239,11 +241,11 @@ class _StaleView(ReplicaSetHandle):
         method = super().__getattr__(name)
         remote = method.remote
 
-        def call(*args, replica_hint=None, **kwargs):
+        def call(*args, **kwargs):
             self.calls.append(name)
-            if replica_hint == self.late and len(self.calls) <= self.misses:
-                replica_hint = self._target[0].replica_id
-            return remote(*args, replica_hint=replica_hint, **kwargs)
+            if args and getattr(args[0], "replica_id", None) == self.late and len(self.calls) <= self.misses:
+                args = (dataclasses.replace(args[0], replica_id=self._target[0].replica_id), *args[1:])
+            return remote(*args, **kwargs)
 
         method.remote = call
         return method
@@ -275,9 +277,9 @@ def test_a_channel_that_ends_while_running_requests_ends_their_streams(monkeypat
     away) ends them with a 503 chunk."""
     original = EngineReplica.channel
 
-    async def ends_early(self, channel_id, replica_hint=None):
+    async def ends_early(self, opened):
         sent = 0
-        async for message in original(self, channel_id, replica_hint):
+        async for message in original(self, opened):
             yield message
             sent += 1
             if sent == 2:
@@ -308,10 +310,10 @@ class _Silent:
     def options(self, **_):
         return self
 
-    async def _channel(self, channel_id, replica_hint=None):
+    async def _channel(self, opened):
         if not self.opens:
             await asyncio.Event().wait()
-        yield replica_hint
+        yield opened.replica_id
         await asyncio.Event().wait()
 
     async def _never(self, *args, **kwargs):
@@ -359,8 +361,8 @@ def test_a_submit_the_replica_refuses_goes_again_on_a_new_channel(monkeypatch):
         async with served(replicas, counted.handle()) as (client, router, transport):
             first = await client.post("/v1/completions", json=BODY)
             assert text_of(sse_events(first.text)).count(" t") == 8
-            for outbox in list(replicas[0]._outboxes):  # the replica's end of the channel ended idle ...
-                del replicas[0]._outboxes[outbox]
+            for outbox in list(replicas[0].channels.outboxes):  # the replica's end of the channel ended idle ...
+                del replicas[0].channels.outboxes[outbox]
             # ... and the ingress has not read its end yet
             again = await client.post("/v1/completions", json=BODY)
             assert text_of(sse_events(again.text)).count(" t") == 8
