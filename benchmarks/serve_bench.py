@@ -584,13 +584,12 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
 
     `omp_threads`: OMP_NUM_THREADS exported to the Ray processes (not to this one), overriding
     Ray's floor(num_cpus) default for the engine replica's torch threads. `front_door`: "direct"
-    (Serve's direct ingress: the ingress replica's own HTTP server on `port`, Serve's proxy on a
-    free port), "shared" (every ingress replica serving `port`, Serve's proxy on a free port) or
-    "proxy" (Serve's proxy on `port`); None: as `make serve` chooses for the config
+    (every ingress replica serving `port` itself, Serve's proxy on a free port) or "proxy" (Serve's
+    proxy on `port`); None: "direct", as `make serve` chooses for one application
     (serve_app/launch.py). Serve's pace and event loops are `make serve`'s (serve_app.launch.serve_env)
     where the environment does not set them."""
     from serve_app.config import SharedPortConfig
-    from serve_app.launch import choose_front_door, direct_ingress_env, serve_env, shared_port_options
+    from serve_app.launch import serve_env, shared_port_options
 
     cfg = load_app_config(config_path, engine_overrides or {})
     http = _http_options(config_path)
@@ -607,12 +606,9 @@ def launched_app(config_path: str, host: str | None, port: int | None, startup_t
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     os.environ.update(serve_env())
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH")] if p)
-    front_door = front_door or choose_front_door(cfg)
+    front_door = front_door or "direct"
     proxy_port = port
-    if front_door == "direct":  # read by the Serve controller and replicas at import
-        os.environ.update(direct_ingress_env(port))
-        proxy_port = _free_port(host)
-    elif front_door == "shared":
+    if front_door == "direct":
         shared = SharedPortConfig.model_validate(shared_port_options(http | {"host": host, "port": port}))
         cfg = cfg.model_copy(update={"ingress": cfg.ingress.model_copy(update={"shared_port": shared})})
         proxy_port = _free_port(host)
@@ -743,7 +739,7 @@ def run_offline(wl: Workload, model: str | None, engine_args: dict[str, Any],
                 threads: int | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
     """run_offline_here in a process of its own, as the served engine's step loop runs
     (`engine_process`), apart from this process's Ray driver and its threads: beside them an engine
-    here once decoded at half speed (BENCHMARKS.md, "Serve's idle pace")."""
+    here once decoded at half speed (BENCHMARKS.md, "Serving over HTTP")."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(run_offline_here, (wl, model, engine_args, threads, max_concurrency))
 
@@ -840,10 +836,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=None, help="--launch: HTTP host (default: the config's)")
     p.add_argument("--port", type=int, default=None,
                    help="--launch: HTTP port (default: the config's, or a free one if busy)")
-    p.add_argument("--front-door", choices=["direct", "shared", "proxy"], default=None,
-                   help="--launch: Serve's direct ingress (the ingress replica's own HTTP server on --port), "
-                        "the ingress replicas' shared port, or Serve's proxy (default: as `make serve` chooses "
-                        "for --config)")
+    p.add_argument("--front-door", choices=["direct", "proxy"], default=None,
+                   help="--launch: the ingress replicas serving --port themselves, or Serve's proxy "
+                        "(default: direct, as `make serve` chooses)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--replica-omp-threads", type=int, default=None,
                    help="--launch: export OMP_NUM_THREADS=N to the Ray workers (default: Ray's "

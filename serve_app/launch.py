@@ -1,26 +1,20 @@
 """`make serve`: `serve run` on a serve YAML, with the front door chosen for its graph.
 
-Clients reach the app through one of three front doors:
-- **direct** (Ray's direct ingress): the app's ingress replica runs its own uvicorn server on
-  the config's HTTP port and takes the connections itself. No proxy process on the data path and
-  no Serve hop between the socket and the OpenAI front end: on the 64-request burst on 2 cores,
-  12% more tokens per second with half the serving processes' CPU (BENCHMARKS.md).
-- **shared** (serve_app.shared_port): every ingress replica serves the config's HTTP port itself,
-  bound with SO_REUSEPORT, and the kernel spreads the connections over them: a burst's intake is
-  taken by several processes with none in front of them.
+Clients reach the app through one of two front doors:
+- **direct** (serve_app.shared_port): every ingress replica serves the config's HTTP port itself
+  (one replica, or several bound with SO_REUSEPORT, the kernel spreading connections over them).
+  No proxy process on the data path and no Serve hop between the socket and the OpenAI front end,
+  as with Ray's own direct ingress, which took 12% more tokens a second than the proxy on the
+  64-request burst on 2 cores with half the serving processes' CPU; this front door matches it
+  (BENCHMARKS.md, "Serving over HTTP"), and binds with SO_REUSEADDR where Ray's does not: the
+  TIME_WAIT of the connections it closed at a stop then kept a restarted server off the port
+  for a minute.
 - **proxy**: Serve's HTTP proxy actor takes the connections and forwards each request to an
-  ingress replica.
+  ingress replica: several applications, a route prefix, a cluster the launcher joins, or KubeRay
+  (its Service targets the head's proxy, and replicas run on worker pods).
 
-Direct ingress gives every ingress replica a port of its own, so it is chosen when the graph has
-exactly one (`ingress.num_replicas` 1, which the colocated graph of `configs/serve.yaml` has);
-several ingress replicas share the port. With either, Ray still starts Serve's proxy; it moves to
-the next port (`--proxy-port`) and answers there too. Ray reads direct ingress's settings from the
-environment of the Serve controller and replicas, so they only apply when this command starts
-Ray, and the shared port serves the app at the root: joining a running cluster, or an app under
-another route prefix, keeps the proxy. KubeRay keeps the proxy too: its Service targets the
-head's proxy, and replicas run on worker pods.
-
-The header deadline (`serve_app.proxy`) is installed in whichever process serves HTTP.
+With the direct front door Ray still starts Serve's proxy; it moves to the next port
+(`--proxy-port`) and answers there too. The header deadline (`serve_app.proxy`) holds on both.
 
 Serve's own periodic work, and Ray's log monitor's, is slowed where a graph this command starts
 gains nothing from its pace (`IDLE_PACE_ENV`): on a small host every wake-up of an idle Serve or
@@ -34,18 +28,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
 import yaml
 
 from engine.cache_dir import cache_dir
-from serve_app.config import AppConfig
 from serve_app.serve_internals import joins_running_cluster
 
-FrontDoor = Literal["direct", "shared", "proxy"]
+FrontDoor = Literal["direct", "proxy"]
 HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
 # The controller reconciles twice a second, not ten times: each pass asks the GCS for every node's
 # state, resources and draining (three RPCs), and at 10 Hz that was the idle graph's largest cost
@@ -78,25 +71,6 @@ def serve_env() -> dict[str, str]:
     return {k: v for k, v in (IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV).items() if k not in os.environ}
 
 
-def direct_ingress_env(first_port: int, num_ports: int = 1) -> dict[str, str]:
-    """Ray Serve's direct ingress, ingress replicas' HTTP ports taken from
-    [first_port, first_port + num_ports). Nothing in front deregisters a stopping replica, so its
-    port is neither held for Ray's 30 s draining period (for cloud load balancers) nor
-    quarantined (for HAProxy's stale server lists): a restarted replica takes it back at once."""
-    return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first_port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first_port + num_ports),
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-        "RAY_SERVE_PORT_QUARANTINE_S": "0",
-    }
-
-
-def choose_front_door(app: AppConfig) -> FrontDoor:
-    """direct with one ingress replica, shared with several."""
-    return "direct" if app.ingress.num_replicas == 1 else "shared"
-
-
 def http_address(http: dict[str, Any]) -> tuple[str, int]:
     """The (host, port) a serve config's `http_options` give, with Serve's defaults."""
     return http.get("host", "127.0.0.1"), int(http.get("port", 8000))
@@ -123,13 +97,12 @@ def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, prox
          starts_ray: bool = True) -> tuple[FrontDoor, dict[str, Any], dict[str, str]]:
     """(front door, the serve config to run, the environment to add). Several applications keep
     the proxy, which routes between them by prefix, and so does a cluster this command does not
-    start, or an app the shared port would serve under another prefix. With direct ingress or the
-    shared port the ingress replicas take the config's port and the proxy `proxy_port` (default:
-    the next one)."""
+    start, or an app under another route prefix. With the direct front door the ingress replicas
+    take the config's port and the proxy `proxy_port` (default: the next one)."""
     apps = serve_config.get("applications") or []
-    door = front_door or (choose_front_door(AppConfig.model_validate(apps[0].get("args") or {}))
-                          if len(apps) == 1 and starts_ray else "proxy")
-    if door == "shared" and apps[0].get("route_prefix", "/") != "/":
+    direct = len(apps) == 1 and starts_ray and apps[0].get("route_prefix", "/") == "/"
+    door: FrontDoor = front_door or ("direct" if direct else "proxy")
+    if door == "direct" and apps[0].get("route_prefix", "/") != "/":
         door = "proxy"
     env = HEADER_DEADLINE_ENV | serve_env()
     if door == "proxy":
@@ -137,32 +110,27 @@ def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, prox
     http = dict(serve_config.get("http_options") or {})
     _, port = http_address(http)
     moved = {"http_options": http | {"port": proxy_port if proxy_port is not None else port + 1}}
-    if door == "shared":
-        return door, serve_config | moved | {"applications": [with_shared_port(apps[0], http)]}, env
-    return door, serve_config | moved, env | direct_ingress_env(port)
+    return door, serve_config | moved | {"applications": [with_shared_port(apps[0], http)]}, env
 
 
 def busy_ports(host: str, ports: list[int]) -> list[int]:
-    """Those of `ports` that something on this machine already listens on. A replica whose port is
-    taken fails to start and Serve retries it forever, so the launcher checks first."""
-    busy = []
-    for port in ports:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds; closed ones do not count
-            try:
-                s.bind((host, port))
-            except OSError:
-                busy.append(port)
-    return busy
+    """Those of `ports` that something on this machine listens on at `host` (or at every
+    address). Connections closed lately (TIME_WAIT) do not count: the ingress replicas bind with
+    SO_REUSEADDR. A replica whose port is taken fails to start and Serve retries it forever, so
+    the launcher checks first."""
+    anywhere = {"0.0.0.0", "::", ""}
+    listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN
+                 and (c.laddr.ip in anywhere | {host} or host in anywhere)}
+    return [port for port in ports if port in listening]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m serve_app.launch", description=__doc__.split("\n")[0])
     p.add_argument("config", help="serve YAML (e.g. configs/serve.yaml)")
-    p.add_argument("--front-door", choices=["direct", "shared", "proxy"], default=None,
-                   help="default: direct with one ingress replica, shared with several")
+    p.add_argument("--front-door", choices=["direct", "proxy"], default=None,
+                   help="default: direct, where the graph allows it")
     p.add_argument("--proxy-port", type=int, default=None,
-                   help="direct, shared: Serve's proxy's port (default: the config's port + 1)")
+                   help="direct: Serve's proxy's port (default: the config's port + 1)")
     args = p.parse_args(argv)
     path = Path(args.config)
     written = yaml.safe_load(path.read_text())
@@ -179,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         run_path = cache_dir("serve") / f"{path.stem}.{door}-{port}.yaml"  # serve run reads the proxy's port here
         run_path.parent.mkdir(parents=True, exist_ok=True)
         run_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        what = "direct ingress" if door == "direct" else "the ingress replicas' shared port"
-        print(f"front door: {what} on {host}:{port} (Serve's proxy on {config['http_options']['port']})", flush=True)
+        print(f"front door: the ingress replicas on {host}:{port} (Serve's proxy on {config['http_options']['port']})",
+              flush=True)
     serve = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"
     os.execvpe(serve, [serve, "run", str(run_path)], os.environ | env)
 

@@ -9,10 +9,9 @@ Serve uses), the same protocol with a deadline: a connection whose next request'
 not complete within CBSERVE_HEADER_TIMEOUT_S seconds (default 10) of opening or of the previous
 response is closed. Slow bodies are the ingress's (408 after ingress.body_timeout_s).
 
-With Serve's direct ingress the ingress replica serves HTTP itself, and Ray calls the same
-function there before its server starts, so the deadline holds whichever front door takes the
-connection. `make serve` (serve_app/launch.py) sets the variable; a Ray cluster started without it
-serves without the header deadline.
+The ingress replicas' own port (serve_app.shared_port) serves with the same protocol, so the
+deadline holds whichever front door takes the connection. `make serve` (serve_app/launch.py) sets
+the variable; a Ray cluster started without it serves the proxy without the header deadline.
 """
 
 from __future__ import annotations

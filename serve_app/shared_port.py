@@ -1,13 +1,16 @@
-"""One HTTP port served by every ingress replica of a node: each binds it with SO_REUSEPORT and the
-kernel spreads new connections over the replicas listening.
+"""One HTTP port served by every ingress replica of a node (`make serve`'s front door): each binds
+it with SO_REUSEPORT and the kernel spreads new connections over the replicas listening.
 
 A burst's intake is the ingress's Python, about a millisecond of one process's CPU a request
 (BENCHMARKS.md), so taking it in faster needs more ingress processes. Serve's direct ingress gives
-each ingress replica a port of its own, which no client spreads over; Serve's proxy spreads
-requests over the replicas but puts a process of its own and a hop before each; Ray's HAProxy
-front door has no setting for a deadline on request headers. Here the replicas take the
+each ingress replica a port of its own, which no client spreads over, and binds it without
+SO_REUSEADDR (a restart then waits out the TIME_WAIT of the connections it closed); Serve's proxy
+spreads requests over the replicas but puts a process of its own and a hop before each; Ray's
+HAProxy front door has no setting for a deadline on request headers. Here the replicas take the
 connections themselves, with the header deadline of serve_app.proxy (its protocol serves this
-port) and keep-alive connections closed when idle, as Serve's own servers do.
+port) and keep-alive connections closed when idle, as Serve's own servers do. The listening
+socket binds with SO_REUSEADDR, which the connections it accepts inherit, so a server started
+right after a stop binds the port over them.
 
 A replica listens once it is built and drains when Serve stops it (the app's lifespan): it closes
 its socket first, so new connections go to the replicas still listening, and finishes the

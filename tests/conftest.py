@@ -239,46 +239,37 @@ def serving(app) -> Iterator[tuple[str, asyncio.AbstractEventLoop]]:
         thread.join(30)
 
 
-DIRECT_INGRESS_PORTS = 64  # ingress replicas alive at once, with room for those restarting
+def run_app(app_config, name: str, engine_cls=None) -> str:
+    """`serve.run` of build_app(app_config) as app `name` behind the front door `make serve` gives it
+    (serve_app/launch.py): its ingress replicas serve a port of their own (`ingress.shared_port`),
+    with the test cluster's keep-alive timeout. Its URL there; Serve's proxy serves it at /name."""
+    from ray import serve
 
+    from serve_app.app import build_app
+    from serve_app.config import SharedPortConfig
 
-def app_url(serve_cluster: dict, app: str, timeout_s: float = 60.0) -> str:
-    """The URL of Serve app `app` (its route prefix included) at its ingress replica's own HTTP
-    server, once the controller has given that replica its port."""
-    import ray
-    from ray.serve.context import _get_global_client
-
-    controller = _get_global_client()._controller
-    proxy_port = int(serve_cluster["http"].rsplit(":", 1)[1])
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for group in ray.get(controller.get_target_groups.remote(app)):
-            ports = {t.port for t in group.targets} - {proxy_port}
-            if group.protocol == "HTTP" and len(ports) == 1:
-                prefix = group.route_prefix.rstrip("/")
-                return f"http://127.0.0.1:{ports.pop()}{prefix}"
-        if time.monotonic() > deadline:
-            raise AssertionError(f"app {app!r} has no direct-ingress port after {timeout_s} s")
-        time.sleep(0.1)
+    port = SharedPortConfig(host="127.0.0.1", port=free_port(), keep_alive_timeout_s=KEEP_ALIVE_TIMEOUT_S)
+    ingress = app_config.ingress.model_copy(update={"shared_port": port})
+    serve.run(build_app(app_config.model_copy(update={"ingress": ingress}), engine_cls), name=name,
+              route_prefix=f"/{name}")
+    return f"http://127.0.0.1:{port.port}"
 
 
 @pytest.fixture(scope="session")
 def serve_cluster(tmp_path_factory):
     """Head node + Serve, shared by every real-Ray test: a process connects to one cluster at a
     time and each costs seconds and GBs, so tests needing more nodes add them to this one
-    (`cluster.add_node`) and remove them before they end. The front door is the one `make serve`
-    uses, Serve's direct ingress (serve_app/launch.py): each app's ingress replica takes HTTP
-    connections on a port of its own (`app_url`); Serve's proxy answers on `http` too. Serve's
-    pace and event loops are `make serve`'s too."""
+    (`cluster.add_node`) and remove them before they end. Apps run by `run_app` take HTTP
+    connections as `make serve`'s do, on a port of their own; Serve's proxy answers on `http` too.
+    Serve's pace and event loops are `make serve`'s too."""
     # Serve reads SERVE_LOOP_ENV when imported, the cluster's workers when they start: imported first,
     # this process's own handles keep Serve's router thread (tests call them from threads with no loop).
     import ray.serve  # noqa: F401
 
-    from serve_app.launch import HEADER_DEADLINE_ENV, direct_ingress_env, serve_env
+    from serve_app.launch import HEADER_DEADLINE_ENV, serve_env
 
     tmp = tmp_path_factory.mktemp("ray")
-    env = direct_ingress_env(free_port_block(DIRECT_INGRESS_PORTS), DIRECT_INGRESS_PORTS) | HEADER_DEADLINE_ENV
-    env |= serve_env() | {
+    env = HEADER_DEADLINE_ENV | serve_env() | {
         "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled",
         "RAY_metrics_report_interval_ms": "1000", "RAY_SERVE_LOG_TO_STDERR": "0",
         "CBSERVE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),

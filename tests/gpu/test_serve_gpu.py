@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import app_url, save_tiny_model
+from tests.conftest import run_app, save_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -25,14 +25,12 @@ def model_dir(tmp_path_factory) -> str:
 def gpu_app(serve_cluster, model_dir):
     from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.config import AppConfig
 
     cfg = AppConfig.model_validate({"engine": {
         "model": model_dir, "served_model_name": "tiny", "num_replicas": 1, "num_cpus": 1, "num_gpus": 1,
         "engine_args": {"device": "cuda", "max_num_seqs": 8, "seed": 0}}})
-    serve.run(build_app(cfg), name="gpu", route_prefix="/gpu")
-    yield app_url(serve_cluster, "gpu")
+    yield run_app(cfg, "gpu")
     serve.delete("gpu")
 
 

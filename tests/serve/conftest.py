@@ -34,8 +34,8 @@ from serve_app.router import Router  # noqa: E402
 from tests.conftest import (  # noqa: E402, F401
     HEADER_TIMEOUT_S,
     KEEP_ALIVE_TIMEOUT_S,
-    app_url,
     free_port,
+    run_app,
     seconds_until_closed,
     serving,
 )
@@ -186,9 +186,11 @@ def fake_serve_app(serve_cluster: dict, name: str, config: dict,
     base = {"engine": {"served_model_name": "fake", "num_cpus": 0.1}, "ingress": {"colocated": False}}
     cfg = AppConfig.model_validate(merge(base, config))
     engine_cls = FakeAsyncEngine.with_options(**engine_options)
-    serve.run(build_app(cfg, engine_cls), name=name, route_prefix=f"/{name}")
-    shared = cfg.ingress.shared_port  # served at the root there
-    url = f"http://{shared.host}:{shared.port}" if shared else app_url(serve_cluster, name)
+    if cfg.ingress.shared_port is None:
+        url = run_app(cfg, name, engine_cls)
+    else:  # the config's own port
+        serve.run(build_app(cfg, engine_cls), name=name, route_prefix=f"/{name}")
+        url = f"http://{cfg.ingress.shared_port.host}:{cfg.ingress.shared_port.port}"
     try:
         warm = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1},
                           timeout=60)

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import STARTUP_BOUND_S, app_url, wait_healthy
+from conftest import STARTUP_BOUND_S, run_app, wait_healthy
 
 from engine import LLM, SamplingParams
 from tests.engine.helpers import save_first_layer
@@ -28,7 +28,6 @@ MAX_TOKENS = 24
 def draft_app(serve_cluster, tiny_llama, tmp_path_factory):
     from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.config import AppConfig
 
     draft = save_first_layer(tiny_llama, tmp_path_factory.mktemp("actor-draft"))
@@ -39,8 +38,7 @@ def draft_app(serve_cluster, tiny_llama, tmp_path_factory):
                        "adaptive": False, "deadline_s": 1.0}},
                    "draft": {"num_cpus": 0.25, "num_threads": 1}},
     })
-    serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-    url = app_url(serve_cluster, APP)
+    url = run_app(cfg, APP)
     wait_healthy(url, STARTUP_BOUND_S)
     yield url
     serve.delete(APP)

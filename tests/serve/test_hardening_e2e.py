@@ -19,7 +19,7 @@ from conftest import (
     HEADER_TIMEOUT_S,
     KEEP_ALIVE_TIMEOUT_S,
     STARTUP_BOUND_S,
-    app_url,
+    run_app,
     seconds_until_closed,
     sse_events,
     wait_healthy,
@@ -37,7 +37,6 @@ APP = "hard"
 def hard_app(serve_cluster, tiny_llama_words):
     from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.config import AppConfig
 
     cfg = AppConfig.model_validate({
@@ -48,8 +47,7 @@ def hard_app(serve_cluster, tiny_llama_words):
         "ingress": {"api_keys": ["ops", {"key": "batch", "priority_range": [5, 10]}],
                     "body_timeout_s": 1.0},
     })
-    serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-    url = app_url(serve_cluster, APP)
+    url = run_app(cfg, APP)
     wait_healthy(url, STARTUP_BOUND_S)
     yield url
     serve.delete(APP)

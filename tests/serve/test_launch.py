@@ -1,7 +1,7 @@
 """`make serve`'s launcher (serve_app/launch.py): the front door chosen for the graph, and, end to
 end, `python -m serve_app.launch configs/serve.yaml` serving through the engine replica's own
-HTTP server on the config's port, healing on the same port when the replica dies, and releasing
-it when stopped."""
+HTTP server on the config's port, healing on the same port when the replica dies, releasing it
+when stopped, and starting again at once after a stop with clients connected."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from serve_app.launch import (
     main,
     plan,
 )
+from serve_app.shared_port import shared_socket
 from tests.conftest import free_port_block
 
 ROOT = Path(__file__).parents[2]
@@ -48,27 +49,27 @@ def several_ingress_replicas(route_prefix: str = "/") -> dict:
     return config | {"applications": [config["applications"][0] | {"route_prefix": route_prefix}]}
 
 
-def test_one_ingress_replica_is_served_directly_several_share_the_port():
+def test_the_ingress_replicas_serve_the_port_themselves_where_the_graph_allows():
     assert plan(SERVE_YAML)[0] == "direct"  # colocated: one engine replica, its front end inside
     split = with_args(engine=SERVE_YAML["applications"][0]["args"]["engine"] | {"num_replicas": 2})
     assert plan(split)[0] == "direct"  # one Ingress replica in front of two engines
-    assert plan(several_ingress_replicas())[0] == "shared"
-    assert plan(several_ingress_replicas("/llm"))[0] == "proxy"  # the shared port serves the app at the root
+    assert plan(several_ingress_replicas())[0] == "direct"  # they share the port
+    assert plan(several_ingress_replicas("/llm"))[0] == "proxy"  # the own port serves the app at the root
     assert plan(SERVE_YAML | {"applications": SERVE_YAML["applications"] * 2})[0] == "proxy"
     assert plan(SERVE_YAML, starts_ray=False)[0] == "proxy"  # a running cluster's Serve keeps its settings
 
 
-def test_the_shared_port_is_the_configs_and_the_proxy_moves(monkeypatch):
+def test_the_ingress_replicas_port_is_the_configs_and_the_proxy_moves(monkeypatch):
     for name in IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV:
         monkeypatch.delenv(name, raising=False)
     written = several_ingress_replicas()
     written["http_options"] = {"host": "0.0.0.0", "port": 9000, "keep_alive_timeout_s": 30}
     door, config, env = plan(written)
-    assert door == "shared" and config["http_options"]["port"] == 9001
+    assert door == "direct" and config["http_options"]["port"] == 9001
     app = AppConfig.model_validate(config["applications"][0]["args"])  # as `serve run` will take it
     assert app.ingress.shared_port == SharedPortConfig(host="0.0.0.0", port=9000, keep_alive_timeout_s=30.0)
     assert app.ingress.max_body_bytes == 4096 and app.ingress.num_replicas == 2  # the rest as written
-    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV  # no direct ingress
+    assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV  # not Ray's direct ingress
     assert plan(written, proxy_port=9100)[1]["http_options"]["port"] == 9100
     assert written["applications"][0]["args"]["ingress"] == {"num_replicas": 2, "max_body_bytes": 4096}
 
@@ -80,14 +81,14 @@ def test_a_running_cluster_is_joined_through_its_proxy(monkeypatch):
     assert not joins_running_cluster()
 
 
-def test_direct_ingress_takes_the_configs_port_and_moves_the_proxy():
+def test_one_ingress_replica_takes_the_configs_port_and_moves_the_proxy():
     door, config, env = plan(SERVE_YAML)
     assert door == "direct"
     assert config["http_options"]["port"] == 8001 and SERVE_YAML["http_options"]["port"] == 8000
-    assert config["http_options"]["host"] == "127.0.0.1" and config["applications"] == SERVE_YAML["applications"]
-    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-    ports = env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]
-    assert ports == ("8000", "8001")  # the replica's range: 8000 alone
+    app = AppConfig.model_validate(config["applications"][0]["args"])
+    assert app.ingress.shared_port == SharedPortConfig(host="127.0.0.1", port=8000, keep_alive_timeout_s=30.0)
+    assert not any(name.startswith("RAY_SERVE_DIRECT_INGRESS") or name == "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+                   for name in env)  # Ray's direct ingress binds without SO_REUSEADDR
     assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "serve_app.proxy:install"
     assert plan(SERVE_YAML, proxy_port=9100)[1]["http_options"]["port"] == 9100
 
@@ -127,6 +128,25 @@ def test_a_taken_port_stops_the_launcher_with_a_clear_error(tmp_path, monkeypatc
     assert busy_ports("127.0.0.1", [port, port + 1]) == []
 
 
+def test_connections_closed_at_a_stop_keep_neither_the_launcher_nor_the_server_off_the_port():
+    """The server closes its connections first at a stop, so its side holds them in TIME_WAIT for
+    a minute. Its listening socket (serve_app.shared_port) binds with SO_REUSEADDR, which its
+    connections inherit: the next server binds the port at once, and the launcher counts
+    listeners only."""
+    port = free_port_block(1, 32000, 32768)
+    server = shared_socket("127.0.0.1", port)
+    server.listen()
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    assert busy_ports("127.0.0.1", [port]) == [port]
+    accepted.close()  # the server's side closes first: TIME_WAIT there
+    server.close()
+    client.close()
+    assert any(c.laddr.port == port and c.status == psutil.CONN_TIME_WAIT for c in psutil.net_connections("tcp"))
+    assert busy_ports("127.0.0.1", [port]) == []
+    shared_socket("127.0.0.1", port).close()  # the next start binds it
+
+
 def listener(port: int) -> psutil.Process | None:
     for conn in psutil.net_connections("tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
@@ -148,7 +168,7 @@ def complete(url: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3 * STARTUP_BOUND_S)  # a start, a restart and a stop
+@pytest.mark.timeout(4 * STARTUP_BOUND_S)  # a start, a heal, a stop and a start at once
 def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
     port = free_port_block(2, 32000, 32768)  # apart from the shared test cluster's direct-ingress ports
     config = SERVE_YAML | {"http_options": SERVE_YAML["http_options"] | {"port": port}}
@@ -157,9 +177,13 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
         "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
     log = tmp_path / "launch.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "serve_app.launch", str(tmp_path / "serve.yaml")],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def launch() -> subprocess.Popen:
+        with log.open("a") as out:
+            return subprocess.Popen([sys.executable, "-m", "serve_app.launch", str(tmp_path / "serve.yaml")],
+                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    proc = launch()
     direct, proxy = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     try:
         wait_healthy(direct, STARTUP_BOUND_S, launcher_alive(proc, log))
@@ -185,12 +209,21 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
         engine = [p for p in healed.children(recursive=True) if "run_child" in " ".join(p.cmdline())]
         assert engine  # the engine's step loop, in a process of its own
         assert [p.nice() for p in (healed, *engine)] == [0] * (1 + len(engine))  # not Ray's workers' 15
+        held = [socket.create_connection(("127.0.0.1", p)) for p in (port, port + 1)]  # clients connected
+        for conn in held:
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200")
         proc.terminate()  # a service manager's stop: serve run, its Ray and the engine exit
         proc.wait(60)
         psutil.wait_procs([healed, *engine], timeout=60)
         assert not healed.is_running() and not any(p.is_running() for p in engine)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # released: a restart can take it at once
+        for conn in held:
+            conn.close()
+        assert busy_ports("127.0.0.1", [port, port + 1]) == []  # closed connections linger, no listener
+
+        proc = launch()  # a start at once: the connections the server closed are in TIME_WAIT
+        wait_healthy(direct, STARTUP_BOUND_S, launcher_alive(proc, log))
+        assert complete(direct) == text and complete(proxy) == text
     finally:
         if proc.poll() is None:
             proc.terminate()

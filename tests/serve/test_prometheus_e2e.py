@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import app_url, free_port, metrics_of_every_node
+from conftest import free_port, metrics_of_every_node, run_app
 
 from cluster import grafana
 
@@ -42,7 +42,6 @@ MAX_TOKENS = 160
 def prom_app(serve_cluster, tiny_llama_words):
     from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.config import AppConfig
 
     cfg = AppConfig.model_validate({
@@ -51,8 +50,7 @@ def prom_app(serve_cluster, tiny_llama_words):
         "router": {"max_waiting_per_replica": 4, "max_queued_requests": MAX_QUEUED},
         "slo": {0: {"ttft_s": 600, "tpot_s": 60}, 1: {"ttft_s": 1e-4, "tpot_s": 60}},
     })
-    serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-    url = app_url(serve_cluster, APP)
+    url = run_app(cfg, APP)
     deadline = time.time() + 120
     while httpx.get(url + "/health", timeout=10).status_code != 200:
         assert time.time() < deadline, "app not healthy"

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import app_url, fake_serve_app, greedy_text, metrics_of_every_node
+from conftest import fake_serve_app, greedy_text, metrics_of_every_node, run_app
 from fake_engine import FakeTokenizer
 
 from serve_app.config import AppConfig
@@ -165,12 +165,9 @@ def _real_config(model: str) -> AppConfig:
 
 @pytest.fixture(scope="session")
 def real_app(serve_cluster, tiny_llama_words):
-    from ray import serve
 
-    from serve_app.app import build_app
 
-    serve.run(build_app(_real_config(tiny_llama_words)), name="real", route_prefix="/real")
-    return app_url(serve_cluster, "real")
+    return run_app(_real_config(tiny_llama_words), "real")
 
 
 @pytest.fixture(scope="session")
@@ -261,7 +258,6 @@ def two_model_app(serve_cluster, tmp_path_factory):
     deployment each, one ingress and router."""
     from ray import serve
 
-    from serve_app.app import build_app
     from tests.conftest import save_tiny_chat_model
 
     qwen3 = save_tiny_chat_model(tmp_path_factory.mktemp("qwen3-served"), "qwen3")
@@ -270,8 +266,7 @@ def two_model_app(serve_cluster, tmp_path_factory):
         {"num_cpus": 0.1, "engine_args": args},
         {"model": qwen3, "served_model_name": "qwen3-tiny", "num_cpus": 0.1,
          "engine_args": {**args, "max_model_len": 1024}}]})
-    serve.run(build_app(cfg), name="models", route_prefix="/models")
-    url = app_url(serve_cluster, "models")
+    url = run_app(cfg, "models")
     serve_bench.wait_healthy(url, 300)
     yield url, qwen3
     serve.delete("models")
