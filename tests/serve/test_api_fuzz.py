@@ -13,6 +13,7 @@ import collections
 import httpx
 import pytest
 import schemathesis
+import schemathesis.specs.openapi.schemas  # noqa: F401  loaded (and rewritten by pytest) at collection, not deep in a test's stack
 from conftest import served_real_engine
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from serve_app.config import SharedPortConfig
 from serve_app.proxy import HEADER_TIMEOUT_ENV
-from serve_app.shared_port import SharedPortServer, shared_socket
+from serve_app.shared_port import CancelOnDisconnect, SharedPortServer, shared_socket
 from tests.conftest import free_port, seconds_until_closed
 
 HEADER_TIMEOUT_S = 0.5
@@ -144,3 +144,76 @@ def test_a_port_held_by_a_listener_that_does_not_share_it_is_refused():
         held.listen()
         with pytest.raises(OSError):
             shared_socket("127.0.0.1", held.getsockname()[1])
+
+
+def _asgi_request(left: asyncio.Event):
+    """A request's receive: its body, then (once `left` is set) the client's disconnect."""
+    sent_body = False
+
+    async def receive():
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def test_a_request_whose_client_leaves_before_its_answer_is_cancelled_where_it_waits():
+    """As Serve's front doors do: a request queued for admission, whose client has gone, is
+    cancelled (its jobs then withdraw), and the server sees no error."""
+    events = []
+
+    async def waits_for_admission(scope, receive, send):
+        assert (await receive())["type"] == "http.request"
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+
+    async def go():
+        left = asyncio.Event()
+        call = asyncio.ensure_future(CancelOnDisconnect(waits_for_admission)({"type": "http"}, _asgi_request(left),
+                                                                              None))
+        await asyncio.sleep(0.01)
+        assert not call.done()
+        left.set()
+        await asyncio.wait_for(call, 5)  # returns: the client's leaving is no server error
+        assert events == ["cancelled"] and not call.cancelled()
+
+    asyncio.run(go())
+
+
+def test_an_answered_request_is_not_cancelled_and_a_server_side_cancellation_still_propagates():
+    sent = []
+
+    async def answers(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+    async def go():
+        closed = asyncio.Event()  # as uvicorn's: the request reads as a disconnect once its answer is complete
+
+        async def send(message):
+            sent.append(message["type"])
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                closed.set()
+
+        await CancelOnDisconnect(answers)({"type": "http"}, _asgi_request(closed), send)
+        assert sent == ["http.response.start", "http.response.body"]
+
+        async def waits(scope, receive, send):
+            await asyncio.Event().wait()
+
+        call = asyncio.ensure_future(CancelOnDisconnect(waits)({"type": "http"}, _asgi_request(asyncio.Event()),
+                                                               send))
+        await asyncio.sleep(0.01)
+        call.cancel()  # the server stopping it: not the client's leaving
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(go())
