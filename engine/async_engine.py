@@ -65,7 +65,7 @@ class AsyncEngine(EngineClient):
         self._dead: EngineDeadError | None = None
         self._exits: deque[float] = deque()
         self._restart: concurrent.futures.Future | None = None
-        self._core = self._start_core()
+        self._core: ProcessCore | ThreadCore | None = self._start_core()
         self._info = self._core.info
         self._num_sent = 0  # AddRequests sent to the live core
         self._snapshot: tuple[EngineStats, int] = (self._info.stats, 0)  # the core's stats, AddRequests it applied
@@ -216,6 +216,7 @@ class AsyncEngine(EngineClient):
                     self._core.send(command)
                     return
                 restart = self._restart
+            assert restart is not None  # no core and healthy: a restart is under way
             await asyncio.wrap_future(restart)
 
     def abort(self, request_id: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # the rows' owners and the cache's groups, named in annotatio
     from engine.drafts import SampledDraft
     from engine.kv_cache.layout import KVLayout
     from engine.lora import LoraBatch
-    from engine.request import Request
+    from engine.request import OutputConstraint, Request
+    from engine.sampling_params import SamplingParams
 
 
 def host_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -110,11 +111,11 @@ class WithDrafts:
         return self.request.sample_index
 
     @property
-    def params(self):
+    def params(self) -> SamplingParams:
         return self.request.params
 
     @property
-    def constraint(self):
+    def constraint(self) -> OutputConstraint | None:
         return self.request.constraint
 
     @property
@@ -124,3 +125,7 @@ class WithDrafts:
     @property
     def output_token_ids(self) -> list[int]:
         return self.request.output_token_ids + self.drafts
+
+
+if TYPE_CHECKING:
+    SampledRow: TypeAlias = "Request | WithDrafts"  # a row the sampler samples: a request, or one at a draft

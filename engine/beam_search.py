@@ -91,7 +91,7 @@ class BeamSearch:
         self.parents = [b for b, _, _ in kept]
         if len(self.finished) == width and self.running:  # can a running beam still beat the worst finished?
             best_possible = self.running[0].score / self._norm(length)
-            self._improvable = best_possible > self.finished[-1].score
+            self._improvable = bool(best_possible > self.finished[-1].score)
         self.done = not self._improvable or not self.running
         now = time.time()
         self.metrics.first_token_time = self.metrics.first_token_time or now
@@ -105,7 +105,7 @@ class BeamSearch:
 
     def output(self, request_id: str, tokenizer) -> RequestOutput:
         """The finished beams, best first, as one RequestOutput with an output per beam."""
-        outputs = []
+        outputs: list[CompletionOutput] = []
         for i, h in enumerate(self.finished):
             stopped = h.beam.token_ids[-1] in self.eos_token_ids
             text_ids = h.beam.token_ids[:-1] if stopped else h.beam.token_ids

@@ -165,17 +165,15 @@ def _grammar(rules: str, body: str) -> StructuredOutputsParams:
 def lark_of(spec: StructuredOutputsParams) -> str:
     """Any structured output as a Lark grammar (for nesting in a larger one), JSON written as the
     engine writes it (engine/grammar.py)."""
-    match spec.kind:
-        case "json" | "json_object":
-            schema = spec.json if spec.kind == "json" else {"type": "object"}
-            schema = json.loads(schema) if isinstance(schema, str) else schema
-            return f"start: %json {json.dumps(schema | {'x-guidance': JSON_STYLE})}"
-        case "regex":
-            return "start: /" + spec.regex.replace("/", "\\/") + "/"
-        case "choice":
-            return "start: " + " | ".join(json.dumps(c) for c in spec.choice)
-        case _:
-            if "::=" in spec.grammar:  # GBNF
-                import llguidance
-                return llguidance.grammar_from("gbnf", spec.grammar)
-            return spec.grammar
+    if spec.regex is not None:
+        return "start: /" + spec.regex.replace("/", "\\/") + "/"
+    if spec.choice is not None:
+        return "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+    if spec.grammar is not None:
+        if "::=" in spec.grammar:  # GBNF
+            import llguidance
+            return llguidance.grammar_from("gbnf", spec.grammar)
+        return spec.grammar
+    schema = spec.json if spec.json is not None else {"type": "object"}  # a schema, or any JSON object
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    return f"start: %json {json.dumps(schema | {'x-guidance': JSON_STYLE})}"

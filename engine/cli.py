@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from engine.config import ENGINE_FIELDS, ModelConfig
 from engine.llm import LLM
@@ -23,9 +25,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         if str(f.type) in ("bool", "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float,
-                    "list[int] | None": _int_list,
-                    "list[str] | None": lambda text: text.split(",")}.get(str(f.type), str)
+            kinds: dict[str, Callable[[str], Any]] = {
+                "int": int, "float": float, "int | None": int, "float | None": float, "list[int] | None": _int_list,
+                "list[str] | None": lambda text: text.split(",")}
+            kind = kinds.get(str(f.type), str)
             parser.add_argument(flag, type=kind, help=help)
 
 
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--model", help="a .gguf file or Hugging Face directory (default: the embedded model)")
     check.add_argument("--quantization", default="auto", help="the mode to score ('auto': the one a start runs)")
     check.add_argument("--kv-cache-dtype", default="auto", help="the KV cache it is scored through")
-    check.add_argument("--quality-check-tokens", type=int, default=ModelConfig.quality_check_tokens,
+    check.add_argument("--quality-check-tokens", type=int, default=ModelConfig().quality_check_tokens,
                        help="tokens of the text scored")
     args = vars(parser.parse_args(argv))
     if args["command"] == "check":

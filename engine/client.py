@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.beam_search import BeamSearchParams
 from engine.chat_output import ChatOutputFormat
@@ -15,6 +15,9 @@ from engine.drafts import DraftTransportFactory
 from engine.metrics import EngineStats, ModelReport
 from engine.outputs import RequestOutput
 from engine.sampling_params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class EngineClient(ABC):
@@ -42,7 +45,7 @@ class EngineClient(ABC):
 
     @property
     @abstractmethod
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         """A transformers tokenizer (encode, decode, apply_chat_template); picklable."""
 
     @property
@@ -99,6 +102,11 @@ class EngineClient(ABC):
         """Beam search (engine.beam_search) as transformers' generate(num_beams=...,
         do_sample=False): yields the finished beams once, best first, as one RequestOutput with
         an output per beam. Errors as `generate`'s; leaving early aborts the search."""
+
+    @abstractmethod
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serves the LoRA adapter at `path` as `name` from now on (InvalidRequestError where LoRA
+        is off, the name is taken or the path holds no adapter)."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...

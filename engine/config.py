@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.errors import AdapterNotFoundError, InvalidRequestError
 
@@ -342,7 +343,7 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Builds the config from flat field names (`max_num_seqs=8, block_size=16, ...`) and
         `speculative_config` (a dict of SpeculativeConfig's fields)."""
-        parts = {"speculative": SpeculativeConfig.of(kwargs.pop("speculative_config", None))}
+        parts: dict[str, Any] = {"speculative": SpeculativeConfig.of(kwargs.pop("speculative_config", None))}
         for name, part_cls in zip(("model", "cache", "scheduler", "lora"), ENGINE_PARTS):
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})

@@ -102,6 +102,8 @@ def kernel_build_key() -> str:
 def _import(name: str, path: Path):
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None:
+        raise ImportError(f"no module spec for {path}")
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

@@ -158,10 +158,13 @@ class StepLoop:
                     return [RequestError(request_id, e)]
                 return []
             case RegisterAdapter(name, path):
+                adapters = self.engine.adapters
+                if adapters is None:  # the engine's config said LoRA is off, and refused the load
+                    raise RuntimeError(f"adapter {name!r} registered with LoRA off")
                 if path is None:
-                    self.engine.adapters.unregister(name)
+                    adapters.unregister(name)
                 else:
-                    self.engine.adapters.register(name, path)
+                    adapters.register(name, path)
                 return []
             case AbortRequest(request_id):
                 output = self.engine.abort_request(request_id)

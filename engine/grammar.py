@@ -23,22 +23,22 @@ import torch
 
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.sampling_params import StructuredOutputsParams
+from engine.tool_formats import JSON_STYLE
 
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHED_CONSTRAINTS = 256
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The constraint as an llguidance grammar; InvalidRequestError if it is not one."""
     try:
-        match spec.kind:
-            case "json" | "json_object":
-                schema = spec.json if spec.kind == "json" else {"type": "object"}
-                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
-            case "choice":
-                return llguidance.grammar_from("choice", json.dumps(spec.choice))
-            case kind:  # regex, or a grammar in Lark or GBNF
-                return llguidance.grammar_from(kind, getattr(spec, kind))
+        if spec.regex is not None:
+            return llguidance.grammar_from("regex", spec.regex)
+        if spec.grammar is not None:  # Lark or GBNF
+            return llguidance.grammar_from("grammar", spec.grammar)
+        if spec.choice is not None:
+            return llguidance.grammar_from("choice", json.dumps(spec.choice))
+        schema = spec.json if spec.json is not None else {"type": "object"}  # a schema, or any JSON object
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
     except (ValueError, TypeError, RuntimeError) as e:
         raise InvalidRequestError("structured_outputs", f"the {spec.kind} constraint is not valid: {e}") from None
 
@@ -86,6 +86,7 @@ class GrammarCompiler:
                     "structured_outputs", f"structured outputs are not available for this model's tokenizer: {e}")
         if self._tokenizer_error is not None:
             raise self._tokenizer_error
+        assert self._tokenizer is not None  # made above, or refused
         return self._tokenizer
 
 

@@ -37,7 +37,9 @@ class HarmonyParser:
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         self._held += text
-        reasoning, content, calls = [], [], []
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[ToolCall] = []
         while self._held:
             if self._header is not None:
                 at = self._held.find(MESSAGE)
@@ -63,7 +65,9 @@ class HarmonyParser:
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """What is held: a body cut short is closed as it is (a call's arguments as they are)."""
-        reasoning, content, calls = [], [], []
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[ToolCall] = []
         if self._header is None:
             self._close(self._held, reasoning, content, calls)
         elif (self._header + self._held).strip():

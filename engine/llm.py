@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -17,6 +19,13 @@ from engine.tools import forced_tools, parse_tools, resolve_tool_choice
 Prompt = str | list[int]
 
 
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A str or a list of ints is one prompt."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine.from_engine_args(model, **engine_args)
@@ -26,33 +35,30 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in input order. A str or a list of ints is one
         prompt. `lora`: the LoRA adapter every prompt (or each) runs with. Raises ValueError
         (adding nothing) if any prompt or parameter is invalid."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        params = sampling_params
+        prompts = _prompt_list(prompts)
+        params = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                  else [sampling_params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
         return self._run(self._add(prompts, params, priority or [0] * len(prompts), loras), use_tqdm)
 
-    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Each prompt's embedding (`RequestOutput.embedding`, engine.sampling_params.PoolingParams),
         computed in the same steps as any generation; outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = [pooling_params or PoolingParams()] * len(prompts)
         return self._run(self._add(prompts, params, priority or [0] * len(prompts)), use_tqdm)
 
-    def _add(self, prompts: list[Prompt], params: list[SamplingParams | BeamSearchParams | PoolingParams],
+    def _add(self, prompts: list[Prompt], params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
              priorities: list[int], loras: list[str | None] | None = None) -> list[str]:
         """Adds every request, or (ValueError) none."""
         request_ids = [str(next(self._ids)) for _ in prompts]
@@ -79,26 +85,27 @@ class LLM:
         template), then generates. `tools`, `tool_choice`: as OpenAI's; a `required` or named
         choice constrains the output to calls in the model's own format whose arguments validate;
         a structured output constrains the answer after any reasoning (`chat_format`)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = (cast(list[list[dict]], [messages]) if messages and isinstance(messages[0], dict)
+                         else cast(list[list[dict]], messages))
         offered = parse_tools(tools)
         choice = resolve_tool_choice(tool_choice, offered)
         forced = forced_tools(offered, choice, parallel_tool_calls)
         base = sampling_params or SamplingParams()
-        prompts, params = [], []
+        prompts: list[Prompt] = []
+        params: list[SamplingParams] = []
         for conversation in conversations:
             text = render_chat(self.tokenizer, conversation, True, offered, chat_template_kwargs)
             prompts.append(encode_text(self.tokenizer, text, add_special_tokens=False, param="messages"))
             params.append(self.chat_format.sampling_params(base, text, forced, calls=choice != "none"))
         return self.generate(prompts, params, use_tqdm)
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
                     ) -> list[RequestOutput]:
         """Beam search as transformers' generate(num_beams=params.beam_width, do_sample=False):
         per prompt, its beam_width finished beams best first (engine.beam_search.BeamOutput: the
         tokens, text, cumulative logprob and ranking score). Every prompt's beams step in the
         engine's batches (engine.beam_groups)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         return self._run(self._add(prompts, [params] * len(prompts), [0] * len(prompts)), use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -37,6 +37,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.lora import Adapters
 from engine.metrics import EngineStats, ModelReport, StepStats
 from engine.model_setup import LoadedModel, load_model
+from engine.models.decoder import PagedDecoder
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestError, RequestOutput
 from engine.request import FinishReason, Request
@@ -104,7 +105,7 @@ class LLMEngine:
                                  model.kv_layout)
         self.adapters = None
         if config.lora.enable_lora:
-            if model.model_path != "native":
+            if not isinstance(model, PagedDecoder):
                 raise ValueError(f"LoRA adapters run on the native families; {model.architecture} runs through "
                                  "transformers' modeling code")
             dtype = config.lora.lora_dtype
@@ -203,16 +204,17 @@ class LLMEngine:
         with (engine.lora.AdapterNotFoundError where none has it)."""
         if self.output_processor.has_request(request_id) or request_id in self.beams:
             raise InvalidRequestError(None, f"request_id {request_id!r} is already in use")
-        if lora is not None and self.adapters is None:
+        adapters = self.adapters
+        if lora is not None and adapters is None:
             raise InvalidRequestError("model", f"adapter {lora!r}: LoRA adapters are not enabled (enable_lora)")
         if isinstance(params, BeamSearchParams):
-            adapter = None
-            if lora is not None:  # a search's beams are made at once: its adapter read and installed first
-                adapter = self.adapters.install(lora, self.adapters.acquire(lora))
-                if adapter is None:
+            installed = None
+            if lora is not None and adapters is not None:  # a search's beams are made at once: its adapter first
+                installed = adapters.install(lora, adapters.acquire(lora))
+                if installed is None:
                     raise InvalidRequestError("model", f"adapter {lora!r}: every adapter slot runs requests; "
                                                        "retry when one ends")
-            self.beams.add(request_id, self.encode_prompt(prompt), params, priority, self.clock() - waited_s, adapter)
+            self.beams.add(request_id, self.encode_prompt(prompt), params, priority, self.clock() - waited_s, installed)
             return
         pooling = None
         if isinstance(params, PoolingParams):
@@ -227,7 +229,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, priority=priority, arrival_time=self.clock() - waited_s,
                           pooling=pooling)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
-        adapter = None if lora is None else (lora, self.adapters.acquire(lora))
+        adapter = None if lora is None or adapters is None else (lora, adapters.acquire(lora))
         if grammar is not None or adapter is not None:
             self._pending[request_id] = (request, grammar, adapter)
         else:
@@ -252,19 +254,21 @@ class LLMEngine:
             futures = [f for _, grammar, adapter in self._pending.values()
                        for f in (grammar, adapter and adapter[1]) if f is not None]
             wait(futures, COMPILE_WAIT_S, FIRST_COMPLETED)
-        events = []
+        events: list[Event] = []
         for request_id, (request, grammar, adapter) in list(self._pending.items()):
             if (grammar is not None and not grammar.done()) or (adapter is not None and not adapter[1].done()):
                 continue
             error = (grammar.exception() if grammar is not None else None) or (
                 adapter[1].exception() if adapter is not None else None)
             if error is not None:
+                if not isinstance(error, Exception):  # an interrupt, not a refusal
+                    raise error
                 del self._pending[request_id]
-                if adapter is not None and adapter[1].exception() is not None:
+                if adapter is not None and adapter[1].exception() is not None and self.adapters is not None:
                     self.adapters.forget_load(adapter[0])
                 events.append(self.output_processor.refuse(request_id, error))
                 continue
-            if adapter is not None:
+            if adapter is not None and self.adapters is not None:
                 request.adapter = self.adapters.install(*adapter)
                 if request.adapter is None:  # every slot's adapter runs: wait for one to end
                     continue
@@ -274,7 +278,7 @@ class LLMEngine:
             self.scheduler.add_request(request)
         return events
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> Event | None:
         """Ends every sample of the request and frees its blocks; its final output, or None."""
         self._pending.pop(request_id, None)
         self.scheduler.finish_group(request_id, FinishReason.ABORT)

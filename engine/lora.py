@@ -29,12 +29,22 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import torch
 
 from engine.cache_dir import cache_dir
 from engine.config import LoraConfig
 from engine.errors import AdapterNotFoundError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.models.decoder import PagedDecoder
+
+
+class LoraKernel(Protocol):
+    """Where adapters' products run in one call for every row: the C++ kernels' slots or the Triton ones."""
+
+    def add(self, layer: int, which: int, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +109,7 @@ def read_adapter(path: Path, model, config: LoraConfig, dtype: torch.dtype = tor
 
     from engine.models.mlp import GatedMLP
 
-    def refuse(message: str):
+    def refuse(message: str) -> NoReturn:
         raise InvalidRequestError("lora", f"adapter {path.name!r}: {message}")
 
     try:
@@ -174,7 +184,7 @@ class LoraBatch:
     else `groups` (adapter, its rows; None: every row) for torch's ops."""
     row_adapters: list[Adapter | None]
     slots: torch.Tensor
-    kernel: object | None = None
+    kernel: LoraKernel | None = None
 
     @classmethod
     def of(cls, row_adapters: list[Adapter | None]) -> LoraBatch | None:
@@ -224,14 +234,15 @@ class StackedLoraSlots:
     def set(self, slot: int, layer: int, which: int, a: torch.Tensor, b: list[torch.Tensor], segments: torch.Tensor,
             n: int) -> None:
         rank, k = a.shape
-        a_stack, bt_stack = self.stacks.get((layer, which), (None, None))
-        if a_stack is None or a_stack.shape[1] < rank:  # the first adapter here, or a wider one
+        stacked = self.stacks.get((layer, which))
+        if stacked is None or stacked[0].shape[1] < rank:  # the first adapter here, or a wider one
             wider = (torch.zeros(self.num_slots, rank, k, dtype=self.dtype, device=self.device),
                      torch.zeros(self.num_slots, rank, n, dtype=self.dtype, device=self.device))
-            if a_stack is not None:
-                wider[0][:, :a_stack.shape[1]] = a_stack
-                wider[1][:, :bt_stack.shape[1]] = bt_stack
-            a_stack, bt_stack = self.stacks[(layer, which)] = wider
+            if stacked is not None:
+                wider[0][:, :stacked[0].shape[1]] = stacked[0]
+                wider[1][:, :stacked[1].shape[1]] = stacked[1]
+            stacked = self.stacks[(layer, which)] = wider
+        a_stack, bt_stack = stacked
         a_stack[slot].zero_()
         bt_stack[slot].zero_()
         a_stack[slot, :rank] = a.to(self.device, self.dtype)
@@ -272,7 +283,7 @@ def _local_copy(url: str, name: str) -> Path:
 class Adapters:
     """The adapters a model serves: names to paths, the loaded ones (LRU), loads in flight.
     Every method runs on the step loop's thread; loads read files on `_reader`'s."""
-    model: object  # PagedDecoder: installs an adapter's weights into a slot
+    model: PagedDecoder  # installs an adapter's weights into a slot
     config: LoraConfig
     dtype: torch.dtype = torch.float32  # the adapters' matrices
     known: dict[str, str] = field(default_factory=dict)

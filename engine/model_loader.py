@@ -34,6 +34,7 @@ from engine.config import ModelConfig
 from engine.models.gguf_blocks import BlockEmbedding, GGUFFile, MappedGGUF, tensor_table
 from engine.models.gguf_types import KERNEL_FORMATS
 from engine.models.linear import quantize
+from engine.models.paged_model import PagedModel
 from engine.models.registry import build_model, check_servable, is_native
 
 logger = logging.getLogger(__name__)
@@ -65,12 +66,13 @@ def gguf_metadata(path: str) -> Path:
         return target
     started = time.perf_counter()
     directory, gguf_file = os.path.split(path)
-    gguf.GGUFReader, plain_reader = GGUFFile, gguf.GGUFReader  # transformers' conversion reads through ours
+    plain_reader = gguf.GGUFReader
+    gguf.GGUFReader = GGUFFile  # type: ignore[misc]  # transformers' conversion reads through ours
     try:
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     finally:
-        gguf.GGUFReader = plain_reader
+        gguf.GGUFReader = plain_reader  # type: ignore[misc]
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     partial.mkdir(parents=True)
     config.save_pretrained(partial)
@@ -125,7 +127,7 @@ def eos_token_ids(generation_config: GenerationConfig, tokenizer) -> frozenset[i
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint as the engine's paged model."""
-    model: torch.nn.Module  # the paged model, its matmuls in the mode it was loaded in, on its device
+    model: PagedModel  # its matmuls in the mode it was loaded in, on its device
     tokenizer: Any  # transformers tokenizer with the chat template
     eos_token_ids: frozenset[int]
     max_model_len: int  # the longest context its RoPE tables cover
@@ -159,7 +161,7 @@ def load_checkpoint(config: ModelConfig, mode: str) -> Checkpoint:
                 hf_config.num_hidden_layers, hf_config.vocab_size, time.perf_counter() - started)
     # a GGUF's matmuls in their own blocks are read by the kernels from the mapped file, never loaded
     in_blocks = mapped is not None and mode == "gguf" and is_native(hf_model, config.model_impl)
-    embedding = mapped.tensors.get("token_embd.weight") if in_blocks else None
+    embedding = mapped.tensors.get("token_embd.weight") if in_blocks and mapped is not None else None
     if embedding is not None and embedding.tensor_type not in KERNEL_FORMATS:
         embedding = None  # an fp32/fp16 table (or one of a type no kernel reads) is loaded as weights
     if mapped is not None:

@@ -27,6 +27,7 @@ from engine.attention.selector import resolve_kv_cache_dtype
 from engine.config import ModelConfig
 from engine.model_loader import default_model_path, load_checkpoint
 from engine.models.linear import weight_bytes_per_token
+from engine.models.paged_model import PagedModel
 from engine.quality import Quality
 from engine.quantization_check import cached_quality
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: torch.nn.Module  # the paged model on its device, weights read-only
+    model: PagedModel  # on its device, weights read-only
     tokenizer: Any  # transformers tokenizer with the chat template
     eos_token_ids: frozenset[int]
     max_model_len: int  # the longest context its RoPE tables cover

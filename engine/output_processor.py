@@ -114,7 +114,7 @@ class OutputProcessor:
                 if state.behind:
                     state.behind.pop(request.sample_index, None)
                 if request.embedding is not None:  # an embedding request: done, no tokens
-                    state.embedding, sample.finish_reason = request.embedding, request.finish_reason.value
+                    state.embedding, sample.finish_reason = request.embedding, _reason(request)
                 elif self._append(sample, request, logprobs.get(request.request_id) if logprobs else None,
                                   request.is_finished):
                     stopped.append(request.request_id)
@@ -153,7 +153,7 @@ class OutputProcessor:
             self._catch_up(state)
         except Exception as e:
             return self._fail(request_id, e)
-        for index in range(state.params.best_of):
+        for index in range(state.params.num_samples):
             sample = state.samples.setdefault(index, _SampleState(
                 DecodeStream(skip_special_tokens=state.params.skip_special_tokens), SpecCounts()))
             sample.finish_reason = sample.finish_reason or FinishReason.ABORT.value
@@ -199,7 +199,7 @@ class OutputProcessor:
         if logprobs is not None:
             sample.logprobs.append(logprobs)
         if finished:
-            sample.finish_reason = request.finish_reason.value
+            sample.finish_reason = _reason(request)
         previous_len = len(sample.text)
         if finished:  # flush bytes the stream decoder still holds; a stop token is not text
             text_ids = sample.token_ids[:-1] if request.ended_on_stop_token else sample.token_ids
@@ -224,7 +224,8 @@ class OutputProcessor:
         metrics = state.metrics
         if request.first_token_time is not None:
             metrics.first_token_time = request.first_token_time + self._wall_offset
-            metrics.first_scheduled_time = request.first_scheduled_time + self._wall_offset
+            if request.first_scheduled_time is not None:
+                metrics.first_scheduled_time = request.first_scheduled_time + self._wall_offset
             state.num_cached_tokens = request.num_cached_prompt_tokens
             state.prompt_logprobs = request.prompt_logprobs
 
@@ -232,7 +233,7 @@ class OutputProcessor:
         params, samples = state.params, state.samples
         finished = _finished(state)
         prompt, prompt_token_ids = (state.prompt, state.prompt_token_ids) if not (state.emitted and self.prompt_once) \
-            else (None, None)
+            else (None, [])
         state.emitted = True
         self._held.pop(request_id, None)
         deltas = []
@@ -273,7 +274,7 @@ class OutputProcessor:
 def _finished(state: _RequestState) -> bool:
     """Every sample of the request has ended."""
     samples = state.samples
-    return len(samples) == state.params.best_of and all(s.finish_reason is not None for s in samples.values())
+    return len(samples) == state.params.num_samples and all(s.finish_reason is not None for s in samples.values())
 
 
 def _cumulative_logprob(sample: _SampleState) -> float:
@@ -282,3 +283,10 @@ def _cumulative_logprob(sample: _SampleState) -> float:
 
 def failure_event(group_id: str, error: Exception) -> RequestError:
     return RequestError(group_id, RequestFailedError(f"request failed: {type(error).__name__}: {error}"))
+
+
+def _reason(request: Request) -> str:
+    """A finished request's finish reason, as outputs spell it."""
+    if request.finish_reason is None:
+        raise ValueError(f"request {request.request_id} has no finish reason")
+    return request.finish_reason.value

@@ -86,7 +86,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]  # (a step loop's outputs after the first carry None here and in `prompt`)
+    prompt_token_ids: list[int]  # (a step loop's outputs after the first carry none: [] here, None in `prompt`)
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics

@@ -16,6 +16,7 @@ import torch
 from engine.attention.base import scratch_cache
 from engine.attention.selector import select_backend
 from engine.batch import ModelInputs
+from engine.models.paged_model import PagedModel
 
 TEXT_PATH = Path(__file__).parent / "data" / "english.txt"
 MIN_TOP1_AGREEMENT = 0.97
@@ -37,7 +38,7 @@ class WindowRunner:
     first attending to the earlier ones as read back from a cache of `kv_cache_dtype` (as chunked
     prefills and decodes read it): what rounding the cache costs shows in the scores."""
 
-    def __init__(self, model: torch.nn.Module, window: int = WINDOW, block_size: int = 16,
+    def __init__(self, model: PagedModel, window: int = WINDOW, block_size: int = 16,
                  kv_cache_dtype: torch.dtype = torch.float32, chunk: int | None = None):
         self.model, self.block_size, self.chunk = model, block_size, chunk or window
         self.backend = select_backend("torch", torch.device("cpu"), torch.float32, model.attention)
@@ -66,18 +67,18 @@ class TokenScores:
     nll: torch.Tensor  # (T,) -log p(the true next token); 0 at a window's last position, which is not scored
 
 
-def token_scores(model: torch.nn.Module, token_ids: list[int], window: int = WINDOW,
+def token_scores(model: PagedModel, token_ids: list[int], window: int = WINDOW,
                  kv_cache_dtype: torch.dtype = torch.float32, chunk: int | None = None) -> TokenScores:
     """A paged model's scores, each position given the tokens before it in its window (in chunks
     through a cache of `kv_cache_dtype`: WindowRunner)."""
     run = WindowRunner(model, window, kv_cache_dtype=kv_cache_dtype, chunk=chunk)
     parts = []
     for start in range(0, len(token_ids), window):
-        chunk = token_ids[start:start + window]
-        logits = run(chunk)
+        ids = token_ids[start:start + window]
+        logits = run(ids)
         top2 = logits.topk(2, dim=-1).values
-        nll = torch.zeros(len(chunk))
-        nll[:-1] = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="none")
+        nll = torch.zeros(len(ids))
+        nll[:-1] = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="none")
         parts.append((logits.argmax(-1), top2[:, 0] - top2[:, 1], nll))
     return TokenScores(*(torch.cat(column) for column in zip(*parts)))
 

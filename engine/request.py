@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from engine.outputs import SpecCounts
 from engine.sampling_params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.lora import Adapter
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +42,8 @@ class OutputConstraint(Protocol):
 
     def fresh(self) -> OutputConstraint: ...  # the same constraint from its start
 
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None: ...  # the tokens allowed next
+
     @property
     def is_finished(self) -> bool: ...
 
@@ -48,7 +56,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group_id: str | None = None, sample_index: int = 0, priority: int = 0,
                  arrival_time: float | None = None, constraint: OutputConstraint | None = None,
-                 beam: bool = False, pooling: PoolingParams | None = None, adapter: object | None = None):
+                 beam: bool = False, pooling: PoolingParams | None = None, adapter: Adapter | None = None):
         """`beam`: a beam of a beam search (engine.beam_groups): parked after its one sampled
         token, which its search replaces by the tokens it extends the beam with. `pooling`: an
         embedding request (its pooling resolved): its prompt is computed, never sampled from, and
@@ -127,6 +135,8 @@ class Request:
     def record_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
         """The logprobs of the prompt tokens after positions start, start + 1, ... (those already
         known, recomputed after a preemption, are kept)."""
+        if self.prompt_logprobs is None:
+            raise ValueError("prompt logprobs recorded for a request that asked for none")
         for i, entry in enumerate(entries):
             if start + 1 + i == len(self.prompt_logprobs):
                 self.prompt_logprobs.append(entry)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.drafts import SampledDraft
 from engine.grammar import disallowed_tokens, new_bitmask
-from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.batch import SampledRow
 
 DRAFT_SUPPORT = 64  # tokens a sampled draft's distribution keeps (and a DraftReply carries)
 ARGMAX_PIECES = 128  # a few rows' greedy argmax on CUDA: pieces of the vocabulary reduced first
@@ -48,7 +51,8 @@ class SampledBatch:
     def __init__(self, token_ids: torch.Tensor, host: list[torch.Tensor],
                  finish: Callable[[list[torch.Tensor]], SamplerOutput]):
         self.token_ids = token_ids  # (R,) on the logits' device
-        self._host, self._finish, self._done = host, finish, None
+        self._host, self._finish = host, finish
+        self._done: SamplerOutput | None = None
         self._copied = None
         if token_ids.is_cuda:
             self._copied = torch.cuda.Event()
@@ -78,12 +82,12 @@ class Sampler:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
+    def __call__(self, logits: torch.Tensor, requests: list[SampledRow],
                  drafts: list[SampledDraft | None] | None = None) -> SamplerOutput:
         return self.launch(logits, requests, drafts).result()
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, requests: list[Request],
+    def launch(self, logits: torch.Tensor, requests: list[SampledRow],
                drafts: list[SampledDraft | None] | None = None) -> SampledBatch:
         """`drafts`: per row, the sampled draft it verifies (Leviathan et al.'s rule), or None: the
         row is sampled as it is (a one-hot draft is verified by comparing with that sample)."""
@@ -95,7 +99,9 @@ class Sampler:
             return self._sample_batch(logits, requests, drafts, masks, kinds)
         except Exception:
             self._restore(snapshot)
-        token_ids, logprobs, errors = [], [], {}
+        token_ids: list[int | None] = []
+        logprobs: list[dict[int, float] | None] = []
+        errors: dict[str, Exception] = {}
         for row, request in enumerate(requests):
             try:
                 one = self._sample_batch(logits[row:row + 1], [request], drafts[row:row + 1],
@@ -113,7 +119,7 @@ class Sampler:
         output = SamplerOutput(token_ids, logprobs, errors)
         return SampledBatch(device_ids, [], lambda _: output)
 
-    def _sample_batch(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None],
+    def _sample_batch(self, logits: torch.Tensor, requests: list[SampledRow], drafts: list[SampledDraft | None],
                       masks: _ConstraintMasks | None, kinds: _RowKinds) -> SampledBatch:
         logits = raw = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if kinds.logprobs else None
@@ -131,7 +137,7 @@ class Sampler:
                                            [drafts[i] for i in random_rows])
         return _gathered(token_ids, raw_logprobs, requests, kinds.logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[SampledDraft | None]
+    def _sample(self, logits: torch.Tensor, requests: list[SampledRow], drafts: list[SampledDraft | None]
                 ) -> torch.Tensor:
         probs = sampling_probs(logits, [r.params for r in requests])
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -143,7 +149,7 @@ class Sampler:
                 probs[row] = self._verify(probs[row], draft)
         return (probs / noise).argmax(dim=-1)
 
-    def _adjust(self, row: torch.Tensor, request: Request) -> None:
+    def _adjust(self, row: torch.Tensor, request: SampledRow) -> None:
         """In place: the row's penalties, logit bias and min_tokens mask."""
         params = request.params
         if params.has_penalties:
@@ -168,14 +174,14 @@ class Sampler:
             return torch.zeros_like(p).index_fill_(0, torch.tensor([d], device=p.device), 1.0)
         return (p - q).clamp_(min=0)
 
-    def _request_generator(self, request: Request) -> torch.Generator:
+    def _request_generator(self, request: SampledRow) -> torch.Generator:
         generator = self._request_generators.get(request.request_id)
         if generator is None:
             seed = hash((request.params.seed, request.sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
             generator = self._request_generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
         return generator
 
-    def _snapshot(self, sampled: list[Request]) -> tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]:
+    def _snapshot(self, sampled: list[SampledRow]) -> tuple[list[tuple[torch.Generator, torch.Tensor]], list[str]]:
         """States of the generators a pass over the `sampled` (not greedy) rows may draw from
         (none for an all-greedy batch), and the seeded requests that have no generator yet."""
         if not sampled:
@@ -236,7 +242,7 @@ def sample_drafts(logits: torch.Tensor, params: list[SamplingParams | None], gen
     rows = [i for i, p in enumerate(params) if p is not None]
     drafts: list[SampledDraft | None] = [None] * len(params)
     if rows:
-        probs = sampling_probs(logits[rows].float(), [params[i] for i in rows])
+        probs = sampling_probs(logits[rows].float(), [p for p in params if p is not None])
         top = probs.topk(min(DRAFT_SUPPORT, probs.shape[-1]), dim=-1)
         top_probs = top.values / top.values.sum(dim=-1, keepdim=True)
         picks = torch.multinomial(top_probs, 1, generator=generator).flatten().tolist()
@@ -275,17 +281,21 @@ class _ConstraintMasks:
         return _ConstraintMasks([0], self.disallowed[j:j + 1])
 
 
-def _constraint_masks(rows: list[Request], constrained: list[int], vocab_size: int) -> _ConstraintMasks | None:
+def _constraint_masks(rows: list[SampledRow], constrained: list[int], vocab_size: int) -> _ConstraintMasks | None:
     """Each constrained row's disallowed tokens; None when no row has a constraint."""
     if not constrained:
         return None
     bitmask = new_bitmask(len(constrained), vocab_size)
     for j, i in enumerate(constrained):
-        rows[i].constraint.fill(bitmask, j, getattr(rows[i], "drafts", ()))  # a WithDrafts row: after its drafts
+        constraint = rows[i].constraint
+        if constraint is None:
+            raise ValueError(f"row {i} has no constraint to fill")
+        constraint.fill(bitmask, j, getattr(rows[i], "drafts", ()))  # a WithDrafts row: after its drafts
     return _ConstraintMasks(constrained, disallowed_tokens(bitmask, vocab_size))
 
 
-def _constrain(logits: torch.Tensor, raw: torch.Tensor, rows: list[Request], masks: _ConstraintMasks) -> torch.Tensor:
+def _constrain(logits: torch.Tensor, raw: torch.Tensor, rows: list[SampledRow], masks: _ConstraintMasks
+               ) -> torch.Tensor:
     """The constrained rows keep only their allowed tokens; a row that min_tokens' masked ends
     left with none takes its raw logits, constrained."""
     logits = logits.clone() if logits is raw else logits
@@ -301,11 +311,11 @@ def _constrain(logits: torch.Tensor, raw: torch.Tensor, rows: list[Request], mas
     return logits
 
 
-def _below_min_tokens(request: Request) -> bool:
+def _below_min_tokens(request: SampledRow) -> bool:
     return bool(request.params.min_tokens) and len(request.output_token_ids) < request.params.min_tokens
 
 
-def _has_adjustments(request: Request) -> bool:
+def _has_adjustments(request: SampledRow) -> bool:
     return request.params.has_penalties or bool(request.params.logit_bias) or _below_min_tokens(request)
 
 
@@ -319,7 +329,7 @@ class _RowKinds:
     constrained: list[int]  # a structured output's
 
     @classmethod
-    def of(cls, requests: list[Request]) -> _RowKinds:
+    def of(cls, requests: list[SampledRow]) -> _RowKinds:
         kinds = cls([], [], [], [])
         for row, request in enumerate(requests):
             params = request.params
@@ -334,7 +344,7 @@ class _RowKinds:
         return kinds
 
 
-def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+def _apply_penalties(row: torch.Tensor, request: SampledRow) -> None:
     """In place. Repetition penalty (HF/vLLM) over prompt and output; presence and frequency
     penalties (OpenAI) over the output only."""
     params = request.params
@@ -349,13 +359,15 @@ def _apply_penalties(row: torch.Tensor, request: Request) -> None:
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[Request], rows: list[int]
+def _gathered(token_ids: torch.Tensor, raw: torch.Tensor | None, requests: list[SampledRow], rows: list[int]
               ) -> SampledBatch:
     """The rows' tokens, and for `rows` their logprobs from `raw` (the sampled token's and the top
     `logprobs` ones; the sampled one alone where only best_of's ranking needs it), selected on
     the logits' device; their copies to the host are queued together, so a step waits once."""
     values = [token_ids]
     if rows:
+        if raw is None:
+            raise ValueError("rows keeping logprobs need the raw logits")
         index = torch.tensor(rows, device=token_ids.device)
         kept = raw[index]
         top_values, top_ids = kept.topk(max(requests[i].params.logprobs or 0 for i in rows))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
@@ -88,7 +88,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         given = self._given()
         if len(given) != 1:
             raise InvalidRequestError("structured_outputs", "structured_outputs must give exactly one of "
@@ -151,8 +151,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None  # stop strings, not included in the text
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, not included in the text (one: a string)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -160,7 +160,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (plus the sampled one)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's)
     min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many tokens
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before sampling
     best_of: int | None = None  # samples generated, the n with the highest cumulative logprob returned; None: n
     structured_outputs: StructuredOutputsParams | None = None  # what the output must match (constrained decoding)
     skip_special_tokens: bool = True  # special tokens left out of the text (kept: a parser reads its markers)
@@ -198,13 +198,18 @@ class SamplingParams:
             self.top_k = 0
 
     @property
+    def num_samples(self) -> int:
+        """Samples generated: best_of, n where it was not given."""
+        return self.best_of or self.n
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS or self.top_k == 1
 
     @property
     def ranks_samples(self) -> bool:
         """More samples are generated than returned: each sampled token's logprob is kept to rank them."""
-        return self.best_of > self.n
+        return self.num_samples > self.n
 
     @property
     def keeps_logprobs(self) -> bool:

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.tools import CALL_END, CALL_START, Tool, ToolCall
 
-# the JSON of forced calls, written as the engine's JSON constraints write it
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+# how the engine's JSON constraints write JSON (engine/grammar.py), forced calls' too
+JSON_STYLE: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,7 @@ class JsonCallsParser(CallParser):
         return "", self._parse()
 
     def _parse(self) -> list[ToolCall]:
-        decoder, calls = json.JSONDecoder(), []
+        decoder, calls = json.JSONDecoder(), list[ToolCall]()
         while True:
             body = self._held.lstrip().lstrip(self.separator).lstrip()
             if not body:
@@ -185,9 +189,10 @@ class JsonCallsParser(CallParser):
             except ValueError:
                 return calls  # incomplete (or never JSON: finish returns it)
             found = [call_from_json(v) for v in (value if self.array and isinstance(value, list) else [value])]
-            if not found or None in found:
+            parsed = [call for call in found if call is not None]
+            if not found or len(parsed) < len(found):
                 return calls
-            calls += found
+            calls += parsed
             self._parsed_any, self._held = True, body[end:]
 
     def _rest(self) -> str:
@@ -207,7 +212,11 @@ def _decoded_call(body: str) -> ToolCall | None:
 class ToolFormat:
     """One family's call format: its grammar for forced calls and its parser."""
     name = ""
-    markers: tuple[str, ...] = ()  # texts that may be special tokens (decoded with special tokens kept)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Texts that may be special tokens (decoded with special tokens kept)."""
+        return ()
 
     def calls_grammar(self, tools: list[Tool], parallel: bool, markers: Markers) -> str:
         """Lark rules whose `start` is the calls: one to any of `tools`, or (`parallel`) one or more."""
@@ -220,7 +229,10 @@ class ToolFormat:
 class Hermes(ToolFormat):
     name = "hermes"
     start, end = CALL_START, CALL_END
-    markers = (start, end)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (self.start, self.end)
 
     def calls_grammar(self, tools: list[Tool], parallel: bool, markers: Markers) -> str:
         calls = " | ".join(call_json(t, "arguments") for t in tools)

@@ -131,7 +131,7 @@ def forced_tools(tools: list[Tool], choice: str, parallel: bool = True) -> tuple
 
 
 def template_reads_tools(chat_template: str | None) -> bool:
-    return bool(chat_template) and "tools" in chat_template
+    return chat_template is not None and "tools" in chat_template
 
 
 def conversation(messages: list[dict], tools: list[Tool], native: bool, short_call_ids: bool = False) -> list[dict]:
@@ -152,7 +152,7 @@ def conversation(messages: list[dict], tools: list[Tool], native: bool, short_ca
                 rendered.append({"role": "user", "content": response})
         elif m.get("tool_calls"):
             calls = [f"{CALL_START}\n{json.dumps(_call_dict(c))}\n{CALL_END}" for c in m["tool_calls"]]
-            rendered.append({"role": m["role"], "content": "\n".join(filter(None, [m.get("content")] + calls))})
+            rendered.append({"role": m["role"], "content": "\n".join(filter(None, [m.get("content"), *calls]))})
         else:
             rendered.append({"role": m["role"], "content": m.get("content") or ""})
     if tools:

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import Protocol
 
 from serve_app.batching import CallBatcher
+from serve_app.calls import RouterHandle, Stream
 from serve_app.messages import AdmitRequest, AdmitResult
 from serve_app.protocol import APIError
 from serve_app.router import Router
@@ -75,7 +77,7 @@ class _Asked:
 class RouterClient:
     """The Router deployment, by handle (with the request path's transport options)."""
 
-    def __init__(self, router: Any):
+    def __init__(self, router: RouterHandle):
         self._router, self._router_streams = router, router.options(stream=True)
         self._admits: CallBatcher[_Asked] = CallBatcher(self._send_admits)
         self._releases: CallBatcher[str] = CallBatcher(self._send_releases)
@@ -134,7 +136,7 @@ class RouterClient:
         else:
             _cancel(stream)
 
-    async def _read_results(self, stream: Any, by_id: dict[str, _Asked]) -> None:
+    async def _read_results(self, stream: Stream[list[tuple[str, AdmitResult]]], by_id: dict[str, _Asked]) -> None:
         try:
             async for answers in stream:
                 self._resolve(by_id, answers)
@@ -157,7 +159,7 @@ class RouterClient:
         own_serve_request_id()
         await self._router.release.remote(request_ids)
 
-    def _in_background(self, call: Any) -> None:
+    def _in_background(self, call: Awaitable[None]) -> None:
         async def run() -> None:
             with contextlib.suppress(Exception):
                 await call
@@ -174,7 +176,5 @@ def _refused(asked: _Asked) -> bool:
                                                          or future.result().error is not None)
 
 
-def _cancel(stream: Any) -> None:
-    cancel = getattr(stream, "cancel", None)
-    if cancel is not None:
-        cancel()
+def _cancel(stream: Stream[object]) -> None:
+    stream.cancel()

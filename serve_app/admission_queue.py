@@ -84,7 +84,7 @@ class AdmissionQueue:
     def peek(self) -> QueueEntry | None:
         """The entry to serve next: the best-ranked, or, where flows of its class wait, the best of
         the flow of that class served longest ago. None when empty."""
-        heads = [flow.peek() for flow in self._flows.values()]
+        heads = [head for flow in self._flows.values() if (head := flow.peek()) is not None]  # flows are non-empty
         if len(heads) <= 1:
             return heads[0] if heads else None
         best = min(heads, key=_rank)

@@ -155,7 +155,7 @@ class MessagesRequest(WireModel):
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         fmt = self.output_config.format if self.output_config is not None else None
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              stop=self.stop_sequences,
+                              stop=self.stop_sequences or [],
                               structured_outputs=StructuredOutputsParams(json=fmt.schema_) if fmt else None)
 
     def beam_search_params(self, max_tokens: int) -> None:
@@ -260,7 +260,7 @@ class MessagesFormatter(Formatter):
         if block.kind == "text":
             return {"type": "text", "text": block.text if done else ""}
         tool_id = self._tool_ids.setdefault(block.index, f"toolu_{uuid.uuid4().hex[:24]}")
-        return {"type": "tool_use", "id": tool_id, "name": block.call.name,
+        return {"type": "tool_use", "id": tool_id, "name": block.tool_call.name,
                 "input": json.loads(block.text) if done and block.text.strip() else {}}
 
     def _stop(self) -> tuple[str, str | None]:

@@ -48,8 +48,8 @@ def replica_deployment_options(config: AppConfig, engine: EngineReplicaConfig) -
         ray_actor_options={"num_cpus": engine.num_cpus, "num_gpus": engine.num_gpus,
                            **({"resources": engine.resources} if engine.resources else {})},
         max_ongoing_requests=engine.max_ongoing_requests,
-        request_router_config=RequestRouterConfig(
-            request_router_class="serve_app.pinning:PinnedReplicaRequestRouter"
+        request_router_config=RequestRouterConfig(  # Ray types its **kwargs as dicts
+            request_router_class="serve_app.pinning:PinnedReplicaRequestRouter"  # type: ignore[arg-type]
         ),
         logging_config=_QUIET,
         health_check_period_s=5,
@@ -119,19 +119,19 @@ def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
     frontend = serve.ingress()(Frontend)
     if config.colocated:
         options = engine_ingress_deployment_options(config)
-        return serve.deployment(frontend, **options).bind(config, None, None, engine_cls, _draft(config.engine))
+        return serve.deployment(**options)(frontend).bind(config, None, None, engine_cls, _draft(config.engine))
     options = ingress_deployment_options(config)
     if config.router_in_ingress:  # the replicas report to the router in the Frontend, by its name
         report_to = options["name"]
         router = None
     else:
-        router = report_to = serve.deployment(Router, **router_deployment_options(config)).bind(
+        router = report_to = serve.deployment(**router_deployment_options(config))(Router).bind(
             config.router, metrics_enabled=True)
     replicas = {
-        engine.model_name: serve.deployment(EngineReplica, **replica_deployment_options(config, engine)).bind(
+        engine.model_name: serve.deployment(**replica_deployment_options(config, engine))(EngineReplica).bind(
             engine, report_to, engine_cls, metrics_enabled=True, slo=config.slo, draft=_draft(engine))
         for engine in config.served_models}
-    return serve.deployment(frontend, **options).bind(config, router, replicas)
+    return serve.deployment(**options)(frontend).bind(config, router, replicas)
 
 
 def _draft(engine: EngineReplicaConfig):
@@ -141,7 +141,7 @@ def _draft(engine: EngineReplicaConfig):
     engine_config = engine.engine_config
     if engine_config.speculative is None or engine_config.speculative.placement != "actor":
         return None
-    return serve.deployment(DraftModel, **draft_deployment_options(engine)).bind(engine_config,
+    return serve.deployment(**draft_deployment_options(engine))(DraftModel).bind(engine_config,
                                                                                engine.draft.num_threads)
 
 

@@ -83,7 +83,7 @@ class BatchTokenizer:
                     results.append(refused)
             return results
 
-    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int] | Exception]:
         if self._backend is not None:
             encodings = self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)
             return [encoding.ids for encoding in encodings]

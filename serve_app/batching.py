@@ -11,6 +11,7 @@ never cuts a call short.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -71,7 +72,7 @@ class KeyedBatchers(Generic[T]):
     def add(self, key: str, item: T) -> None:
         batcher = self._batchers.get(key)
         if batcher is None or not batcher.busy:
-            batcher = self._batchers[key] = CallBatcher(lambda items, key=key: self._send(key, items))
+            batcher = self._batchers[key] = CallBatcher(functools.partial(self._send, key))
         batcher.add(item)
 
     def discard(self, key: str, item: T) -> bool:

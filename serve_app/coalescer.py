@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, merge_deltas
 from serve_app.messages import StreamChunk
@@ -29,7 +29,7 @@ class StreamCoalescer:
         self._prompt_logprobs: list[tuple[int, dict[int, float] | None]] | None = None  # until sent
         self._embedding: list[float] | None = None  # an embedding request's, until sent
 
-    async def coalesce(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[StreamChunk]:
+    async def coalesce(self, stream: AsyncIterator[RequestOutput]) -> AsyncGenerator[StreamChunk, None]:
         """Yields merged deltas: on the first token, then when `interval_s` has passed since the
         last chunk, and with the final output. While tokens are held, the next read is raced
         against the flush deadline, so they never wait on a slow step longer than the interval;

@@ -43,7 +43,7 @@ class _EngineArgsBase(_Strict):
 
 
 def _engine_args_model() -> type[_EngineArgsBase]:
-    fields = {}
+    fields: dict[str, Any] = {}
     for part in ENGINE_PARTS:
         hints = typing.get_type_hints(part)
         for f in dataclasses.fields(part):
@@ -54,7 +54,10 @@ def _engine_args_model() -> type[_EngineArgsBase]:
     return create_model("EngineArgs", __base__=_EngineArgsBase, **fields)
 
 
-EngineArgs = _engine_args_model()
+if typing.TYPE_CHECKING:
+    EngineArgs = _EngineArgsBase  # its fields are made at import, from the engine's dataclasses
+else:
+    EngineArgs = _engine_args_model()
 
 
 class AutoscalingSettings(_Strict):

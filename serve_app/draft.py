@@ -21,9 +21,13 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.drafts import DraftCall, DraftReply, DraftTransportFactory
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,8 @@ class DraftModel:
         if num_threads is not None:  # process-wide: the draft forward is this process's work
             torch.set_num_threads(num_threads)
         spec, cache = engine_config.speculative, engine_config.cache
+        if spec is None:
+            raise ValueError("the draft deployment needs the engine's speculative config")
         self.worker = load_draft_worker(spec, engine_config.model, None, cache.block_size, cache.kv_cache_bytes)
         self._lock = threading.Lock()
         self.num_calls = 0
@@ -71,7 +77,8 @@ class ServeDraftTransport:
         self.handle._init(_run_router_in_separate_loop=True)
         self.deadline_s = deadline_s
         self.num_missed = 0  # steps that got no drafts
-        self._late = None  # (response, sent at) of the call that missed its deadline, until it is done
+        # the call that missed its deadline, and when it was sent, until it is done
+        self._late: tuple[DeploymentResponse | DeploymentResponseGenerator, float] | None = None
         self._warned_at = -_WARN_EVERY_S
 
     def __call__(self, call: DraftCall) -> DraftReply | None:
@@ -81,7 +88,8 @@ class ServeDraftTransport:
                 response.result(timeout_s=0)
             except TimeoutError:
                 if time.monotonic() - sent_at < _GIVE_UP_S:
-                    return self._missed("the previous call is still running")
+                    self._missed("the previous call is still running")
+                    return None
                 response.cancel()  # lost (e.g. with its replica): ask again
             except Exception:  # it failed; this call may find a replica
                 logger.debug("a late draft call failed", exc_info=True)
@@ -91,9 +99,10 @@ class ServeDraftTransport:
             return response.result(timeout_s=self.deadline_s)
         except TimeoutError:
             self._late = response, sent_at
-            return self._missed(f"no reply within {self.deadline_s} s")
+            self._missed(f"no reply within {self.deadline_s} s")
         except Exception as e:  # the draft replica failed or is gone
-            return self._missed(repr(e))
+            self._missed(repr(e))
+        return None
 
     def _missed(self, why: str) -> None:
         """Plain decoding this step."""

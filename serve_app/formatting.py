@@ -36,6 +36,13 @@ class Block:
     text: str = ""  # the reasoning or text so far; a call's arguments
     call: ToolCall | None = None
 
+    @property
+    def tool_call(self) -> ToolCall:
+        """A call block's call."""
+        if self.call is None:
+            raise ValueError(f"a {self.kind} block holds no tool call")
+        return self.call
+
 
 class OutputBlocks:
     """One output's parts as blocks, opened, grown and closed as its parsed deltas arrive: the

@@ -20,12 +20,12 @@ from fastapi import FastAPI
 
 from engine.client import EngineClient
 from engine.metrics import EngineStats
-from serve_app.admission import LocalAdmission, RouterClient
+from serve_app.admission import Admission, LocalAdmission, RouterClient
 from serve_app.config import AppConfig
 from serve_app.ingress import Ingress
 from serve_app.messages import ReplicaStats
 from serve_app.replica import EngineReplica
-from serve_app.replicas import LocalReplicas
+from serve_app.replicas import LocalReplicas, Replicas
 from serve_app.router import Router
 from serve_app.serve_internals import rpc_options
 from serve_app.transport import ServeReplicas
@@ -40,9 +40,15 @@ class Frontend:
         if router is not None and replicas is None:
             raise ValueError("an engine replica in the ingress needs the router there too")
         rpc = rpc_options(config.ingress.grpc_transport)
-        self.router = Router(config.router, metrics_enabled=True) if router is None else None
-        admission = LocalAdmission(self.router) if router is None else RouterClient(router.options(**rpc))
+        self.router: Router | None = None
+        admission: Admission
+        if router is None:
+            self.router = Router(config.router, metrics_enabled=True)
+            admission = LocalAdmission(self.router)
+        else:
+            admission = RouterClient(router.options(**rpc))
         self.replica: EngineReplica | None = None
+        engines: dict[str, Replicas]
         if replicas is None:
             self.replica = EngineReplica(config.engine, self.router, engine_cls, metrics_enabled=True, slo=config.slo,
                                          draft=draft)

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,7 +69,8 @@ from serve_app.served_model import ServedModel
 from serve_app.shared_port import SharedPortServer
 
 logger = logging.getLogger("cbserve.ingress")
-_BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
+_BODIES: dict[str, tuple[type[BaseModel], ...]] = {
+           "/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
            "/v1/responses": (ResponsesRequest,), "/v1/messages": (MessagesRequest,),
            "/v1/messages/count_tokens": (CountTokensRequest,), "/v1/embeddings": (EmbeddingRequest,),
            "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest), "/detokenize": (DetokenizeRequest,)}
@@ -409,7 +410,7 @@ class Ingress:
     # ------------------------------------------------------------ app
 
     @contextlib.asynccontextmanager
-    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+    async def _lifespan(self, app: FastAPI) -> AsyncGenerator[None, None]:
         """Where `ingress.shared_port` is set, the app is served there too from its start (Serve
         starts it once the replica is built) and drained at its shutdown (Serve's, before it ends
         the replica): new connections go to the replicas still listening, and the requests in

@@ -15,11 +15,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.beam_search import BeamSearchParams
 from engine.kv_cache.hashing import adapter_cache_root, extend_block_hashes
@@ -75,7 +75,7 @@ def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, in
     check_context_length(num_prompt, max_tokens, info.max_model_len, param)
     return Job(EngineRequest(request_id, prompt_ids, params, priority, beam_search=req.beam_search_params(max_tokens),
                              lora=adapter[0], lora_path=adapter[1]),
-               _admission(request_id, prompt_ids, info, priority, max_tokens, params.best_of, adapter[0]),
+               _admission(request_id, prompt_ids, info, priority, max_tokens, params.num_samples, adapter[0]),
                choice_offset)
 
 
@@ -109,13 +109,14 @@ def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:
                        param="max_tokens", code="request_too_large")
 
 
-async def job_chunks(job: Job, admission: Admission, replicas: Replicas) -> AsyncIterator[StreamChunk]:
+async def job_chunks(job: Job, admission: Admission, replicas: Replicas) -> AsyncGenerator[StreamChunk, None]:
     """The job's chunks, last one `finished`: admitted, streamed from the replica the admission
     names, released once it ends (however it ends). A refusal, an error chunk or a replica that
     failed raises APIError (the replica then reported lost)."""
     result = await admission.admit(job.admit)
     if result.error is not None:
         raise APIError.from_info(result.error)
+    assert result.replica_id is not None  # admitted: a replica named
     try:
         request = dataclasses.replace(job.engine_request, waited_s=result.queue_wait_s)
         async with contextlib.aclosing(replicas.stream(result.replica_id, request)) as chunks:
@@ -208,12 +209,13 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _arrived(out: asyncio.Queue, num_jobs: int) -> AsyncIterator[tuple[list[tuple[Job, StreamChunk]], bool]]:
+async def _arrived(out: asyncio.Queue, num_jobs: int
+                   ) -> AsyncGenerator[tuple[list[tuple[Job, StreamChunk]], bool], None]:
     """The jobs' chunks in arrival order, in batches of those that arrived together, each with
     whether every job had ended by then; a job's error raises (after the batch before it)."""
     remaining = num_jobs
     while remaining:
-        batch = []
+        batch: list[tuple[Job, StreamChunk]] = []
         item = await out.get()
         while True:
             chunk = item[1]
@@ -231,7 +233,7 @@ async def _arrived(out: asyncio.Queue, num_jobs: int) -> AsyncIterator[tuple[lis
         yield batch, not remaining
 
 
-async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> AsyncIterator[tuple[str, bool]]:
+async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> AsyncGenerator[tuple[str, bool], None]:
     """The stream as (text, more) pieces: one per batch of chunks that arrived together, the last
     one with what ends the stream in the formatter's API."""
     last = ""
@@ -249,7 +251,7 @@ async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) ->
     yield last, False
 
 
-class EventStreamResponse(StreamingResponse):
+class EventStreamResponse(Response):
     """An SSE response from (text, more) pieces, the last with more False. Each piece is one
     ASGI message, so one socket write, and the last one ends the response in the same write:
     events that arrive together, and a stream's last events and its end, share a write.
@@ -258,6 +260,12 @@ class EventStreamResponse(StreamingResponse):
     watched by one plain task: Starlette's anyio task group for it cost about 100 us of the
     ingress's event loop a response, three times what the rest of the response does."""
     media_type = "text/event-stream"
+
+    def __init__(self, pieces: AsyncIterator[tuple[str, bool]], headers: dict[str, str]):
+        self.pieces = pieces
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         streaming = asyncio.current_task()
@@ -274,7 +282,7 @@ class EventStreamResponse(StreamingResponse):
 
     async def stream_response(self, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for text, more in self.body_iterator:
+        async for text, more in self.pieces:
             await send({"type": "http.response.body", "body": text.encode(), "more_body": more})
 
 

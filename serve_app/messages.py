@@ -9,12 +9,15 @@ shape without unwrapping Ray exception chains.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.beam_search import BeamSearchParams
 from engine.chat_output import ChatOutputFormat
 from engine.outputs import CompletionOutput
 from engine.sampling_params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,7 +37,7 @@ class ModelInfo:
     block_size: int  # KV block size, for prefix hashes and block estimates
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
     hidden_size: int  # an embedding's size
-    tokenizer: Any  # the engine's tokenizer: the ingress tokenizes with it, once per prompt
+    tokenizer: PreTrainedTokenizerBase  # the engine's: the ingress tokenizes with it, once per prompt
     chat_format: ChatOutputFormat  # how the model writes reasoning and tool calls
 
 

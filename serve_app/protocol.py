@@ -161,14 +161,16 @@ class _SamplingFields(WireModel):
     @property
     def continuous_usage(self) -> bool:
         """Usage on every chunk: continuous_usage_stats with include_usage, as vLLM reads them."""
-        return self.include_usage and self.stream_options.continuous_usage_stats
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; raises InvalidRequestError naming the field."""
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, min_p=self.min_p, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=num_logprobs, min_tokens=self.min_tokens,
             logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of, prompt_logprobs=self.prompt_logprobs,
@@ -206,15 +208,15 @@ class _SamplingFields(WireModel):
 def _response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any] | None:
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_schema" and fmt.json_schema.schema_ is not None:
+    if fmt.type == "json_schema" and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
         return {"json": fmt.json_schema.schema_}
     return {"json_object": True}
 
 
-def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's logit_bias keys are token ids written as JSON strings."""
     if logit_bias is None:
-        return None
+        return {}
     bad = [key for key in logit_bias if not (key.isascii() and key.isdigit() and len(key) <= 10)]
     if bad:
         raise InvalidRequestError("logit_bias", f"logit_bias keys must be token ids, got {bad[0][:40]!r}")

@@ -37,7 +37,7 @@ class HeaderDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[valid-type, misc
     deadline closes the connection. uvicorn starts a new request cycle object when headers
     complete, so "no new cycle since the deadline was armed" means the headers never came."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._arm_header_deadline()
 

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from engine.client import EngineClient
@@ -42,7 +42,7 @@ logger = logging.getLogger("cbserve.replica")
 _MIN_REPORT_GAP_S = 0.01  # reports no closer than this, or than the engine's output interval
 
 
-async def _raising(error: Exception) -> AsyncIterator[RequestOutput]:
+async def _raising(error: Exception) -> AsyncGenerator[RequestOutput, None]:
     """A stream that ends with `error` (a request refused before it reached the engine)."""
     raise error
     yield  # an async generator
@@ -131,7 +131,7 @@ class EngineReplica:
             kv_usage=s.kv_usage, num_queued_tokens=s.num_queued_tokens, block_size=self.engine.block_size,
             received_ids=received, ended_ids=ended, reported_at=time.monotonic(), adapters=s.lora_adapters)
 
-    async def channel(self, message: Open) -> AsyncIterator[str | Batch]:
+    async def channel(self, message: Open) -> AsyncGenerator[str | Batch, None]:
         """A caller's channel: its submitted requests' chunks (serve_app.transport)."""
         async with contextlib.aclosing(self.channels.open(message)) as items:
             async for item in items:
@@ -152,7 +152,7 @@ class EngineReplica:
         """Ends submitted requests whose clients left (the engine aborts each)."""
         self.channels.abort(message)
 
-    async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def stream(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
         """The request's coalesced chunks, for a caller in this process; closing it aborts the request."""
         self._receive(request.request_id)
         try:
@@ -178,16 +178,18 @@ class EngineReplica:
             self._live.discard(request_id)
             self._ended[request_id] = None
 
-    async def _outcome(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def _outcome(self, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
         """The request's coalesced deltas from the engine; an error ends them as a chunk with
         `error`. Records the request's metrics and SLO verdict when it ends."""
         coalescer = StreamCoalescer(self.config.stream_flush_interval_s)
         failed = False
+        stream: AsyncIterator[RequestOutput]
         try:
-            if request.lora_path is not None:  # loaded at run time: this engine learns it with its first request
+            if request.lora is not None and request.lora_path is not None:  # loaded at run time: learnt with its first
+                # request for it
                 self.engine.load_adapter(request.lora, request.lora_path)
             if isinstance(request.params, PoolingParams):
-                stream = self._embedding(request)
+                stream = self._embedding(request, request.params)
             elif request.beam_search is None:
                 stream = self.engine.generate(request.prompt_token_ids, request.params, request.request_id,
                                               request.priority, request.waited_s, request.lora)
@@ -215,8 +217,8 @@ class EngineReplica:
             if self._report_now is not None:
                 self._report_now.set()
 
-    async def _embedding(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        yield await self.engine.embed(request.prompt_token_ids, request.params, request.request_id, request.priority,
+    async def _embedding(self, request: EngineRequest, params: PoolingParams) -> AsyncGenerator[RequestOutput, None]:
+        yield await self.engine.embed(request.prompt_token_ids, params, request.request_id, request.priority,
                                       request.waited_s, request.lora)
 
     def _record_slo(self, priority: int, coalescer: StreamCoalescer, ok: bool) -> None:

@@ -12,7 +12,7 @@ of the replica's `stream`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from serve_app.messages import EngineRequest, ModelInfo, StreamChunk
@@ -20,7 +20,7 @@ from serve_app.replica import EngineReplica
 
 
 class Replicas(Protocol):
-    def stream(self, replica_id: str, request: EngineRequest) -> AsyncIterator[StreamChunk]: ...
+    def stream(self, replica_id: str, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]: ...
 
     async def model_info(self) -> ModelInfo: ...
 
@@ -33,7 +33,7 @@ class LocalReplicas:
     def __init__(self, replicas: list[EngineReplica]):
         self._by_id = {replica.replica_id: replica for replica in replicas}
 
-    async def stream(self, replica_id: str, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def stream(self, replica_id: str, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
         async with contextlib.aclosing(self._by_id[replica_id].stream(request)) as chunks:
             async for chunk in chunks:
                 yield chunk

@@ -179,7 +179,7 @@ class ResponsesRequest(WireModel):
     def chosen_tool(self) -> str:
         choice = self.tool_choice
         if isinstance(choice, NamedFunction):
-            choice = {"type": "function", "function": {"name": choice.name}}
+            return resolve_tool_choice({"type": "function", "function": {"name": choice.name}}, self.offered_tools)
         return resolve_tool_choice(choice, self.offered_tools)
 
     @property
@@ -342,7 +342,7 @@ class ResponsesFormatter(Formatter):
         if block.kind == "text":
             return {"type": "message", "id": item_id, "status": status, "role": "assistant",
                     "content": [_output_text(block.text)] if done else []}
-        return {"type": "function_call", "id": item_id, "call_id": block.call.id, "name": block.call.name,
+        return {"type": "function_call", "id": item_id, "call_id": block.tool_call.id, "name": block.tool_call.name,
                 "arguments": block.text if done else "", "status": status}
 
     def _final(self) -> dict[str, Any]:
@@ -408,7 +408,7 @@ class ResponsesFormatter(Formatter):
                 return self._event("response.reasoning_text.delta", **where, content_index=0, delta=grown)
             return self._event("response.function_call_arguments.delta", **where, delta=grown)
         if block.kind == "call":
-            text = self._event("response.function_call_arguments.done", **where, name=block.call.name,
+            text = self._event("response.function_call_arguments.done", **where, name=block.tool_call.name,
                                arguments=block.text)
         else:
             kind = "output_text" if block.kind == "text" else "reasoning_text"
@@ -436,8 +436,8 @@ def _output_text(text: str) -> dict[str, Any]:
 def output_history(blocks: list[Block]) -> dict[str, Any]:
     """A response's output as the assistant's chat message (what a later turn's template reads)."""
     message: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in blocks if b.kind == "text")}
-    calls = [{"id": b.call.id, "type": "function", "function": {"name": b.call.name, "arguments": b.call.arguments}}
-             for b in blocks if b.kind == "call"]
+    calls = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+             for call in (b.tool_call for b in blocks if b.kind == "call")]
     if calls:
         message["tool_calls"] = calls
     reasoning = "".join(b.text for b in blocks if b.kind == "reasoning")

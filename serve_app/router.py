@@ -37,7 +37,7 @@ import functools
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from serve_app.admission_queue import AdmissionQueue, QueueEntry
 from serve_app.config import RouterConfig
@@ -96,7 +96,7 @@ class Router:
                 self._dispatch(lane)
             raise
 
-    async def admit_many(self, requests: list[AdmitRequest]) -> AsyncIterator[list[tuple[str, AdmitResult]]]:
+    async def admit_many(self, requests: list[AdmitRequest]) -> AsyncGenerator[list[tuple[str, AdmitResult]], None]:
         """Admissions asked together by an ingress of the split graph (serve_app.admission.RouterClient:
         those that came while its previous batch was on its way; each call costs the router and the
         ingress a Serve message, and a burst's requests come together). The first message answers

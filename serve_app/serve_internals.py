@@ -33,4 +33,4 @@ def joins_running_cluster() -> bool:
     resolution of the address (`ray._private.services.canonicalize_bootstrap_address`)."""
     from ray._private.services import canonicalize_bootstrap_address
 
-    return canonicalize_bootstrap_address(None) is not None
+    return canonicalize_bootstrap_address(None) is not None  # type: ignore[arg-type]  # None: resolve it

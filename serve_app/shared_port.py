@@ -108,7 +108,8 @@ class SharedPortServer:
         self.socket = shared_socket(config.host, config.port)
         self.server = _Server(uvicorn.Config(
             CancelOnDisconnect(app), http=HeaderDeadlineProtocol, loop="none", lifespan="off", access_log=False,
-            log_config=None, timeout_keep_alive=config.keep_alive_timeout_s))
+            log_config=None,
+            timeout_keep_alive=config.keep_alive_timeout_s))  # type: ignore[arg-type]  # uvicorn takes float seconds
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.socket]))
         self.task.add_done_callback(self._ended)
         logger.info("serving HTTP on %s:%d, shared with the node's other ingress replicas", config.host, config.port)

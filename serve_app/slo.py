@@ -84,7 +84,7 @@ class SLOTracker:
             out[priority] = (met / len(tally.recent) if tally.recent else None, met / self.window_s)
         return out
 
-    def snapshot(self) -> dict[int, dict[str, float]]:
+    def snapshot(self) -> dict[int, dict[str, float | None]]:
         """Totals and window figures per class (tests and tools read this)."""
         window = self.window()
         return {p: {"finished": t.finished, "met": t.met, **{f"met_{o}": n for o, n in t.met_by_objective.items()},

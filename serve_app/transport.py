@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from serve_app.batching import KeyedBatchers
-from serve_app.messages import EngineRequest, StreamChunk
+from serve_app.calls import ReplicaHandle, ReplicaStreams
+from serve_app.messages import EngineRequest, ModelInfo, StreamChunk
 from serve_app.protocol import APIError
 from serve_app.serve_internals import own_serve_request_id
 
@@ -92,7 +94,7 @@ class _Sent:
 class _Channel:
     _counter = itertools.count()
 
-    def __init__(self, streams, ingress_id: str, named: str):
+    def __init__(self, streams: ReplicaStreams, ingress_id: str, named: str):
         self.replica_id = named  # once OPEN: the replica it reached
         self.id = f"{ingress_id}-{named}-{next(self._counter)}"
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -100,14 +102,19 @@ class _Channel:
         self.requests: dict[str, _Sent] = {}
         self._reader = asyncio.ensure_future(self._read(streams))
 
-    async def _read(self, streams) -> None:
+    async def _read(self, streams: ReplicaStreams) -> None:
         own_serve_request_id()
         stream = streams.channel.remote(Open(self.id, self.replica_id))
         failure: Exception | None = None
         try:
-            self.replica_id = await stream.__anext__()
+            first = await stream.__anext__()
+            if not isinstance(first, str):
+                raise RuntimeError("a channel opens with its replica's id")
+            self.replica_id = first
             self.opened.set_result(None)
             async for batch in stream:
+                if isinstance(batch, str):
+                    raise RuntimeError("a channel names its replica once")
                 for request_id, chunk in batch:
                     if (sent := self.requests.get(request_id)) is not None:
                         sent.queue.put_nowait(chunk)
@@ -136,7 +143,7 @@ class _Channel:
 class ServeReplicas:
     """The EngineReplica deployment by handle (with the request path's transport options)."""
 
-    def __init__(self, replicas, accept_timeout_s: float):
+    def __init__(self, replicas: ReplicaHandle, accept_timeout_s: float):
         self._replicas, self._streams = replicas, replicas.options(stream=True)
         self._accept_timeout_s = accept_timeout_s
         self._id = uuid.uuid4().hex
@@ -144,7 +151,7 @@ class ServeReplicas:
         self._submits: KeyedBatchers[_Sent] = KeyedBatchers(self._send_submits)
         self._aborts: KeyedBatchers[str] = KeyedBatchers(self._send_aborts)
 
-    async def stream(self, replica_id: str, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+    async def stream(self, replica_id: str, request: EngineRequest) -> AsyncGenerator[StreamChunk, None]:
         sent = _Sent(request)
         self._submits.add(replica_id, sent)
         finished = False
@@ -164,7 +171,7 @@ class ServeReplicas:
                 if sent.acknowledged and channel is not None:
                     self._aborts.add(channel.replica_id, request.request_id)
 
-    async def model_info(self):
+    async def model_info(self) -> ModelInfo:
         return await self._replicas.model_info.remote()
 
     async def check_health(self) -> None:
@@ -262,13 +269,13 @@ class ReplicaChannels:
     iterating `run(request)` (closing it aborts the request); `ended(request_id)` once its task
     is done, even one cancelled before it ran."""
 
-    def __init__(self, replica_id: str, run: Callable[[EngineRequest], AsyncIterator[StreamChunk]],
+    def __init__(self, replica_id: str, run: Callable[[EngineRequest], AsyncGenerator[StreamChunk, None]],
                  ended: Callable[[str], None]):
         self.replica_id, self._run, self._on_end = replica_id, run, ended
         self.outboxes: dict[str, _Outbox] = {}  # by channel id
         self.tasks: dict[str, asyncio.Task[None]] = {}  # by request id
 
-    async def open(self, message: Open) -> AsyncIterator[str | Batch]:
+    async def open(self, message: Open) -> AsyncGenerator[str | Batch, None]:
         outbox = self.outboxes[message.channel_id] = _Outbox()
         try:
             yield self.replica_id
@@ -295,7 +302,7 @@ class ReplicaChannels:
         for request in message.requests:
             outbox.num_live += 1
             task = self.tasks[request.request_id] = asyncio.ensure_future(self._send(request, outbox))
-            task.add_done_callback(lambda _, request_id=request.request_id: self._ended(request_id, outbox))
+            task.add_done_callback(functools.partial(self._ended, request.request_id, outbox))
         return True
 
     def abort(self, message: Abort) -> None:
@@ -309,7 +316,7 @@ class ReplicaChannels:
             async for chunk in chunks:
                 outbox.put(request.request_id, chunk)
 
-    def _ended(self, request_id: str, outbox: _Outbox) -> None:
+    def _ended(self, request_id: str, outbox: _Outbox, _: asyncio.Task[None]) -> None:
         self.tasks.pop(request_id, None)
         self._on_end(request_id)
         outbox.num_live -= 1

@@ -41,10 +41,11 @@ def _modules(package: str) -> dict[str, Path]:
 
 def _imports(name: str, path: Path) -> set[str]:
     """Every module `path` names in an import statement, anywhere in it (a `from x import y`
-    counts as x.y where that is a module, else x)."""
+    counts as x.y where that is a module, else x), but under `if TYPE_CHECKING:`: a name the
+    type checker alone reads is no dependency at run time."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -55,6 +56,18 @@ def _imports(name: str, path: Path) -> set[str]:
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
+
+
+def _nodes(tree: ast.AST):
+    """ast.walk, leaving out the bodies of `if TYPE_CHECKING:` blocks."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
 
 
 def _engine_graph() -> dict[str, set[str]]:

@@ -212,6 +212,7 @@ class TorchAttentionBackend(AttentionBackend):
             kc = _as_cached(k[chunk.token_start:chunk.token_end].transpose(0, 1)[None], layer_cache.dtype)
             vc = _as_cached(v[chunk.token_start:chunk.token_end].transpose(0, 1)[None], layer_cache.dtype)
         else:
+            assert chunk.mask is not None  # keys read from blocks come with their mask
             kv = self._gather(layer_cache, chunk.block_ids)[:, :, :chunk.mask.shape[1]].to(q.dtype)
             kc, vc = kv[0][None], kv[1][None]
         return self._attend(qc, kc, vc, chunk.mask)[0].transpose(0, 1)  # (n, heads, d)

@@ -31,8 +31,8 @@ class BlockPool:
         block_ids = []
         for _ in range(num):
             block_id, _ = self.free_queue.popitem(last=False)
-            if self.block_hash[block_id] is not None:
-                del self.cached_blocks[self.block_hash[block_id]]
+            if (cached := self.block_hash[block_id]) is not None:
+                del self.cached_blocks[cached]
                 self.block_hash[block_id] = None
                 self.num_evictions += 1
             self.ref_cnt[block_id] = 1

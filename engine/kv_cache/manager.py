@@ -109,7 +109,8 @@ class KVCacheManager:
             num_hit -= 1
         if num_hit == 0:
             return NO_COMPUTED_BLOCKS
-        block_ids = tuple((NULL_BLOCK,) * (lo := self._first_needed(g, num_hit)) + tuple(cached[g][lo:num_hit])
+        block_ids = tuple((NULL_BLOCK,) * (lo := self._first_needed(g, num_hit))
+                          + tuple(b for b in cached[g][lo:num_hit] if b is not None)  # all cached, by the cuts above
                           for g in range(self.layout.num_groups))
         return ComputedBlocks(block_ids, num_hit * self.block_size)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from itertools import islice
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ from engine.models.linear import (
     triton_ops,
 )
 from engine.models.mlp import Experts, GatedMLP
+from engine.models.paged_model import PagedModel
 from engine.models.rope import partial_rotary_permutation, rope_tables
 from engine.models.windows import layer_windows
 
@@ -48,13 +50,23 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
                "gelu": "gelu"}
 
 
-def _norm(module: nn.Module, offset: bool) -> nn.Parameter:
+def _norm(module: Any, offset: bool) -> nn.Parameter:
     """An RMSNorm's weight, Gemma's 1 + w made the weight (computed in fp32, as Gemma does)."""
     weight = module.weight.detach().float()
     return nn.Parameter(1.0 + weight if offset else weight, requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
+    qkv: nn.Module  # a Linear, or what engine.models.linear.quantize made of it
+    o: nn.Module
+    mlp: GatedMLP | Experts
+    input_norm: nn.Parameter
+    mlp_norm: nn.Parameter
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
+    post_attention_norm: nn.Parameter | None
+    post_mlp_norm: nn.Parameter | None
+
     def __init__(self, hf_layer, family: Family, config, layout: KVLayout, index: int, rope: int,
                  permutation: torch.Tensor | None):
         """`rope`: the layer's table in the model's; `permutation`: of each head's dimensions
@@ -71,11 +83,10 @@ class DecoderLayer(nn.Module):
         q_norm, k_norm = (_norm(attn.q_norm, family.norm_offset) if hasattr(attn, "q_norm") else None,
                           _norm(attn.k_norm, family.norm_offset) if hasattr(attn, "k_norm") else None)
         if permutation is not None:
-            weight, bias = self.permuted(weight, permutation), self.permuted(bias, permutation)
-            q_norm, k_norm = (None if n is None else nn.Parameter(n[permutation], requires_grad=False)
-                              for n in (q_norm, k_norm))
-        self.qkv = Linear(weight, bias)
-        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
+            weight = self.permuted(weight, permutation)
+            bias = None if bias is None else self.permuted(bias, permutation)
+            q_norm, k_norm = (_permuted_norm(q_norm, permutation), _permuted_norm(k_norm, permutation))
+        self.qkv, self.o = Linear(weight, bias), Linear(attn.o_proj.weight, attn.o_proj.bias)
         self.q_norm, self.k_norm = q_norm, k_norm
         self.input_norm = _norm(hf_layer.input_layernorm, family.norm_offset)
         if family.sandwich_norms:
@@ -90,14 +101,12 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"activation {config.hidden_act!r}: the native decoder takes {sorted(ACTIVATIONS)}")
         self.mlp = _experts(mlp, family, config, activation) if hasattr(mlp, "experts") else _gated_mlp(mlp, activation)
         # (N, K) of qkv, o, gate_up, down: what a LoRA adapter's matrices must fit
-        self.matmul_shapes = [tuple(self.qkv.weight.shape), tuple(self.o.weight.shape)]
+        self.matmul_shapes = [tuple(weight.shape), tuple(attn.o_proj.weight.shape)]
         if isinstance(self.mlp, GatedMLP):
-            self.matmul_shapes += [tuple(self.mlp.gate_up.weight.shape), tuple(self.mlp.down.weight.shape)]
+            self.matmul_shapes += self.mlp.matmul_shapes
 
-    def permuted(self, qkv: torch.Tensor | None, permutation: torch.Tensor) -> torch.Tensor | None:
+    def permuted(self, qkv: torch.Tensor, permutation: torch.Tensor) -> torch.Tensor:
         """qkv's q and k rows (or biases) with each head's dimensions in `permutation`'s order."""
-        if qkv is None:
-            return None
         num_qk, d = self.num_heads + self.num_kv_heads, self.head_dim
         qk = qkv[:num_qk * d].reshape(num_qk, d, *qkv.shape[1:])[:, permutation].reshape(num_qk * d, *qkv.shape[1:])
         return torch.cat([qk, qkv[num_qk * d:]])
@@ -154,15 +163,15 @@ class DecoderLayer(nn.Module):
 
     def _attention(self, qkv, cos, sin, layer_cache, backend: AttentionBackend, metadata):
         num_tokens, num_qk, d = qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim
-        norms = None if self.q_norm is None else (self.q_norm, self.k_norm, self.eps)
+        norms = None if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm, self.eps)
         qk = backend.rope_and_write(qkv, cos, sin, layer_cache, metadata, self.num_heads, norms)
         if qk is None and norms is not None:  # each q and k head RMS-normed before RoPE, here
-            q = rms_norm(qkv[:, :self.num_heads * d].view(num_tokens, -1, d), self.q_norm, self.eps)
-            k = rms_norm(qkv[:, self.num_heads * d:num_qk * d].view(num_tokens, -1, d), self.k_norm, self.eps)
+            q = rms_norm(qkv[:, :self.num_heads * d].view(num_tokens, -1, d), norms[0], self.eps)
+            k = rms_norm(qkv[:, self.num_heads * d:num_qk * d].view(num_tokens, -1, d), norms[1], self.eps)
             qkv = torch.cat([q.view(num_tokens, -1), k.view(num_tokens, -1), qkv[:, num_qk * d:]], dim=1)
             qk = backend.rope_and_write(qkv, cos, sin, layer_cache, metadata, self.num_heads)
         written = qk is not None
-        if not written:
+        if qk is None:
             qk = _rope(qkv[:, :num_qk * d].view(num_tokens, num_qk, d), cos[:, None], sin[:, None])
         v = qkv[:, num_qk * d:].view(num_tokens, self.num_kv_heads, d)
         return backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, layer_cache, metadata, written)
@@ -203,8 +212,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-class PagedDecoder(nn.Module):
+class PagedDecoder(PagedModel):
     model_path = "native"
+    cos: torch.Tensor
+    sin: torch.Tensor
+    embed_scale: torch.Tensor | None
 
     def __init__(self, hf_model, family: Family, max_model_len: int):
         super().__init__()
@@ -235,7 +247,7 @@ class PagedDecoder(nn.Module):
         self.register_buffer("cos", cos, persistent=False)  # (tables, max_len, d)
         self.register_buffer("sin", sin, persistent=False)
         permutation = partial_rotary_permutation(self.head_dim, rotary_dim) if rotary_dim < self.head_dim else None
-        self.layers = nn.ModuleList(
+        self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]  # registered, typed as a list
             DecoderLayer(layer, family, config, self.kv_layout, i, distinct.index(kind), permutation)
             for i, (layer, kind) in enumerate(zip(body.layers, kinds)))
         self.norm = _norm(body.norm, family.norm_offset)
@@ -243,7 +255,7 @@ class PagedDecoder(nn.Module):
         self.decode_stack, self.decode_rows = None, 0  # set by fuse_decode_stack
         self.lora_slots = None  # the C++ kernels' LoRA slots, made with the first adapter installed
 
-    def fuse_decode_stack(self, kernels) -> str | None:
+    def fuse_decode_stack(self, kernels: Any) -> str | None:
         """With every layer's matmuls block-quantized, decode steps of up to their `decode_rows` tokens
         (of any count where every matmul is `vectored` and no layer has experts: the stack runs the
         vector GEMM past them) run the whole stack in one C++ call (engine/csrc/decode_stack.cpp),
@@ -254,22 +266,23 @@ class PagedDecoder(nn.Module):
                    for mlp in (*layer.mlp.experts, *filter(None, [layer.mlp.shared])) for m in (mlp.gate_up, mlp.down)]
         if not all(isinstance(m, BlockQuantLinear) for m in dense + experts):
             return "not every matmul is block-quantized"
-        kernel_rows = min(m.decode_rows for m in dense + experts)
-        vectored = not experts and all(m.vectored and m.decode_rows == kernel_rows for m in dense)
+        kernel_rows = min(_block_quant(m).decode_rows for m in dense + experts)
+        vectored = not experts and all(_block_quant(m).vectored and _block_quant(m).decode_rows == kernel_rows
+                                       for m in dense)
         stack = kernels.DecodeStack(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.attention.scale,
                                     self.attention.softcap or 0.0, [w or 0 for w in self.kv_layout.windows],
                                     kernel_rows)
         for index, layer in enumerate(self.layers):
-            matmuls = [layer.qkv, layer.o] + ([layer.mlp.gate_up, layer.mlp.down] if isinstance(layer.mlp, GatedMLP)
-                                              else [])
+            matmuls = [_block_quant(m) for m in [layer.qkv, layer.o] + (
+                [layer.mlp.gate_up, layer.mlp.down] if isinstance(layer.mlp, GatedMLP) else [])]
             stack.add_layer([m.part_rows for m in matmuls], [m.formats for m in matmuls], [m.bias for m in matmuls],
                             [layer.input_norm, layer.mlp_norm, layer.post_attention_norm, layer.post_mlp_norm,
                              layer.q_norm, layer.k_norm], GATED_ACTIVATIONS[_activation(layer)], layer.cache_slot,
                             layer.kv_group, layer.rope)
             if isinstance(layer.mlp, Experts):
                 mlp = layer.mlp
-                parts = [m for expert in mlp.experts for m in (expert.gate_up, expert.down)]
-                shared = [] if mlp.shared is None else [mlp.shared.gate_up, mlp.shared.down]
+                parts = [_block_quant(m) for expert in mlp.experts for m in (expert.gate_up, expert.down)]
+                shared = [] if mlp.shared is None else [_block_quant(mlp.shared.gate_up), _block_quant(mlp.shared.down)]
                 stack.add_experts(mlp.router, [m.part_rows for m in parts], [m.formats for m in parts], mlp.top_k,
                                   mlp.renormalize, [m.part_rows for m in shared], [m.formats for m in shared],
                                   mlp.shared_gate)
@@ -308,6 +321,7 @@ class PagedDecoder(nn.Module):
                 hidden, residual = layer.forward_carrying_residual(
                     hidden, residual, cos[layer.rope], sin[layer.rope], kv_cache[layer.cache_slot], backend,
                     metadata[layer.kv_group], ops)
+            assert residual is not None  # a model has layers
             _, normed = ops.add_rms_norm(hidden[sample_indices], residual[sample_indices], self.norm, self.eps)
             logits = self._capped(self.lm_head(normed))
             if pooled_indices is None:
@@ -361,6 +375,16 @@ class PagedDecoder(nn.Module):
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
 
+def _permuted_norm(norm: nn.Parameter | None, permutation: torch.Tensor) -> nn.Parameter | None:
+    return None if norm is None else nn.Parameter(norm[permutation], requires_grad=False)
+
+
+def _block_quant(matmul: nn.Module) -> BlockQuantLinear:
+    if not isinstance(matmul, BlockQuantLinear):
+        raise TypeError(f"a {type(matmul).__name__} in the fused decode stack")
+    return matmul
+
+
 def _activation(layer: DecoderLayer) -> str:
     mlp = layer.mlp
     return mlp.activation if isinstance(mlp, GatedMLP) else mlp.experts[0].activation
@@ -371,7 +395,7 @@ def _rope_kinds(hf_model) -> list[str | None]:
     for a layer without RoPE (SmolLM3's NoPE layers), else one table for all."""
     config = hf_model.config
     by_type = isinstance(getattr(hf_model.model.rotary_emb, "rope_type", None), dict)
-    kinds = []
+    kinds: list[str | None] = []
     for index, layer in enumerate(hf_model.model.layers):
         if not getattr(layer.self_attn, "use_rope", True):
             kinds.append(None)

@@ -91,9 +91,9 @@ def parts(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.Tensor
     if qtype == T.Q4_1:
         return _nibbles(b[..., 4:]).to(torch.int16), _half(b[..., 0:2]), _half(b[..., 2:4])
     if qtype in (T.Q5_0, T.Q5_1):
-        offset = 4 if qtype == T.Q5_1 else 2
-        high = _high_bits(b[..., offset:offset + 4], 32)
-        q = (_nibbles(b[..., offset + 4:]) | (high << 4)).to(torch.int16)
+        start = 4 if qtype == T.Q5_1 else 2  # the high bits, after the scale (and the Q5_1 minimum)
+        high = _high_bits(b[..., start:start + 4], 32)
+        q = (_nibbles(b[..., start + 4:]) | (high << 4)).to(torch.int16)
         if qtype == T.Q5_0:
             return q - 16, _half(b[..., 0:2]), None
         return q, _half(b[..., 0:2]), _half(b[..., 2:4])

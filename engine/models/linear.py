@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from tqdm.auto import tqdm
 from engine.config import QUANTIZATION_MODES
 from engine.models import gguf_types
 from engine.models.gguf_types import KERNEL_FORMATS
+
+if TYPE_CHECKING:
+    from engine.models.paged_model import PagedModel
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +102,8 @@ def _plus(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Module):
     """residual + prologue(x) W^T + b in the model's dtype."""
+    weight: nn.Parameter
+    bias: nn.Parameter | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -199,6 +205,12 @@ class BlockQuantLinear(nn.Module):
     # bf16 activations: up to these rows the integer tiles (2 bytes a weight, scaled per block) run, past
     # them the exact bf16 pairs (4 bytes a weight, no scaling inside K) (BENCHMARKS.md)
     INTEGER_TILE_ROWS = 64
+    bias: torch.Tensor | None
+    dense_weight: torch.Tensor | None
+    pair_tiles: torch.Tensor | None
+    tiles: torch.Tensor | None
+    scales: torch.Tensor | None
+    offsets: torch.Tensor | None
 
     def __init__(self, parts: list[tuple[GGMLQuantizationType, np.ndarray]], bias: torch.Tensor | None, kernels,
                  bf16_activations: bool = False):
@@ -316,6 +328,9 @@ class WeightOnlyLinear(nn.Module):
     per block of 32 like GGUF's Q4_1 (`_weight_int4pack_mm_for_cpu`). Scales are rounded to
     bf16 before the weights are rounded to them, so the kernel computes with the grid the weights
     were fitted to. The prologue and the residual stay fp32."""
+    packed: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, bits: int, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -373,7 +388,7 @@ def _bf16_scale(scale: torch.Tensor) -> torch.Tensor:
 WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4}
 
 
-def quantize(model: nn.Module, mode: str, gguf=None) -> nn.Module:
+def quantize(model: PagedModel, mode: str, gguf=None) -> PagedModel:
     """Replaces the Linears of `model` by the mode's implementation, in place. `int8`, `w8a16`,
     `w4a16`: every matmul whose shape the kernel takes (input width a multiple of 32; others stay
     fp32), except that the weight-only modes keep the LM head fp32, as GPTQ and AWQ checkpoints
@@ -390,6 +405,7 @@ def quantize(model: nn.Module, mode: str, gguf=None) -> nn.Module:
     kernels = load_cpu_kernels() if mode in ("int8", "gguf") else None
     kinds: Counter[str] = Counter()  # what the matmuls' parts run as
     # a bar where quantizing takes a while (a large checkpoint's int8: seconds a layer); none for mapped blocks
+    replacement: nn.Module
     for name, dense in tqdm(list(model.named_modules()), desc=f"quantization {mode}", unit="module", delay=3):
         if not isinstance(dense, Linear):
             continue
@@ -421,6 +437,6 @@ def weight_bytes_per_token(module: nn.Module) -> int:
     a mixture of experts, its `decode_weight_bytes`: the experts a token is routed to)."""
     if isinstance(module, (Linear, BlockQuantLinear, WeightOnlyLinear)):
         return module.weight_bytes
-    if hasattr(module, "decode_weight_bytes"):
-        return module.decode_weight_bytes(weight_bytes_per_token)
+    if (decode_weight_bytes := getattr(module, "decode_weight_bytes", None)) is not None:  # experts
+        return decode_weight_bytes(weight_bytes_per_token)
     return sum(weight_bytes_per_token(child) for child in module.children())

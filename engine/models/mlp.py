@@ -24,6 +24,8 @@ from engine.models.linear import GATED_ACTIVATIONS, Linear, fused_ops
 
 class GatedMLP(nn.Module):
     """down(act(gate) * up), gate and up one fused matmul (the dense MLP, and each expert)."""
+    gate_up: nn.Module  # a Linear, or what engine.models.linear.quantize made of it
+    down: nn.Module
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, activation: str,
                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
@@ -31,6 +33,7 @@ class GatedMLP(nn.Module):
         self.gate_up = Linear(gate_up, gate_up_bias)  # (2 * intermediate, hidden)
         self.down = Linear(down, down_bias)  # (hidden, intermediate)
         self.activation = activation
+        self.matmul_shapes = [tuple(gate_up.shape), tuple(down.shape)]  # (N, K) of each
 
     def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,6 +42,9 @@ class GatedMLP(nn.Module):
 
 
 class Experts(nn.Module):
+    router: torch.Tensor
+    shared_gate: torch.Tensor | None
+
     def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str,
                  top_k: int, renormalize: bool, shared: GatedMLP | None = None,
                  shared_gate: torch.Tensor | None = None):
@@ -47,7 +53,8 @@ class Experts(nn.Module):
         Qwen2-MoE's shared expert and its gate."""
         super().__init__()
         self.register_buffer("router", router.detach().contiguous())
-        self.experts = nn.ModuleList(GatedMLP(gu, d, activation) for gu, d in zip(gate_up, down))
+        self.experts: list[GatedMLP] = nn.ModuleList(  # type: ignore[assignment]  # registered, typed as a list
+            GatedMLP(gu, d, activation) for gu, d in zip(gate_up, down))
         self.top_k, self.renormalize = top_k, renormalize
         self.shared = shared
         self._stacked_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # for the grouped matmul
@@ -105,7 +112,7 @@ class Experts(nn.Module):
         return self._with_shared(x, torch.zeros_like(x).index_add_(0, tokens, y))
 
     def _with_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self.shared is not None:
+        if self.shared is not None and self.shared_gate is not None:
             out += torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out
 
@@ -113,10 +120,17 @@ class Experts(nn.Module):
         """The experts' gate/up (E, 2 * intermediate, hidden) and down (E, hidden, intermediate)
         weights as two tensors, stacked on first use; each expert's matmuls then read views of them."""
         if self._stacked_weights is None:
-            stacked = tuple(torch.stack([getattr(e, part).weight for e in self.experts])
-                            for part in ("gate_up", "down"))
+            stacked = (torch.stack([_dense(e.gate_up).weight for e in self.experts]),
+                       torch.stack([_dense(e.down).weight for e in self.experts]))
             for e, expert in enumerate(self.experts):
                 for part, weights in zip(("gate_up", "down"), stacked):
                     getattr(expert, part).weight = nn.Parameter(weights[e], requires_grad=False)
             self._stacked_weights = stacked
         return self._stacked_weights
+
+
+def _dense(matmul: nn.Module) -> Linear:
+    """An expert's matmul where the grouped matmul reads it: dense (CUDA runs no quantized mode)."""
+    if not isinstance(matmul, Linear):
+        raise TypeError(f"the grouped matmul reads dense experts, got a {type(matmul).__name__}")
+    return matmul

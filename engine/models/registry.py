@@ -21,6 +21,7 @@ def is_native(hf_model, model_impl: str) -> bool:
 def check_servable(hf_model, model_impl: str = "auto") -> None:
     """Raises UnsupportedModelError, naming the reason, for a model the chosen path cannot serve."""
     name = type(hf_model).__name__
+    reason: str | None
     if model_impl == "native" and name not in FAMILIES:
         reason = "it has no native family (model_impl 'native')"
     else:

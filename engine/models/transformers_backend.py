@@ -31,6 +31,7 @@ from transformers.pytorch_utils import Conv1D
 from engine.attention.base import AttentionBackend, AttentionParams
 from engine.kv_cache.layout import KVLayout
 from engine.models.linear import Linear
+from engine.models.paged_model import PagedModel
 from engine.models.windows import layer_windows
 
 ATTENTION = "cbserve_paged"
@@ -121,7 +122,7 @@ def fallback_refusal(hf_model) -> str | None:
     return None
 
 
-class TransformersDecoder(nn.Module):
+class TransformersDecoder(PagedModel):
     model_path = "transformers"
 
     def __init__(self, hf_model, max_model_len: int):
@@ -153,7 +154,7 @@ class TransformersDecoder(nn.Module):
         """The LM head's matmul (the weight-only modes keep it fp32)."""
         return self.hf_model.get_output_embeddings().linear
 
-    def fuse_decode_stack(self, kernels) -> str:
+    def fuse_decode_stack(self, kernels: Any) -> str:
         return "it runs through transformers' modeling code"
 
     @torch.inference_mode()

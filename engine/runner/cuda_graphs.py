@@ -79,7 +79,7 @@ class DecodeGraphs:
             if not self.graphs:  # the pool holds only what the dropped graph freed: give it back
                 self.pool = torch.cuda.graph_pool_handle()
                 torch.cuda.empty_cache()
-                start = torch.cuda.memory_reserved(device) - self.logits.nbytes
+                start = torch.cuda.memory_reserved(device) - (0 if self.logits is None else self.logits.nbytes)
         self.sizes = sorted(self.graphs)
         self.memory_bytes = torch.cuda.memory_reserved(device) - start  # what the kept graphs hold
         logger.info("CUDA graphs: %d decode buckets of %s rows captured in %.0f MiB", len(self.sizes),
@@ -141,4 +141,5 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(lens, non_blocking=True)
         self.graphs[size].graph.replay()
         self.replays += 1
+        assert self.logits is not None  # made with the first graph
         return self.logits[:n]

@@ -13,7 +13,9 @@ from operator import attrgetter
 import torch
 
 from engine.batch import GroupTables, ModelInputs, WithDrafts, host_tensor
+from engine.drafts import SampledDraft
 from engine.lora import LoraBatch
+from engine.request import Request
 from engine.scheduler.output import ScheduledRequest
 
 _START_POS = attrgetter("start_pos")
@@ -33,7 +35,8 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _ordered(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Rows first, by context length; then prefill chunks, in the order scheduled."""
-    rows, chunks = [], []
+    rows: list[ScheduledRequest] = []
+    chunks: list[ScheduledRequest] = []
     for item in scheduled:
         (rows if _as_rows(item) else chunks).append(item)
     rows.sort(key=_START_POS)
@@ -45,11 +48,21 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
     """`windows`: the model's KV groups' (KVLayout.windows), one table per group in each item."""
     ordered = _ordered(scheduled)
     num_groups = len(windows)
-    input_ids, positions, starts, seq_lens = [], [], [], []
+    input_ids: list[int] = []
+    positions: list[int] = []
+    starts: list[int] = []
+    seq_lens: list[int] = []
     slots: list[list[int]] = [[] for _ in range(num_groups)]
     tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
-    query_start_loc, sample_indices, sampled_requests, sampled_drafts, verified = [0], [], [], [], []
-    scored_indices, scored_prompts, pooled_indices, pooled = [], [], [], []
+    query_start_loc = [0]
+    sample_indices: list[int] = []
+    sampled_requests: list[Request | WithDrafts] = []
+    sampled_drafts: list[SampledDraft | None] = []
+    verified: list[tuple[Request, list[int], int]] = []
+    scored_indices: list[int] = []
+    scored_prompts: list[tuple[Request, int, int]] = []
+    pooled_indices: list[int] = []
+    pooled: list[tuple[Request, int, int, int, bool]] = []
     num_decodes = 0
     for item in ordered:
         n, start = len(item.token_ids), item.start_pos
@@ -68,18 +81,18 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
             positions.extend(range(start, start + n))
             for g, table in enumerate(item.block_tables):
                 slots[g].extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-            rows = _as_rows(item)
-            sequences = [(p, p + 1) for p in range(start, start + n)] if rows else [(start, start + n)]
+            as_rows = _as_rows(item)
+            sequences = [(p, p + 1) for p in range(start, start + n)] if as_rows else [(start, start + n)]
             for first, end in sequences:
                 starts.append(first)
                 seq_lens.append(end)
                 for g, table in enumerate(item.block_tables):
                     tables[g].append(table)
                 query_start_loc.append(query_start_loc[-1] + end - first)
-            num_decodes += len(sequences) if rows else 0
-        first = item.request.first_unscored_position
-        if first is not None and first < start + n:  # prompt logprobs: positions up to the last but one
-            first, end = max(first, start), min(start + n, item.request.num_prompt_tokens - 1)
+            num_decodes += len(sequences) if as_rows else 0
+        unscored = item.request.first_unscored_position
+        if unscored is not None and unscored < start + n:  # prompt logprobs: positions up to the last but one
+            first, end = max(unscored, start), min(start + n, item.request.num_prompt_tokens - 1)
             if first < end:
                 row0 = query_start_loc[-1] - n - start
                 scored_indices.extend(range(row0 + first, row0 + end))
@@ -87,10 +100,11 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int, device: tor
         pooling = item.request.pooling
         if pooling is not None:  # an embedding request: hidden states pooled, nothing sampled
             end = query_start_loc[-1]
-            rows = range(end - n, end) if pooling.pooling == "mean" else range(end - 1, end) if item.sample else ()
-            if rows:
-                pooled.append((item.request, len(pooled_indices), len(rows), start, item.sample))
-                pooled_indices.extend(rows)
+            mean = pooling.pooling == "mean"
+            pooled_rows = range(end - n, end) if mean else range(end - 1, end) if item.sample else range(0)
+            if pooled_rows:
+                pooled.append((item.request, len(pooled_indices), len(pooled_rows), start, item.sample))
+                pooled_indices.extend(pooled_rows)
         elif item.sample:  # the last token's logits, and each draft's: the target's token after it
             drafts = item.draft_token_ids
             verified.append((item.request, drafts, len(sample_indices)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from engine.sampler import SampledBatch, Sampler
 from engine.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class LaunchedStep:
     def next_input_ids(self, inputs: ModelInputs) -> torch.Tensor:
         """The input tokens of a step scheduled ahead of this one (each row a request this step
         samples for), gathered on the device from this step's samples."""
+        if self.inputs is None or self.sampled is None:
+            raise ValueError("a step ahead follows a step that sampled")
         row_of = {request.request_id: row for request, _, row in self.inputs.verified}
         rows = [row_of[request.request_id] for request in inputs.sampled_requests]
         return self.sampled.token_ids[to_device(rows, self.sampled.token_ids.device)]
@@ -129,9 +133,10 @@ class ModelRunner:
         inputs = step.inputs = build_inputs(out.scheduled, self.block_size, self.device, self.windows)
         if previous is not None:
             inputs.input_ids = previous.next_input_ids(inputs)
-        size = self.graphs.bucket(inputs) if self.graphs is not None and not inputs.pooled and not inputs.lora else None
-        if size is not None:
-            logits = self.graphs.run(inputs, size)
+        graphs = self.graphs if not inputs.pooled and not inputs.lora else None
+        size = graphs.bucket(inputs) if graphs is not None else None
+        if graphs is not None and size is not None:
+            logits = graphs.run(inputs, size)
             if len(inputs.sample_indices) < logits.shape[0]:  # increasing indices: as many as rows is every row
                 logits = logits[inputs.sample_indices]
         else:
@@ -161,21 +166,24 @@ class ModelRunner:
         inputs = step.inputs
         if inputs is None:
             return ModelRunnerOutput({}, {})
-        pooled = self._pool(inputs.pooled, step.pooled) if inputs.pooled else {}
+        pooled = self._pool(inputs.pooled, step.pooled) if inputs.pooled and step.pooled is not None else {}
         num_sampled = len(inputs.sample_indices)
-        prompt_logprobs = _prompt_logprobs(step.logits[num_sampled:], inputs.scored_prompts)
+        prompt_logprobs = {} if step.logits is None else _prompt_logprobs(step.logits[num_sampled:],
+                                                                          inputs.scored_prompts)
         if step.sampled is None:  # prompt chunks only
             return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         result = step.sampled.result()
-        sampled, logprobs = {}, {}
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] = {}
         token_ids, errors = result.token_ids, result.errors
         for request, drafts, row in inputs.verified:
             if errors and request.request_id in errors:
                 continue
-            tokens = accepted_tokens(token_ids[row:row + len(drafts) + 1], drafts) if drafts else [token_ids[row]]
+            row_tokens = _sampled(token_ids[row:row + len(drafts) + 1])
+            tokens = accepted_tokens(row_tokens, drafts) if drafts else row_tokens[:1]
             sampled[request.request_id] = tokens
             if request.params.keeps_logprobs:
-                logprobs[request.request_id] = result.logprobs[row:row + len(tokens)]
+                logprobs[request.request_id] = _sampled(result.logprobs[row:row + len(tokens)])
         return ModelRunnerOutput(sampled, logprobs, result.errors, step.draft_passes, step.draft_seconds,
                                  step.drafts_unfilled, step.catch_up_tokens, prompt_logprobs, pooled)
 
@@ -231,3 +239,10 @@ def triton_variants() -> int:
     from engine.models import cuda_ops
     kernels = [k for module in (triton_paged, cuda_ops) for k in vars(module).values() if isinstance(k, JITFunction)]
     return sum(len(compiled) for kernel in kernels for compiled, *_ in kernel.device_caches.values())
+
+
+def _sampled(values: list[T | None]) -> list[T]:
+    """A row's values: None only where its sampling failed (its request is skipped)."""
+    if any(v is None for v in values):
+        raise ValueError("a row that did not fail has no value")
+    return [v for v in values if v is not None]

@@ -154,7 +154,7 @@ class Scheduler:
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
         self._finished_ids.append(request_id)
-        if request.adapter is not None:
+        if request.adapter is not None and self.release_adapter is not None:
             self.release_adapter(request.adapter)
         siblings = self._groups[request.group_id]
         siblings.remove(request_id)
@@ -242,7 +242,9 @@ class Scheduler:
         ahead = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         for request in continuing:  # slots for `out`'s position and the next
-            ahead.blocks_to_copy.extend(kv.allocate_slots(request, 2))
+            copies = kv.allocate_slots(request, 2)
+            assert copies is not None  # counted above
+            ahead.blocks_to_copy.extend(copies)
             ahead.scheduled.append(ScheduledRequest(request, [PENDING_TOKEN], request.num_computed_tokens + 1,
                                                     kv.copy_tables(request.request_id), True))
         return ahead
@@ -316,7 +318,8 @@ class Scheduler:
 
     def _extra_seconds(self, decodes: int, tokens: int) -> float:
         """What `tokens` more tokens add to a step of `decodes` decodes (the step-time model's estimate)."""
-        return max(self.step_time.estimate(decodes + tokens) - self.step_time.estimate(decodes), 0.0)
+        more, alone = self.step_time.estimate(decodes + tokens), self.step_time.estimate(decodes)
+        return 0.0 if more is None or alone is None else max(more - alone, 0.0)  # None: no step timed yet
 
     def _embedding_tokens(self, request: Request, num_new: int) -> int:
         """`num_new` cut to what is left of this step's embedding budget, for an embedding request."""
@@ -364,6 +367,7 @@ class Scheduler:
         """Drafts for each decoding request: up to num_speculative_tokens, none past its
         max_tokens or the model's length (the token after the last draft is always new), then,
         when adaptive, cut to what is expected to pay (engine.scheduler.speculation.adaptive)."""
+        assert self.speculative is not None and self.proposer is not None  # called only when speculating
         decoding = [r for r in self.running if r.is_decoding]
         limits = [min(self.speculative.num_speculative_tokens, r.params.max_tokens - r.num_output_tokens - 1,
                       self.max_model_len - r.num_tokens - 1) for r in decoding]
@@ -398,12 +402,15 @@ class Scheduler:
             if needed > self.kv.num_free_blocks and not (self._reclaim_parked() and needed <= self.kv.num_free_blocks):
                 break
             pairs = self.kv.swap_in(request)
+            assert pairs is not None  # the blocks were counted above
             self.swapped.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             out.blocks_to_swap_in.extend(pairs)
             self.counters.num_blocks_swapped_in += len(pairs)
-            self._add_scheduled(out, request, num_new, self.kv.allocate_slots(request, num_new))
+            copies = self.kv.allocate_slots(request, num_new)
+            assert copies is not None
+            self._add_scheduled(out, request, num_new, copies)
             budget -= num_new
         return budget
 
@@ -460,7 +467,7 @@ class Scheduler:
         if request.adapter is None:
             return True
         running = {id(r.adapter) for r in self.running if r.adapter is not None}
-        return id(request.adapter) in running or len(running) < self.max_loras
+        return id(request.adapter) in running or self.max_loras is None or len(running) < self.max_loras
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
                        copies: list[tuple[int, int]], drafts: list[int] | None = None) -> None:
@@ -603,7 +610,7 @@ class Scheduler:
                 request.num_computed_tokens += 1
             request.append_token(token)
             self.counters.num_generation_tokens += 1
-            if request.params.best_of > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
+            if request.params.num_samples > 1 and request.sample_index == 0 and request.num_output_tokens == 1:
                 self._fork(request)
             reason = self._stop_reason(request)
             if reason is not None:
@@ -629,7 +636,7 @@ class Scheduler:
             self.adaptive.observe(request.request_id, num_proposed, num_accepted)
 
     def _fork(self, parent: Request) -> None:
-        for index in range(1, parent.params.best_of):
+        for index in range(1, parent.params.num_samples):
             child = parent.fork(index)
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING

@@ -155,6 +155,9 @@ class FakeAsyncEngine(EngineClient):
         async for out in self._generate(ids, prompt, params, request_id, metrics):
             yield out
 
+    def load_adapter(self, name: str, path: str) -> None:
+        raise InvalidRequestError("model", f"LoRA adapter {name!r}: the fake engine serves none")
+
     async def embed(self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, priority: int = 0,
                     waited_s: float = 0.0, lora: str | None = None) -> RequestOutput:
         """fake_embedding(prompt) after a step delay (the slot rules of generation do not apply)."""

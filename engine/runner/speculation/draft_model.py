@@ -140,10 +140,10 @@ class DraftWorker:
                                                   self.generator)
             for request, _, row in inputs.verified:
                 drafts[request.request_id].append(tokens[row])
-                if distributions[row] is not None:
-                    sampled[request.request_id].append(distributions[row])
-            for row in rows:
-                row.request.num_computed_tokens = row.request.num_tokens
+                if (distribution := distributions[row]) is not None:
+                    sampled[request.request_id].append(distribution)
+            for item in rows:
+                item.request.num_computed_tokens = item.request.num_tokens
             rows = []
             for sequence, query in drafting:
                 mine = drafts[sequence.request_id]
@@ -234,6 +234,8 @@ def load_draft_worker(spec: SpeculativeConfig, target: ModelConfig, max_model_le
             raise ValueError("self_draft needs a natively served family (this model runs through transformers' code)")
         num_layers = self_draft_layers(spec.num_layers, loaded.model.num_layers)
     else:
+        if spec.model is None:
+            raise ValueError("speculative decoding by a draft model needs its model")
         target_tokenizer, target_logits = target_vocabulary or load_vocabulary(target.model)
         check_same_vocabulary(target_tokenizer, target_logits, loaded.tokenizer, loaded.model.vocab_size, spec.model)
     num_blocks = kv_cache_memory_bytes // kv_block_bytes(loaded.model, block_size, loaded.dtype)

@@ -69,6 +69,6 @@ class SelfDraft:
                     item.token_ids[item.num_input_tokens + depth] = mine[-1]
         for item in active:
             item.draft_token_ids = drafts[item.request.request_id]
-            mine = sampled[item.request.request_id]
-            item.sampled_drafts = mine if all(mine) else None
+            samples = sampled[item.request.request_id]
+            item.sampled_drafts = [s for s in samples if s is not None] if all(samples) else None
         return num_passes, 0

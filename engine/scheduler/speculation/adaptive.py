@@ -124,7 +124,7 @@ class AdaptiveSpeculation:
 
         @functools.cache
         def pass_price(num_requests: int) -> float:  # each size priced once per step
-            return pass_seconds(num_requests) if num_requests else 0.0
+            return pass_seconds(num_requests) if num_requests and pass_seconds is not None else 0.0
 
         prior = self.prior  # once per step, not per request
         estimates = [self._estimate(request_id) for request_id in request_ids]
