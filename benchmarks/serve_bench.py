@@ -492,7 +492,8 @@ def _proc_label(p: Any) -> str:
         return "?"
     if "engine.engine_core" in cmd:
         return "EngineProcess"  # a replica's step loop (engine_process=True)
-    for key in ("EngineReplica", "EngineIngress", "Router", "Ingress", "ProxyActor", "ServeController"):
+    for key in ("EngineReplica", "IngressRouterEngine", "IngressRouter", "Router", "Ingress", "ProxyActor",
+                "ServeController"):
         if key in cmd:
             return key
     if "haproxy" in cmd:
@@ -684,7 +685,7 @@ def served_step_figures(cfg: Any, app: str = "cbserve") -> dict[str, float]:
     from ray import serve
 
     async def ask() -> list[Any]:
-        handle = serve.get_deployment_handle("EngineIngress" if cfg.colocated else "EngineReplica", app)
+        handle = serve.get_deployment_handle("IngressRouterEngine" if cfg.colocated else "EngineReplica", app)
         return await handle.broadcast("engine_stats").results_async()
 
     return step_figures(asyncio.run_coroutine_threadsafe(ask(), _handle_loop()).result())

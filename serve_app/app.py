@@ -1,17 +1,17 @@
 """`build_app(config)`: the graph's shape, and the only place that applies `serve.deployment(...)`
-and `.bind(...)`.
+and `.bind(...)`. Each deployment is named after its class (serve_app.frontend), one role each:
 
-Split: the ingress (serve_app.frontend.Frontend, with the Router's and the replicas' handles) ->
-Router (one replica, the global queue) and EngineReplica (num_replicas or autoscaling; each call
-pinned to the replica the router named by PinnedReplicaRequestRouter). Several models
-(`config.models`): an EngineReplica deployment per model (`EngineReplica-<name>`, its own replicas,
-resources and engine args), one ingress and one router for all. Replicas hold the router's
-handle to push load reports, and, with speculative placement `actor`, the DraftModel deployment's
-(bound so Serve deploys it with the app; engines call it by name).
-Router in the ingress (`config.router_in_ingress`: one ingress replica): no Router deployment;
-the Frontend holds the router, and the replicas report to it by its deployment's name.
-Colocated (`config.colocated`: one model, one engine replica): one deployment, the Frontend holding the
-router and the engine replica.
+- colocated (`config.colocated`: one model, one engine replica): `IngressRouterEngine`, the front
+  end, the router and the engine replica in one actor.
+- router in the ingress (`config.router_in_ingress`: one ingress replica): `IngressRouter` ->
+  `EngineReplica` (num_replicas or autoscaling; each call pinned to the replica the router named by
+  PinnedReplicaRequestRouter).
+- split: `Ingress` (num_replicas) -> `Router` (one replica, the global queue) and `EngineReplica`.
+Several models (`config.models`): an EngineReplica deployment per model (`EngineReplica-<name>`,
+its own replicas, resources and engine args), one ingress and one router for all. Engine replicas
+report their load to the deployment holding the router, by its name (serve_app.replica.RouterByName),
+and, with speculative placement `actor`, hold the DraftModel deployment's handle (bound so Serve
+deploys it with the app; engines call it by name).
 `app_builder(args)` is the YAML entry point (`import_path: serve_app.app:app_builder`); unknown
 keys in `args` are errors.
 """
@@ -19,15 +19,18 @@ keys in `args` are errors.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.client import EngineClient
 from serve_app.autoscaling import POLICY as AUTOSCALING_POLICY
 from serve_app.config import AppConfig, EngineReplicaConfig
 from serve_app.draft import DRAFT_DEPLOYMENT, DraftModel
-from serve_app.frontend import Frontend
-from serve_app.replica import EngineReplica
+from serve_app.frontend import Ingress, IngressRouter, IngressRouterEngine
+from serve_app.replica import EngineReplica, RouterByName
 from serve_app.router import Router
+
+if TYPE_CHECKING:
+    from ray.serve import Application
 
 _QUIET = {"enable_access_log": False}
 
@@ -70,7 +73,7 @@ def engine_ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
     options = replica_deployment_options(config, config.engine)
     del options["request_router_config"]  # one replica: nothing to pin
     options["ray_actor_options"]["num_cpus"] += config.ingress.num_cpus + config.router.num_cpus
-    options["name"] = "EngineIngress"
+    options["name"] = IngressRouterEngine.__name__
     options["max_ongoing_requests"] = ingress_deployment_options(config)["max_ongoing_requests"]
     return options
 
@@ -80,7 +83,7 @@ def router_deployment_options(config: AppConfig) -> dict[str, Any]:
     # never queue them itself.
     max_ongoing = 4 * config.router.max_queued_requests + 4096
     return dict(
-        name="Router",
+        name=Router.__name__,
         num_replicas=1,
         ray_actor_options={"num_cpus": config.router.num_cpus},
         max_ongoing_requests=max_ongoing,
@@ -92,7 +95,7 @@ def router_deployment_options(config: AppConfig) -> dict[str, Any]:
 def ingress_deployment_options(config: AppConfig) -> dict[str, Any]:
     num_cpus = config.ingress.num_cpus + (config.router.num_cpus if config.router_in_ingress else 0)
     return dict(
-        name="Ingress",
+        name=(IngressRouter if config.router_in_ingress else Ingress).__name__,
         num_replicas=config.ingress.num_replicas,
         ray_actor_options={"num_cpus": num_cpus},
         max_ongoing_requests=4 * config.router.max_queued_requests + 4096,
@@ -111,27 +114,25 @@ def draft_deployment_options(engine: EngineReplicaConfig) -> dict[str, Any]:
     )
 
 
-def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None):
+def build_app(config: AppConfig, engine_cls: type[EngineClient] | None = None) -> Application:
     """The application graph; `engine_cls` defaults to engine.AsyncEngine (tests inject a fake
     EngineClient; it must be importable on the workers)."""
     from ray import serve
 
-    frontend = serve.ingress()(Frontend)
     if config.colocated:
         options = engine_ingress_deployment_options(config)
-        return serve.deployment(**options)(frontend).bind(config, None, None, engine_cls, _draft(config.engine))
+        return serve.deployment(**options)(serve.ingress()(IngressRouterEngine)).bind(
+            config, engine_cls, _draft(config.engine))
     options = ingress_deployment_options(config)
-    if config.router_in_ingress:  # the replicas report to the router in the Frontend, by its name
-        report_to = options["name"]
-        router = None
-    else:
-        router = report_to = serve.deployment(**router_deployment_options(config))(Router).bind(
-            config.router, metrics_enabled=True)
+    reports = RouterByName(options["name"] if config.router_in_ingress else Router.__name__)
     replicas = {
         engine.model_name: serve.deployment(**replica_deployment_options(config, engine))(EngineReplica).bind(
-            engine, report_to, engine_cls, metrics_enabled=True, slo=config.slo, draft=_draft(engine))
+            engine, reports, engine_cls, metrics_enabled=True, slo=config.slo, draft=_draft(engine))
         for engine in config.served_models}
-    return serve.deployment(**options)(frontend).bind(config, router, replicas)
+    if config.router_in_ingress:
+        return serve.deployment(**options)(serve.ingress()(IngressRouter)).bind(config, replicas)
+    router = serve.deployment(**router_deployment_options(config))(Router).bind(config.router, metrics_enabled=True)
+    return serve.deployment(**options)(serve.ingress()(Ingress)).bind(config, router, replicas)
 
 
 def _draft(engine: EngineReplicaConfig):

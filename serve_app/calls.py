@@ -8,7 +8,7 @@ stand-ins fit them too: tests/serve/handles.py).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, overload
 
 if TYPE_CHECKING:
     from serve_app.messages import AdmitRequest, AdmitResult, ModelInfo
@@ -61,7 +61,11 @@ class RouterHandle(Protocol):
     @property
     def ready_replicas(self) -> Query[dict[str, int]]: ...
 
+    @overload
     def options(self, *, stream: Literal[True]) -> RouterStreams: ...
+
+    @overload
+    def options(self, *, _by_reference: bool) -> RouterHandle: ...  # the transport (serve_internals.rpc_options)
 
 
 class ReplicaStreams(Protocol):
@@ -81,4 +85,8 @@ class ReplicaHandle(Protocol):
     @property
     def model_info(self) -> Query[ModelInfo]: ...
 
+    @overload
     def options(self, *, stream: Literal[True]) -> ReplicaStreams: ...
+
+    @overload
+    def options(self, *, _by_reference: bool) -> ReplicaHandle: ...

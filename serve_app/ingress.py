@@ -1,6 +1,6 @@
 """OpenAI-compatible ingress: read, validate, tokenize once, admit and stream, map errors.
 
-Owns: the FastAPI app (`Ingress.build_asgi_app`), the HTTP edge (content type 415, body size 413
+Owns: the FastAPI app (`FrontEnd.build_asgi_app`), the HTTP edge (content type 415, body size 413
 and body timeout 408, JSON that Python cannot take or that holds invalid Unicode 400, every
 error in OpenAI's shape, 404 and 405 included), auth and priorities (serve_app.auth), readiness
 (`/health`: 503 until an engine replica is ready and the model's info is here), and validation
@@ -80,7 +80,7 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-class Ingress:
+class FrontEnd:
     """The OpenAI front end over an admission and the engine replicas."""
 
     def __init__(self, config: AppConfig, admission: Admission, replicas: dict[str, Replicas]):

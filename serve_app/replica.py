@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from engine.client import EngineClient
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -34,9 +34,11 @@ from serve_app.draft import draft_transport
 from serve_app.messages import EngineRequest, ErrorInfo, ModelInfo, ReplicaStats, StreamChunk
 from serve_app.metrics import ReplicaMetrics
 from serve_app.protocol import APIError
-from serve_app.router import Router
 from serve_app.slo import SLOTarget, SLOTracker
 from serve_app.transport import Abort, Batch, Open, ReplicaChannels, Submit
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 logger = logging.getLogger("cbserve.replica")
 _MIN_REPORT_GAP_S = 0.01  # reports no closer than this, or than the engine's output interval
@@ -68,17 +70,37 @@ def error_info(error: Exception) -> ErrorInfo:
     return ErrorInfo(500, f"engine error: {error}", "internal_error")
 
 
+class LoadReports(Protocol):
+    """Where an engine replica's load reports go: a Router in this process, or RouterByName."""
+
+    async def report(self, stats: ReplicaStats) -> None: ...
+
+
+class RouterByName:
+    """The deployment of this app that holds the router (`Router`, or `IngressRouter`), by its
+    name: the graph binds the engine replicas before the deployment holding the router, so it
+    cannot hand them its handle. Looked up at the first report."""
+
+    def __init__(self, deployment: str):
+        self.deployment = deployment
+        self._handle: DeploymentHandle | None = None
+
+    async def report(self, stats: ReplicaStats) -> None:
+        if self._handle is None:
+            from ray import serve
+
+            self._handle = serve.get_deployment_handle(self.deployment, serve.get_replica_context().app_name)
+        await self._handle.report.remote(stats)
+
+
 class EngineReplica:
-    """One engine; streams coalesced deltas; reports load to the router.
+    """One engine; streams coalesced deltas; reports load to the router (`reports`; None: no
+    reports)."""
 
-    `report_to`: where load reports go: the Router deployment's handle, the name of the deployment
-    of this app that holds the router (the ingress: the graph cannot bind it here, it binds the
-    replicas), or a Router in this process; None disables reporting.
-    """
-
-    def __init__(self, config: EngineReplicaConfig, report_to: Any = None,
+    def __init__(self, config: EngineReplicaConfig, reports: LoadReports | None = None,
                  engine_cls: type[EngineClient] | None = None, replica_id: str | None = None,
-                 metrics_enabled: bool = False, slo: dict[int, SLOTarget] | None = None, draft: Any = None):
+                 metrics_enabled: bool = False, slo: dict[int, SLOTarget] | None = None,
+                 draft: object | None = None):
         collect_young_less_often()  # each stream's objects live as long as it does (Serve freezes the rest)
         if engine_cls is None:
             from engine.async_engine import AsyncEngine
@@ -95,7 +117,7 @@ class EngineReplica:
             metrics_enabled, self.replica_id, config.model_name, self.engine.model_report,
             {(priority, name): seconds for priority, target in self.slo.targets.items()
              for name, seconds in target.objectives().items()})
-        self._report_to = report_to
+        self._reports = reports
         self._num_received = 0
         self._unreported: dict[str, None] = {}  # received, not yet listed in a load report (ordered set)
         self._ended: dict[str, None] = {}  # ended, not yet listed in a load report (ordered set)
@@ -256,7 +278,7 @@ class EngineReplica:
     # ------------------------------------------------------------ load reports
 
     def _maybe_start_reporting(self) -> None:
-        if self._report_to is None or (self._report_task and not self._report_task.done()):
+        if self._reports is None or (self._report_task and not self._report_task.done()):
             return
         try:
             loop = asyncio.get_running_loop()
@@ -265,21 +287,12 @@ class EngineReplica:
         self._report_now = asyncio.Event()
         self._report_task = loop.create_task(self._report_loop())
 
-    async def _report(self, stats: ReplicaStats) -> None:
-        if isinstance(self._report_to, Router):
-            await self._report_to.report(stats)
-            return
-        if isinstance(self._report_to, str):
-            from ray import serve
-
-            self._report_to = serve.get_deployment_handle(self._report_to, serve.get_replica_context().app_name)
-        await self._report_to.report.remote(stats)
-
     async def _report_loop(self) -> None:
         """Sends the load snapshot when it changed (or requests arrived), and at least every
         heartbeat; looks every stats_report_interval_s or as soon as a request ends, but never
         within `_report_gap_s` of its last look."""
-        assert self._report_now is not None
+        reports = self._reports
+        assert self._report_now is not None and reports is not None  # started only with both
         last_key, last_sent = None, -float("inf")
         while True:
             try:
@@ -294,7 +307,7 @@ class EngineReplica:
                         self._ended.pop(request_id, None)
                     self.metrics.record_load(stats, self.engine.stats())
                     self.metrics.record_slo_window(self.slo.window())
-                    await self._report(stats)
+                    await reports.report(stats)
                     last_key, last_sent = key, time.monotonic()
             except asyncio.CancelledError:
                 raise

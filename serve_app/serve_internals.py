@@ -20,7 +20,7 @@ def own_serve_request_id() -> None:
     _set_request_context(_internal_request_id=uuid.uuid4().hex)
 
 
-def rpc_options(grpc_transport: bool) -> dict:
+def rpc_options(grpc_transport: bool) -> dict[str, bool]:
     """A handle's options for the request path's calls: with `grpc_transport`, Serve's gRPC
     transport (`_by_reference=False`, an underscored option of `DeploymentHandle.options`), about
     half the CPU a message of the object store's (BENCHMARKS.md, serving over HTTP)."""

@@ -27,7 +27,7 @@ from benchmarks.serve_bench import wait_healthy  # noqa: E402
 from serve_app.admission import LocalAdmission  # noqa: E402
 from serve_app.app import build_app  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
-from serve_app.ingress import Ingress  # noqa: E402
+from serve_app.ingress import FrontEnd  # noqa: E402
 from serve_app.replica import EngineReplica  # noqa: E402
 from serve_app.replicas import LocalReplicas  # noqa: E402
 from serve_app.router import Router  # noqa: E402
@@ -63,7 +63,7 @@ def build_local_app(config: AppConfig, num_replicas: int | None = None, engine_c
                                                  f"{model.model_name}-r{i}", slo=config.slo)
                                    for i in range(num_replicas or model.num_replicas)]
                 for k, model in enumerate(config.served_models)}
-    ingress = Ingress(config, LocalAdmission(router), {name: LocalReplicas(rs) for name, rs in by_model.items()})
+    ingress = FrontEnd(config, LocalAdmission(router), {name: LocalReplicas(rs) for name, rs in by_model.items()})
     return ingress.build_asgi_app(), router, [r for rs in by_model.values() for r in rs]
 
 

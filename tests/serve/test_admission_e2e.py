@@ -1,7 +1,7 @@
 """The admission scenarios (admission_scenarios.py) through real Ray Serve (slow), in each graph
 that holds the admission queue somewhere else: the Router deployment, the router inside the
-ingress replica (RouterIngress), and for the one-replica scenarios the router inside the engine
-replica's actor (EngineIngress); with the pinning request router and HTTP through Serve, on fake
+ingress replica (IngressRouter), and for the one-replica scenarios the router inside the engine
+replica's actor (IngressRouterEngine); with the pinning request router and HTTP through Serve, on fake
 engines that run one request at a time. Each scenario deploys its own app and deletes it."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _through_serve(serve_cluster: dict, scenario: Scenario, app: str, graph: str
 
     with fake_serve_app(serve_cluster, app, merge(scenario.config, GRAPHS[graph]), **ENGINE) as url:
         if graph == "colocated":
-            engine = serve.get_deployment_handle("EngineIngress", app_name=app)
+            engine = serve.get_deployment_handle("IngressRouterEngine", app_name=app)
 
             async def replica_stats():
                 return [await engine.stats.remote()]
@@ -48,7 +48,7 @@ def _through_serve(serve_cluster: dict, scenario: Scenario, app: str, graph: str
             async def routing_counters():
                 return await asyncio.to_thread(lambda: replicas.broadcast("routing_counters").results())
 
-            queue = serve.get_deployment_handle("Ingress" if graph == "ingress" else "Router", app_name=app)
+            queue = serve.get_deployment_handle("IngressRouter" if graph == "ingress" else "Router", app_name=app)
 
             async def num_queued():
                 return await queue.num_queued_admissions.remote()

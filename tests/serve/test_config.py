@@ -129,7 +129,7 @@ def test_the_front_end_joins_the_engine_replica_and_the_router_the_front_end_onl
     assert cfg.colocated is colocated and cfg.router_in_ingress is router_in_ingress
     if colocated:
         opts = engine_ingress_deployment_options(cfg)
-        assert opts["name"] == "EngineIngress" and "request_router_config" not in opts
+        assert opts["name"] == "IngressRouterEngine" and "request_router_config" not in opts
         assert opts["ray_actor_options"]["num_cpus"] == pytest.approx(
             cfg.engine.num_cpus + cfg.ingress.num_cpus + cfg.router.num_cpus)
         assert opts["num_replicas"] == 1
@@ -138,7 +138,7 @@ def test_the_front_end_joins_the_engine_replica_and_the_router_the_front_end_onl
             cfg.ingress.num_cpus + cfg.router.num_cpus)
     # the deployments Serve would start: colocated, one actor holds front end, router and engine;
     # with the router in the ingress, the split graph has no Router deployment
-    expected = ({"EngineIngress"} if colocated else {"Ingress", "EngineReplica"} if router_in_ingress
+    expected = ({"IngressRouterEngine"} if colocated else {"IngressRouter", "EngineReplica"} if router_in_ingress
                 else {"Ingress", "Router", "EngineReplica"})
     assert _deployment_names(build_app(cfg)) == expected
 
@@ -148,17 +148,39 @@ def test_a_router_in_one_of_several_ingress_replicas_is_an_error():
         AppConfig.model_validate({"ingress": {"num_replicas": 2}, "router": {"in_ingress": True}})
 
 
-def _deployment_names(app) -> set[str]:
-    """The deployments of a bound application graph, walking the applications bound as arguments."""
+def _deployments(app) -> set[tuple[str, type]]:
+    """The deployments of a bound application graph, (name, class), walking the applications bound
+    as arguments."""
     from ray.serve.deployment import Application
 
     bound = app._bound_deployment
-    names = {bound.name}
+    found = {(bound.name, bound.func_or_class)}
     for arg in (*bound.init_args, *bound.init_kwargs.values()):
         for value in arg.values() if isinstance(arg, dict) else [arg]:  # each model's replicas, by name
             if isinstance(value, Application):
-                names |= _deployment_names(value)
-    return names
+                found |= _deployments(value)
+    return found
+
+
+def _deployment_names(app) -> set[str]:
+    return {name for name, _ in _deployments(app)}
+
+
+TWO_MODELS = {"models": [{"served_model_name": "a"}, {"served_model_name": "b"}]}
+
+
+def test_each_deployment_class_has_one_role_in_every_graph_and_is_named_after_it():
+    """A class deployed in two roles (in one graph the ingress, in another the router too) would make
+    every change to it a change to each graph; each class here is one role, its deployment named
+    after it (an engine replica deployment per model: `EngineReplica-<model>`)."""
+    roles: dict[str, set[str]] = {}
+    for config in [{}, {"engine": {"num_replicas": 2}}, {"engine": {"autoscaling": {"max_replicas": 2}}},
+                   {"ingress": {"num_replicas": 2}}, {"engine": {"num_replicas": 2}, "router": {"in_ingress": False}},
+                   TWO_MODELS, {**TWO_MODELS, "router": {"in_ingress": False}}]:
+        for name, cls in _deployments(build_app(AppConfig.model_validate(config))):
+            roles.setdefault(cls.__name__, set()).add(name.split("-")[0])
+    assert roles == {"IngressRouterEngine": {"IngressRouterEngine"}, "IngressRouter": {"IngressRouter"},
+                     "Ingress": {"Ingress"}, "Router": {"Router"}, "EngineReplica": {"EngineReplica"}}
 
 
 @pytest.mark.parametrize("config", [{"engine": {"num_replicas": 2}}, {"engine": {"autoscaling": {"max_replicas": 2}}},
@@ -180,7 +202,7 @@ def test_several_models_each_get_an_engine_replica_deployment_of_their_own():
     assert (small["name"], qwen["name"]) == ("EngineReplica-small", "EngineReplica-Qwen3-0.6B")
     assert small["num_replicas"] == 1 and qwen["num_replicas"] == 2
     assert qwen["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {"big": 1}}
-    assert _deployment_names(build_app(cfg)) == {"Ingress", "EngineReplica-small", "EngineReplica-Qwen3-0.6B"}
+    assert _deployment_names(build_app(cfg)) == {"IngressRouter", "EngineReplica-small", "EngineReplica-Qwen3-0.6B"}
     split = cfg.model_copy(update={"router": cfg.router.model_copy(update={"in_ingress": False})})
     assert _deployment_names(build_app(split)) == {"Ingress", "Router", "EngineReplica-small",
                                                    "EngineReplica-Qwen3-0.6B"}

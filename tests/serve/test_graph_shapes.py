@@ -13,9 +13,9 @@ pytestmark = pytest.mark.slow
 
 # shape -> (config, its deployments, the front doors that serve it)
 SHAPES = {
-    "colocated": ({"ingress": {"colocated": True}}, {"EngineIngress"}, ("direct", "proxy")),
+    "colocated": ({"ingress": {"colocated": True}}, {"IngressRouterEngine"}, ("direct", "proxy")),
     "router_in_ingress": ({"engine": {"num_replicas": 2}, "router": {"in_ingress": True}},
-                          {"Ingress", "EngineReplica"}, ("direct", "proxy")),
+                          {"IngressRouter", "EngineReplica"}, ("direct", "proxy")),
     "split": ({"engine": {"num_replicas": 2}, "ingress": {"num_replicas": 2}},
               {"Ingress", "Router", "EngineReplica"}, ("direct", "proxy")),
 }

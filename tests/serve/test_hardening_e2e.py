@@ -134,8 +134,8 @@ def test_3_bad_sampling_values_are_400_and_batch_mates_are_unchanged(hard_app):
 
 def _engine_child(app: str) -> psutil.Process:
     """The step-loop process: the one child of the app's engine actor (Ray titles an actor's
-    process ray::<class name>; with one engine replica, the ingress runs in it: EngineIngress)."""
-    title = f"ServeReplica:{app}:EngineIngress"
+    process ray::<class name>; with one engine replica, the front end and the router run in it: IngressRouterEngine)."""
+    title = f"ServeReplica:{app}:IngressRouterEngine"
     replicas = [p for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])
                 and not p.info["cmdline"][0].endswith("python")]
     assert len(replicas) == 1, replicas

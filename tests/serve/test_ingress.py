@@ -14,7 +14,7 @@ from fake_engine import FakeAsyncEngine, FakeTokenizer
 
 from engine.gc_settings import YOUNG_COLLECTION_OBJECTS
 from serve_app.config import AppConfig
-from serve_app.ingress import Ingress
+from serve_app.ingress import FrontEnd
 from serve_app.messages import ModelInfo
 
 TOK = FakeTokenizer()
@@ -282,7 +282,7 @@ class _Engines:
 
 def test_the_ingress_collects_its_requests_young_objects_less_often():
     gc.set_threshold(700)  # Python's default
-    Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), _Fleet(), {"fake": _Engines()})
+    FrontEnd(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), _Fleet(), {"fake": _Engines()})
     assert gc.get_threshold()[0] == YOUNG_COLLECTION_OBJECTS
 
 
@@ -292,7 +292,8 @@ def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready(
     engine replica is ready; a failed load is retried, and does not fail the ingress's check."""
     async def go():
         fleet, engines = _Fleet(), _Engines()
-        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, {"fake": engines})
+        config = AppConfig.model_validate({"engine": {"served_model_name": "fake"}})
+        ingress = FrontEnd(config, fleet, {"fake": engines})
         transport = httpx.ASGITransport(app=ingress.build_asgi_app())
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             await ingress.check_health()
@@ -312,7 +313,7 @@ def test_the_health_checks_load_the_models_info_once_an_engine_replica_is_ready(
             assert engines.calls == 3
 
         fresh = _Engines()
-        ingress = Ingress(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, {"fake": fresh})
+        ingress = FrontEnd(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), fleet, {"fake": fresh})
         transport = httpx.ASGITransport(app=ingress.build_asgi_app())
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             assert (await client.get("/health")).status_code == 200

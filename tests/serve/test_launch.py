@@ -188,7 +188,7 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
     try:
         wait_healthy(direct, STARTUP_BOUND_S, launcher_alive(proc, log))
         replica = listener(port)
-        assert replica is not None and "ServeReplica:cbserve:EngineIngress" in " ".join(replica.cmdline())
+        assert replica is not None and "ServeReplica:cbserve:IngressRouterEngine" in " ".join(replica.cmdline())
         assert SERVE_LOOP_ENV.items() <= replica.environ().items()  # Serve's main loop runs the app's code
         text = complete(direct)
         assert text and complete(proxy) == text  # Serve's proxy, moved to the next port, answers too
@@ -203,7 +203,7 @@ def test_make_serve_answers_on_the_replicas_own_port_and_heals_there(tmp_path):
         wait_healthy(direct, STARTUP_BOUND_S, launcher_alive(proc, log))
         healed = listener(port)
         assert healed is not None and healed.pid != replica.pid
-        assert "ServeReplica:cbserve:EngineIngress" in " ".join(healed.cmdline())
+        assert "ServeReplica:cbserve:IngressRouterEngine" in " ".join(healed.cmdline())
         assert complete(direct) == text
 
         engine = [p for p in healed.children(recursive=True) if "run_child" in " ".join(p.cmdline())]

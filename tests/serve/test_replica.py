@@ -112,14 +112,13 @@ def test_a_report_lists_a_request_only_once_the_engine_counts_it():
 
 
 class _Recorder:
-    """Stands in for the router handle: records every report."""
+    """Stands in for the router (serve_app.replica.LoadReports): records every report."""
 
     def __init__(self):
         self.reports = []
         self.times = []
-        self.report = self
 
-    async def remote(self, stats):
+    async def report(self, stats):
         self.reports.append(stats)
         self.times.append(time.monotonic())
 

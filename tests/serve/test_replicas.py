@@ -21,7 +21,7 @@ import serve_app.transport as transport
 from engine.sampling_params import SamplingParams
 from serve_app.admission import LocalAdmission
 from serve_app.config import AppConfig, EngineReplicaConfig
-from serve_app.ingress import Ingress
+from serve_app.ingress import FrontEnd
 from serve_app.messages import EngineRequest
 from serve_app.replica import EngineReplica
 from serve_app.router import Router
@@ -138,10 +138,10 @@ async def served(replicas: list[EngineReplica], handle, accept_timeout_s: float 
                                           "ingress": {"replica_accept_timeout_s": accept_timeout_s}}, config))
     router = Router(cfg.router)
     for replica in replicas:
-        replica._report_to = router
+        replica._reports = router
         await replica.check_health()
     transport = ServeReplicas(handle, accept_timeout_s)
-    ingress = Ingress(cfg, LocalAdmission(router), {"fake": transport})
+    ingress = FrontEnd(cfg, LocalAdmission(router), {"fake": transport})
     for _ in range(200):
         if router.lanes and len(one_lane(router).pool.views) == len(replicas):
             break

@@ -122,7 +122,7 @@ def test_fake_app_metrics_on_node_endpoint(fake_app):
     info = [line for line in text.splitlines() if line.startswith("ray_cbserve_engine_info{")]
     assert info and all('quantization="none"' in line and 'dtype="float32"' in line for line in info), info
     for prefix, deployment in (("ray_cbserve_ttft_s_count{", "EngineReplica"),
-                               ("ray_cbserve_router_queue_depth{", "Ingress")):  # one ingress: the router in it
+                               ("ray_cbserve_router_queue_depth{", "IngressRouter")):  # one ingress: the router in it
         lines = [line for line in text.splitlines() if line.startswith(prefix) and 'application="fake"' in line]
         assert lines and all(f'deployment="{deployment}"' in line for line in lines), (prefix, lines)
 
