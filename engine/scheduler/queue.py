@@ -77,13 +77,12 @@ class WaitingQueue:
         """The best-ranked waiting request, or None."""
         return self._heap.peek()
 
-    def pop(self) -> Request:
-        """The best-ranked waiting request, taken out (IndexError when none waits)."""
+    def pop(self) -> Request | None:
+        """The best-ranked waiting request, taken out; None when none waits."""
         request = self._heap.pop()
-        if request is None:
-            raise IndexError("no request waits")
-        self.num_tokens -= request.num_tokens
-        self.num_embeddings -= request.pooling is not None
+        if request is not None:
+            self.num_tokens -= request.num_tokens
+            self.num_embeddings -= request.pooling is not None
         return request
 
     def requests(self) -> list[Request]:

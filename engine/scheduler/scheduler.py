@@ -432,10 +432,12 @@ class Scheduler:
             if request.pooling is not None and self._embedding_budget is not None and self._embedding_budget <= 0:
                 if len(self.waiting) == self.waiting.num_embeddings:
                     return  # only embeddings wait
-                passed.append(self.waiting.pop())
+                self.waiting.pop()  # the one peeked
+                passed.append(request)
                 continue
             if not self._adapter_fits(request):  # its adapter's turn comes when one of the step's ends
-                passed.append(self.waiting.pop())
+                self.waiting.pop()  # the one peeked
+                passed.append(request)
                 continue
             computed = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - computed.num_tokens
