@@ -77,7 +77,7 @@ def test_the_step_loop_sends_a_requests_prompt_with_its_first_output_alone(tiny_
     for request_id, prompt in (("a", "the cat sat"), ("b", None)):
         first, *rest = [o for o in sent if o.request_id == request_id]
         assert first.prompt == prompt and first.prompt_token_ids and len(rest) == PARAMS.max_tokens - 1
-        assert all(o.prompt is None and o.prompt_token_ids is None for o in rest)
+        assert all(o.prompt is None and o.prompt_token_ids == [] for o in rest)  # not sent again
 
 
 def test_thread_core_builds_and_steps_the_engine_on_one_thread(tiny_llama, monkeypatch):
