@@ -43,7 +43,7 @@ from engine.outputs import RequestError, RequestOutput
 from engine.request import FinishReason, Request
 from engine.runner.cuda_graphs import GraphSettings, default_sizes
 from engine.runner.gpu_memory import kv_pool_bytes, peak_step_bytes
-from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.model_runner import KVPools, LaunchedStep, ModelRunner
 from engine.runner.speculation.draft_model import DraftModelDrafter, load_draft_worker
 from engine.runner.speculation.self_draft import SelfDraft
 from engine.sampling_params import PoolingParams, SamplingParams
@@ -115,9 +115,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, loaded.eos_token_ids,
                                    PreemptionCosts(block_bytes), clock, config.speculative, config.lora.max_loras,
                                    self.adapters.release if self.adapters is not None else None)
-        self.runner = ModelRunner(model, backend, num_blocks, num_host_blocks, cache.block_size, device,
-                                  config.model.seed, kv_dtype, self._drafter(num_blocks), loaded.eos_token_ids,
-                                  graphs)
+        pools = KVPools(num_blocks, num_host_blocks, cache.block_size, kv_dtype)
+        self.runner = ModelRunner(model, backend, pools, device, config.model.seed, drafter=self._drafter(num_blocks),
+                                  eos_token_ids=loaded.eos_token_ids, graphs=graphs)
         self.output_processor = OutputProcessor(self.tokenizer, clock)
         self.beams = BeamGroups(self.scheduler, self.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)

@@ -20,6 +20,7 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.attention.selector import triton_available
 from engine.batch import GroupTables, ModelInputs
+from engine.models.paged_model import PagedModel
 from engine.outputs import ModelRunnerOutput
 from engine.runner.block_mover import BlockMover
 from engine.runner.cuda_graphs import DecodeGraphs, GraphSettings
@@ -57,14 +58,24 @@ class LaunchedStep:
         return self.sampled.token_ids[to_device(rows, self.sampled.token_ids.device)]
 
 
+@dataclass(frozen=True)
+class KVPools:
+    """The KV cache's blocks: on the device and, for swapped requests, in host memory."""
+    num_blocks: int
+    num_host_blocks: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+
+
 class ModelRunner:
-    def __init__(self, model, backend: AttentionBackend, num_blocks: int, num_host_blocks: int,
-                 block_size: int, device: torch.device, seed: int, kv_cache_dtype: torch.dtype = torch.float32,
-                 drafter: SelfDraft | DraftModelDrafter | None = None, eos_token_ids: frozenset[int] = frozenset(),
-                 graphs: GraphSettings | None = None):
+    def __init__(self, model: PagedModel, backend: AttentionBackend, pools: KVPools, device: torch.device, seed: int,
+                 *, drafter: SelfDraft | DraftModelDrafter | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), graphs: GraphSettings | None = None):
         """`drafter`: fills in the drafts the scheduler reserved, before the target's forward;
         `eos_token_ids`: the model's (the sampler keeps them from ending an output before min_tokens);
         `graphs`: capture decode steps in CUDA graphs, where the backend's decode metadata allows."""
+        num_blocks, num_host_blocks, block_size, kv_cache_dtype = (pools.num_blocks, pools.num_host_blocks,
+                                                                   pools.block_size, pools.dtype)
         self.model = model
         self.drafter = drafter
         self.backend = backend
