@@ -119,7 +119,7 @@ class RouterClient:
             first = await stream.__anext__()
         except Exception as e:
             logger.warning("admitting %d requests at the router failed: %r", len(batch), e)
-            _cancel(stream)
+            stream.cancel()
             for asked in batch:
                 if not asked.future.done():
                     asked.future.set_exception(APIError(503, f"router unavailable: {type(e).__name__}",
@@ -134,7 +134,7 @@ class RouterClient:
         if any(not a.future.done() for a in batch):
             self._in_background(self._read_results(stream, by_id))
         else:
-            _cancel(stream)
+            stream.cancel()
 
     async def _read_results(self, stream: Stream[list[tuple[str, AdmitResult]]], by_id: dict[str, _Asked]) -> None:
         try:
@@ -143,7 +143,7 @@ class RouterClient:
         except Exception as e:
             logger.warning("the router's admission results stopped: %r", e)
         finally:
-            _cancel(stream)
+            stream.cancel()
             for asked in by_id.values():  # no answer will come: a 503, not a hang
                 if not asked.future.done():
                     asked.future.set_exception(APIError(503, "router unavailable", "service_unavailable"))
@@ -174,7 +174,3 @@ def _refused(asked: _Asked) -> bool:
     future = asked.future
     return future.done() and not future.cancelled() and (future.exception() is not None
                                                          or future.result().error is not None)
-
-
-def _cancel(stream: Stream[object]) -> None:
-    stream.cancel()

@@ -55,6 +55,7 @@ from serve_app.protocol import (
     UnloadLoraAdapterRequest,
     model_card,
 )
+from serve_app.proxy import CancelOnDisconnect
 from serve_app.replicas import Replicas
 from serve_app.responses_api import (
     ResponsesFormatter,
@@ -426,6 +427,7 @@ class FrontEnd:
 
     def build_asgi_app(self) -> FastAPI:
         app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=self._lifespan)
+        app.add_middleware(CancelOnDisconnect)
 
         def answer(request: Request, e: APIError, headers: dict | None = None) -> JSONResponse:
             """The error in the shape of the API the request was for: Anthropic's, or OpenAI's."""

@@ -100,9 +100,9 @@ def plan(serve_config: dict[str, Any], front_door: FrontDoor | None = None, prox
     start, or an app under another route prefix. With the direct front door the ingress replicas
     take the config's port and the proxy `proxy_port` (default: the next one)."""
     apps = serve_config.get("applications") or []
-    direct = len(apps) == 1 and starts_ray and apps[0].get("route_prefix", "/") == "/"
-    door: FrontDoor = front_door or ("direct" if direct else "proxy")
-    if door == "direct" and apps[0].get("route_prefix", "/") != "/":
+    servable = len(apps) == 1 and apps[0].get("route_prefix", "/") == "/"  # the own port serves one app at the root
+    door: FrontDoor = front_door or ("direct" if servable and starts_ray else "proxy")
+    if not servable:
         door = "proxy"
     env = HEADER_DEADLINE_ENV | serve_env()
     if door == "proxy":

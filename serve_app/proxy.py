@@ -1,4 +1,5 @@
-"""Connection hygiene in Serve's HTTP proxy: a deadline on request headers.
+"""Connection hygiene: a deadline on request headers (in Serve's HTTP proxy and the own port), and
+requests cancelled when their client leaves (CancelOnDisconnect).
 
 Serve's proxy runs uvicorn, which closes idle keep-alive connections after a response
 (`http_options.keep_alive_timeout_s` in the serve YAML) but never a connection whose request
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import os
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn import config as uvicorn_config
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -58,3 +60,48 @@ def install() -> list:
     uvicorn_config.HTTP_PROTOCOLS["auto"] = f"{__name__}:HeaderDeadlineProtocol"
     logger.info("HTTP header deadline %.1f s", header_timeout_s())
     return []
+
+
+class CancelOnDisconnect:
+    """A request whose client leaves is cancelled wherever it is (queued for admission, waiting for
+    its first token, streaming): its jobs withdraw their admissions and the engine aborts them. A
+    server tells the app only when it next reads the request: here a listener reads it for the
+    app, passing its messages on through a queue. The front end installs it (serve_app.ingress),
+    so it holds on every front door."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = asyncio.current_task()
+        if scope["type"] != "http" or handler is None:
+            await self.app(scope, receive, send)
+            return
+        messages: asyncio.Queue[Message] = asyncio.Queue()
+        answered = False
+
+        async def listen() -> bool:
+            """Whether the client left before its answer (and the handler was cancelled)."""
+            while True:
+                message = await receive()
+                messages.put_nowait(message)
+                if message["type"] == "http.disconnect":  # left, or the answer is complete
+                    if not answered:
+                        handler.cancel()
+                    return not answered
+
+        async def answer(message: Message) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
+            await send(message)
+
+        listener = asyncio.ensure_future(listen())
+        try:
+            await self.app(scope, messages.get, answer)
+        except asyncio.CancelledError:
+            left = listener.done() and not listener.cancelled() and listener.result()
+            if not left or handler.uncancel() > 0:  # not (only) the client's leaving
+                raise
+        finally:
+            listener.cancel()

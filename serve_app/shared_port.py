@@ -27,7 +27,7 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from serve_app.config import SharedPortConfig
 from serve_app.proxy import HeaderDeadlineProtocol
@@ -48,50 +48,6 @@ def shared_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class CancelOnDisconnect:
-    """A request whose client leaves is cancelled wherever it is (queued for admission, waiting for
-    its first token, streaming), as Serve's own front doors do: its jobs withdraw their admissions
-    and the engine aborts them. uvicorn tells the app only when it next reads the request: here a
-    listener reads it for the app, passing its messages on through a queue."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = asyncio.current_task()
-        if scope["type"] != "http" or handler is None:
-            await self.app(scope, receive, send)
-            return
-        messages: asyncio.Queue[Message] = asyncio.Queue()
-        answered = False
-
-        async def listen() -> bool:
-            """Whether the client left before its answer (and the handler was cancelled)."""
-            while True:
-                message = await receive()
-                messages.put_nowait(message)
-                if message["type"] == "http.disconnect":  # left, or the answer is complete
-                    if not answered:
-                        handler.cancel()
-                    return not answered
-
-        async def answer(message: Message) -> None:
-            nonlocal answered
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                answered = True
-            await send(message)
-
-        listener = asyncio.ensure_future(listen())
-        try:
-            await self.app(scope, messages.get, answer)
-        except asyncio.CancelledError:
-            left = listener.done() and not listener.cancelled() and listener.result()
-            if not left or handler.uncancel() > 0:  # not (only) the client's leaving
-                raise
-        finally:
-            listener.cancel()
-
-
 class _Server(uvicorn.Server):
     """uvicorn's server, leaving the process's signal handlers to Ray: a replica ends as Serve
     ends it, not on a signal this server would take for itself."""
@@ -107,7 +63,7 @@ class SharedPortServer:
     def __init__(self, app: ASGIApp, config: SharedPortConfig):
         self.socket = shared_socket(config.host, config.port)
         self.server = _Server(uvicorn.Config(
-            CancelOnDisconnect(app), http=HeaderDeadlineProtocol, loop="none", lifespan="off", access_log=False,
+            app, http=HeaderDeadlineProtocol, loop="none", lifespan="off", access_log=False,
             log_config=None,
             timeout_keep_alive=config.keep_alive_timeout_s))  # type: ignore[arg-type]  # uvicorn takes float seconds
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.socket]))

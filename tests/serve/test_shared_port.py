@@ -17,8 +17,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from serve_app.config import SharedPortConfig
-from serve_app.proxy import HEADER_TIMEOUT_ENV
-from serve_app.shared_port import CancelOnDisconnect, SharedPortServer, shared_socket
+from serve_app.proxy import HEADER_TIMEOUT_ENV, CancelOnDisconnect
+from serve_app.shared_port import SharedPortServer, shared_socket
 from tests.conftest import free_port, seconds_until_closed
 
 HEADER_TIMEOUT_S = 0.5
