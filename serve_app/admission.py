@@ -20,10 +20,10 @@ import logging
 from collections.abc import Awaitable
 from typing import Protocol
 
+from serve_app.api.wire import APIError
 from serve_app.batching import CallBatcher
 from serve_app.calls import RouterHandle, Stream
 from serve_app.messages import AdmitRequest, AdmitResult
-from serve_app.protocol import APIError
 from serve_app.router import Router
 from serve_app.serve_internals import own_serve_request_id
 

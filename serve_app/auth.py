@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hmac
 
+from serve_app.api.wire import APIError
 from serve_app.config import ApiKey, IngressConfig, PriorityRange, RouterConfig
-from serve_app.protocol import APIError
 
 
 class Authorizer:

@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, overload
 
 if TYPE_CHECKING:
-    from serve_app.messages import AdmitRequest, AdmitResult, ModelInfo
-    from serve_app.transport import Abort, Batch, Open, Submit
+    from serve_app.messages import Abort, AdmitRequest, AdmitResult, Batch, ModelInfo, Open, Submit
 
 T = TypeVar("T", covariant=True)
 A = TypeVar("A", contravariant=True)

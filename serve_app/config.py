@@ -181,7 +181,7 @@ class ApiKey(_Strict):
 
 
 class SharedPortConfig(_Strict):
-    """Where every ingress replica of a node serves HTTP itself (serve_app.shared_port)."""
+    """Where every ingress replica of a node serves HTTP itself (serve_app.front_door)."""
     host: str = Field("127.0.0.1", description="Address to bind, as http_options.host.")
     port: int = Field(ge=1, le=65535, description="The port every ingress replica on a node binds (SO_REUSEPORT).")
     keep_alive_timeout_s: float = Field(

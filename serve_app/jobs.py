@@ -6,7 +6,7 @@ streamed from that replica (serve_app.replicas), released as soon as it ends; a 
 failed is reported lost to the admission. Owns: turning token ids into EngineRequest +
 AdmitRequest with the engine's own rules (token range, context length, SamplingParams, prefix
 block hashes), the jobs' flow, and assembling their chunks into one JSON response or one SSE
-stream. Does not own: HTTP parsing or auth (ingress.py), wire shapes (protocol.py, formatting.py).
+stream. Does not own: HTTP parsing or auth (ingress.py), wire shapes (serve_app.api).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from engine.kv_cache.hashing import adapter_cache_root, extend_block_hashes
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.tokenization import check_context_length, check_logit_bias, check_token_ids
 from serve_app.admission import Admission
-from serve_app.formatting import Formatter
+from serve_app.api.outputs import Formatter, StreamFormatter
+from serve_app.api.wire import APIError
 from serve_app.messages import AdmitRequest, EngineRequest, ModelInfo, StreamChunk
-from serve_app.protocol import APIError
 from serve_app.replicas import Replicas
+from serve_app.served_model import Adapter, ServedModel
 from serve_app.transport import ReplicaUnavailable
 
 logger = logging.getLogger("cbserve.ingress")
@@ -37,14 +38,34 @@ MAX_PREFIX_BLOCKS = 32  # the router's affinity key covers at most this many lea
 
 
 class SamplingRequest(Protocol):
-    """A validated API request, as a job needs it (protocol.py's request models)."""
+    """A validated API request, as a job needs it (serve_app.api's request models)."""
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams: ...
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None: ...
 
 
-Adapter = tuple[str | None, str | None]  # a request's LoRA adapter and its run-time path, or (None, None)
+@dataclass(frozen=True)
+class Target:
+    """Where a request's jobs run, and how soon: the served model it names, the LoRA adapter (its
+    name and its path where it was loaded at run time, or (None, None)), the priority its key allows."""
+    model: ServedModel
+    adapter: Adapter
+    priority: int
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request's jobs generate. `max_tokens`: the request's own, else the most of
+    `default_max_tokens` that fits the context; `param`: the field a refused prompt is reported
+    under; `chat_turn`: the parameters made a chat turn's (engine.chat_output.ChatOutputFormat.
+    sampling_params)."""
+    req: SamplingRequest
+    max_tokens: int | None
+    default_max_tokens: int
+    num_logprobs: int | None = None
+    param: str = "prompt"
+    chat_turn: Callable[[SamplingParams], SamplingParams] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,49 +75,47 @@ class Job:
     choice_offset: int  # this job's choice indices start here in the response
 
 
-def make_job(request_id: str, prompt_ids: list[int], *, req: SamplingRequest, info: ModelInfo,
-             max_tokens: int | None, default_max_tokens: int, num_logprobs: int | None, priority: int,
-             choice_offset: int, param: str, chat_turn: Callable[[SamplingParams], SamplingParams] | None = None,
-             adapter: Adapter = (None, None)) -> Job:
-    """`max_tokens`: the request's own, else the largest of `default_max_tokens` that fits the
-    context; `choice_offset`: where this job's choice indices start in the response; `param`: the
-    field a refused prompt is reported under; `chat_turn`: the request's parameters made a chat
-    turn's (engine.chat_output.ChatOutputFormat.sampling_params); `adapter`: (LoRA adapter name,
-    its path where it was loaded at run time), or (None, None). Raises
+def make_job(request_id: str, prompt_ids: list[int], target: Target, sampling: Sampling, choice_offset: int) -> Job:
+    """A prompt's job, its choices from `choice_offset` in the response. Raises
     engine.errors.InvalidRequestError (a 400) for what the engine would refuse."""
+    info = target.model.info
     check_token_ids(prompt_ids, info.vocab_size)
     num_prompt = len(prompt_ids)
+    max_tokens = sampling.max_tokens
     if max_tokens is None:
-        max_tokens = max(1, min(default_max_tokens, info.max_model_len - num_prompt))
-    params = req.sampling_params(max_tokens, num_logprobs)
-    if chat_turn is not None:
-        params = chat_turn(params)
+        max_tokens = max(1, min(sampling.default_max_tokens, info.max_model_len - num_prompt))
+    params = sampling.req.sampling_params(max_tokens, sampling.num_logprobs)
+    if sampling.chat_turn is not None:
+        params = sampling.chat_turn(params)
     check_logit_bias(params, info.vocab_size)
-    check_context_length(num_prompt, max_tokens, info.max_model_len, param)
-    return Job(EngineRequest(request_id, prompt_ids, params, priority, beam_search=req.beam_search_params(max_tokens),
-                             lora=adapter[0], lora_path=adapter[1]),
-               _admission(request_id, prompt_ids, info, priority, max_tokens, params.num_samples, adapter[0]),
-               choice_offset)
+    check_context_length(num_prompt, max_tokens, info.max_model_len, sampling.param)
+    lora, lora_path = target.adapter
+    return Job(EngineRequest(request_id, prompt_ids, params, target.priority,
+                             beam_search=sampling.req.beam_search_params(max_tokens), lora=lora, lora_path=lora_path),
+               _admission(request_id, prompt_ids, info, target, max_tokens, params.num_samples), choice_offset)
 
 
-def make_embedding_job(request_id: str, prompt_ids: list[int], *, info: ModelInfo, pooling: PoolingParams,
-                       priority: int, index: int, adapter: Adapter = (None, None)) -> Job:
+def make_embedding_job(request_id: str, prompt_ids: list[int], target: Target, pooling: PoolingParams,
+                       index: int) -> Job:
     """An input's embedding as an engine request, admitted as a prompt with one token to come;
     `index`: its place in the response. Raises InvalidRequestError for what the engine would refuse."""
+    info = target.model.info
     check_token_ids(prompt_ids, info.vocab_size, "input")
     check_context_length(len(prompt_ids), 1, info.max_model_len, "input")
-    return Job(EngineRequest(request_id, prompt_ids, pooling, priority, lora=adapter[0], lora_path=adapter[1]),
-               _admission(request_id, prompt_ids, info, priority, 1, 1, adapter[0]), index)
+    lora, lora_path = target.adapter
+    return Job(EngineRequest(request_id, prompt_ids, pooling, target.priority, lora=lora, lora_path=lora_path),
+               _admission(request_id, prompt_ids, info, target, 1, 1), index)
 
 
-def _admission(request_id: str, prompt_ids: list[int], info: ModelInfo, priority: int, max_tokens: int, n: int,
-               lora: str | None) -> AdmitRequest:
+def _admission(request_id: str, prompt_ids: list[int], info: ModelInfo, target: Target, max_tokens: int,
+               n: int) -> AdmitRequest:
     """What the router sees of a job: its model, its size, its adapter, and its prompt's leading block hashes
     (the engine's, rooted at its adapter's as the engine's prefix cache is)."""
-    num_prompt, bs = len(prompt_ids), info.block_size
+    num_prompt, bs, lora = len(prompt_ids), info.block_size, target.adapter[0]
     root = None if lora is None else adapter_cache_root(lora)
     hashes = extend_block_hashes([], prompt_ids, bs, min(num_prompt, MAX_PREFIX_BLOCKS * bs), root)
-    return AdmitRequest(request_id, info.served_model_name, priority, num_prompt, max_tokens, n, tuple(hashes), lora)
+    return AdmitRequest(request_id, info.served_model_name, target.priority, num_prompt, max_tokens, n, tuple(hashes),
+                        lora)
 
 
 def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:
@@ -160,7 +179,8 @@ async def _run_job(job: Job, admission: Admission, replicas: Replicas, out: asyn
             started.cancel()
 
 
-async def respond(jobs: list[Job], fmt: Formatter, stream: bool, admission: Admission, replicas: Replicas):
+async def respond(jobs: list[Job], fmt: StreamFormatter, stream: bool, admission: Admission, replicas: Replicas
+                  ) -> Response:
     """Runs every job; once all have their first chunk (any refusal before that is the response)
     answers with one JSON body, or an SSE stream multiplexing the jobs' chunks."""
     out, tasks = await _started(jobs, admission, replicas)
@@ -233,7 +253,8 @@ async def _arrived(out: asyncio.Queue, num_jobs: int
         yield batch, not remaining
 
 
-async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: Formatter) -> AsyncGenerator[tuple[str, bool], None]:
+async def _sse(out: asyncio.Queue, tasks: list[asyncio.Task], fmt: StreamFormatter
+               ) -> AsyncGenerator[tuple[str, bool], None]:
     """The stream as (text, more) pieces: one per batch of chunks that arrived together, the last
     one with what ends the stream in the formatter's API."""
     last = ""
@@ -256,7 +277,7 @@ class EventStreamResponse(Response):
     ASGI message, so one socket write, and the last one ends the response in the same write:
     events that arrive together, and a stream's last events and its end, share a write.
 
-    The client's disconnect cancels it (serve_app.proxy.CancelOnDisconnect), so its jobs are
+    The client's disconnect cancels it (serve_app.front_door.CancelOnDisconnect), so its jobs are
     cancelled and the engine aborts them; Starlette's own watcher, an anyio task group, cost about
     100 us of the ingress's event loop a response, three times what the rest of the response does."""
     media_type = "text/event-stream"

@@ -1,7 +1,7 @@
 """`make serve`: `serve run` on a serve YAML, with the front door chosen for its graph.
 
 Clients reach the app through one of two front doors:
-- **direct** (serve_app.shared_port): every ingress replica serves the config's HTTP port itself
+- **direct** (serve_app.front_door): every ingress replica serves the config's HTTP port itself
   (one replica, or several bound with SO_REUSEPORT, the kernel spreading connections over them).
   No proxy process on the data path and no Serve hop between the socket and the OpenAI front end,
   as with Ray's own direct ingress, which took 12% more tokens a second than the proxy on the
@@ -14,7 +14,7 @@ Clients reach the app through one of two front doors:
   (its Service targets the head's proxy, and replicas run on worker pods).
 
 With the direct front door Ray still starts Serve's proxy; it moves to the next port
-(`--proxy-port`) and answers there too. The header deadline (`serve_app.proxy`) holds on both.
+(`--proxy-port`) and answers there too. The header deadline (`serve_app.front_door`) holds on both.
 
 Serve's own periodic work, and Ray's log monitor's, is slowed where a graph this command starts
 gains nothing from its pace (`IDLE_PACE_ENV`): on a small host every wake-up of an idle Serve or
@@ -39,7 +39,7 @@ from engine.cache_dir import cache_dir
 from serve_app.serve_internals import joins_running_cluster
 
 FrontDoor = Literal["direct", "proxy"]
-HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
+HEADER_DEADLINE_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.front_door:install"}
 # The controller reconciles twice a second, not ten times: each pass asks the GCS for every node's
 # state, resources and draining (three RPCs), and at 10 Hz that was the idle graph's largest cost
 # (BENCHMARKS.md). Replicas and the proxy hand their cached request metrics to Ray once a second, not

@@ -106,3 +106,27 @@ class AdmitResult:
     replica_id: str | None  # the replica to stream from; None when refused
     error: ErrorInfo | None = None  # 429 (queue full) / 503 (no replica) when refused
     queue_wait_s: float = 0.0  # time spent in the router's queue
+
+
+# ---------------------------------------------------------------- the transport's (serve_app.transport)
+
+Batch = list[tuple[str, StreamChunk]]  # (request id, chunk) pairs: one channel message
+
+
+@dataclass(slots=True, frozen=True)
+class Open:
+    channel_id: str
+    replica_id: str  # the replica it is for (Serve's handle may reach another while it does not list that one)
+
+
+@dataclass(slots=True, frozen=True)
+class Submit:
+    channel_id: str
+    replica_id: str
+    requests: list[EngineRequest]
+
+
+@dataclass(slots=True, frozen=True)
+class Abort:
+    replica_id: str
+    request_ids: list[str]

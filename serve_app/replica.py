@@ -27,15 +27,25 @@ from engine.gc_settings import collect_young_less_often
 from engine.metrics import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import PoolingParams
+from serve_app.api.wire import APIError
 from serve_app.autoscaling import LIVE_REQUESTS
 from serve_app.coalescer import StreamCoalescer
 from serve_app.config import EngineReplicaConfig
 from serve_app.draft import draft_transport
-from serve_app.messages import EngineRequest, ErrorInfo, ModelInfo, ReplicaStats, StreamChunk
+from serve_app.messages import (
+    Abort,
+    Batch,
+    EngineRequest,
+    ErrorInfo,
+    ModelInfo,
+    Open,
+    ReplicaStats,
+    StreamChunk,
+    Submit,
+)
 from serve_app.metrics import ReplicaMetrics
-from serve_app.protocol import APIError
 from serve_app.slo import SLOTarget, SLOTracker
-from serve_app.transport import Abort, Batch, Open, ReplicaChannels, Submit
+from serve_app.transport import ReplicaChannels
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

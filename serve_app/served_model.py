@@ -12,12 +12,13 @@ import asyncio
 
 from engine.tokenization import render_chat
 from engine.tools import Tool
+from serve_app.api.wire import APIError
 from serve_app.batch_tokenizer import BatchTokenizer
 from serve_app.config import EngineReplicaConfig
-from serve_app.jobs import Adapter
 from serve_app.messages import ModelInfo
-from serve_app.protocol import APIError
 from serve_app.replicas import Replicas
+
+Adapter = tuple[str | None, str | None]  # a request's LoRA adapter and its run-time path, or (None, None)
 
 
 class ServedModel:

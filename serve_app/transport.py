@@ -4,9 +4,9 @@ One streamed Serve call per request costs the GPU config's graph a tenth of its 
 its serving CPU (BENCHMARKS.md, "Serving over HTTP"), so chunks travel over a channel: one
 streamed call per ingress and replica carrying every request's chunks that are ready at one
 moment as one message. Every call names its replica (`Pinned.replica_id`, read by
-serve_app.pinning). The messages: `Open` (the channel; its first item is the id of the replica it
-reached), `Submit` (requests, batched: those that come while one is on its way go in the next)
-and `Abort` (batched too).
+serve_app.pinning). The messages (serve_app.messages): `Open` (the channel; its first item is the
+id of the replica it reached), `Submit` (requests, batched: those that come while one is on its
+way go in the next) and `Abort` (batched too).
 
 A channel, at the ingress (`_Channel`):
 
@@ -37,37 +37,16 @@ import itertools
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 
+from serve_app.api.wire import APIError
 from serve_app.batching import KeyedBatchers
 from serve_app.calls import ReplicaHandle, ReplicaStreams
-from serve_app.messages import EngineRequest, ModelInfo, StreamChunk
-from serve_app.protocol import APIError
+from serve_app.messages import Abort, Batch, EngineRequest, ModelInfo, Open, StreamChunk, Submit
 from serve_app.serve_internals import own_serve_request_id
 
 logger = logging.getLogger("cbserve.transport")
 CHANNEL_IDLE_S = 2.0
 _UNREACHABLE = "the engine replica chosen for this request is unreachable; retry"
-Batch = list[tuple[str, StreamChunk]]  # (request id, chunk) pairs: one channel message
-
-
-@dataclass(slots=True, frozen=True)
-class Open:
-    channel_id: str
-    replica_id: str  # the replica it is for (Serve's handle may reach another while it does not list that one)
-
-
-@dataclass(slots=True, frozen=True)
-class Submit:
-    channel_id: str
-    replica_id: str
-    requests: list[EngineRequest]
-
-
-@dataclass(slots=True, frozen=True)
-class Abort:
-    replica_id: str
-    request_ids: list[str]
 
 
 class ReplicaUnavailable(APIError):

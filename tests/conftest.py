@@ -184,7 +184,7 @@ def tiny_llama_words(tmp_path_factory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-words"), "llama", tokenizer="words")
 
 
-HEADER_TIMEOUT_S = 2.0  # serve_app.proxy's header deadline in the test cluster's proxy
+HEADER_TIMEOUT_S = 2.0  # serve_app.front_door's header deadline in the test cluster's proxy
 KEEP_ALIVE_TIMEOUT_S = 3  # http_options.keep_alive_timeout_s of the test cluster
 
 

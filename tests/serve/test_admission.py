@@ -12,9 +12,9 @@ from conftest import one_lane, run
 from handles import Handle
 
 from serve_app.admission import LocalAdmission, RouterClient
+from serve_app.api.wire import APIError
 from serve_app.config import RouterConfig
 from serve_app.messages import AdmitRequest, ReplicaStats
-from serve_app.protocol import APIError
 from serve_app.router import Router
 
 

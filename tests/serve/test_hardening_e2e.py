@@ -2,7 +2,7 @@
 regression test per failure of the hardening report. The app has API keys ("ops": the whole
 priority range; "batch": [5, 10]), a 1 s body deadline, and a replica running 4 sequences with
 its step loop in a child process. The session cluster's proxy has the header deadline
-(serve_app.proxy, 2 s) and a 3 s keep-alive timeout (conftest.serve_cluster)."""
+(serve_app.front_door, 2 s) and a 3 s keep-alive timeout (conftest.serve_cluster)."""
 
 from __future__ import annotations
 

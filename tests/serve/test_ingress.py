@@ -577,3 +577,36 @@ def test_context_length_check_uses_chat_template_count():
 
 def test_http_transport_client_is_httpx():  # guard: tests above rely on httpx ASGI transport
     assert hasattr(httpx, "ASGITransport")
+
+
+def test_every_api_route_is_served_once_and_every_formatter_is_composed_not_derived():
+    """Each API module's routes reach the app as declared, no path and method twice, and errors on
+    Anthropic's routes take Anthropic's shape; no formatter derives from another class."""
+    import inspect
+
+    import serve_app.api.anthropic
+    import serve_app.api.chat
+    import serve_app.api.completions
+    import serve_app.api.embeddings
+    import serve_app.api.responses
+
+    async def go():
+        async with local_app() as (app, _, _):
+            served = {(method, route.path) for route in app.routes for method in getattr(route, "methods", ())}
+            front = FrontEnd(AppConfig.model_validate({"engine": {"served_model_name": "fake"}}), _Fleet(),
+                             {"fake": _Engines()})
+            declared = [(r.method, r.path) for r in front.routes]
+            assert len(declared) == len(set(declared)) and set(declared) <= served
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                anthropic = await client.post("/v1/messages", json={"model": "fake", "max_tokens": 1, "messages": []})
+                openai_shaped = await client.post("/v1/chat/completions", json={"model": "fake", "messages": []})
+            assert anthropic.status_code == openai_shaped.status_code == 400
+            assert anthropic.json()["type"] == "error" and "message" in anthropic.json()["error"]
+            assert openai_shaped.json()["error"]["param"] == "messages"
+
+    run(go())
+    formatters = [cls for module in (serve_app.api.anthropic, serve_app.api.chat, serve_app.api.completions,
+                                     serve_app.api.embeddings, serve_app.api.responses)
+                  for _, cls in inspect.getmembers(module, inspect.isclass)
+                  if cls.__module__ == module.__name__ and cls.__name__.endswith("Formatter")]
+    assert len(formatters) == 5 and all(cls.__bases__ == (object,) for cls in formatters)

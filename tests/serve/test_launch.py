@@ -21,6 +21,7 @@ import yaml
 from conftest import STARTUP_BOUND_S, wait_healthy
 
 from serve_app.config import AppConfig, SharedPortConfig
+from serve_app.front_door import shared_socket
 from serve_app.launch import (
     BUSY_MACHINE_ENV,
     HEADER_DEADLINE_ENV,
@@ -31,7 +32,6 @@ from serve_app.launch import (
     main,
     plan,
 )
-from serve_app.shared_port import shared_socket
 from tests.conftest import free_port_block
 
 ROOT = Path(__file__).parents[2]
@@ -89,7 +89,7 @@ def test_one_ingress_replica_takes_the_configs_port_and_moves_the_proxy():
     assert app.ingress.shared_port == SharedPortConfig(host="127.0.0.1", port=8000, keep_alive_timeout_s=30.0)
     assert not any(name.startswith("RAY_SERVE_DIRECT_INGRESS") or name == "RAY_SERVE_ENABLE_DIRECT_INGRESS"
                    for name in env)  # Ray's direct ingress binds without SO_REUSEADDR
-    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "serve_app.proxy:install"
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "serve_app.front_door:install"
     assert plan(SERVE_YAML, proxy_port=9100)[1]["http_options"]["port"] == 9100
 
 
@@ -99,7 +99,7 @@ def test_the_proxy_keeps_the_config_as_written(monkeypatch):
     door, config, env = plan(SERVE_YAML, "proxy")
     assert door == "proxy" and config == SERVE_YAML
     assert env == HEADER_DEADLINE_ENV | IDLE_PACE_ENV | SERVE_LOOP_ENV | BUSY_MACHINE_ENV
-    assert HEADER_DEADLINE_ENV == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.proxy:install"}
+    assert HEADER_DEADLINE_ENV == {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.front_door:install"}
 
 
 def test_a_pace_set_in_the_environment_is_kept(monkeypatch):
@@ -130,7 +130,7 @@ def test_a_taken_port_stops_the_launcher_with_a_clear_error(tmp_path, monkeypatc
 
 def test_connections_closed_at_a_stop_keep_neither_the_launcher_nor_the_server_off_the_port():
     """The server closes its connections first at a stop, so its side holds them in TIME_WAIT for
-    a minute. Its listening socket (serve_app.shared_port) binds with SO_REUSEADDR, which its
+    a minute. Its listening socket (serve_app.front_door) binds with SO_REUSEADDR, which its
     connections inherit: the next server binds the port at once, and the launcher counts
     listeners only."""
     port = free_port_block(1, 32000, 32768)

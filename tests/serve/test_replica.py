@@ -13,10 +13,9 @@ from fake_engine import FakeAsyncEngine
 from engine.gc_settings import YOUNG_COLLECTION_OBJECTS
 from engine.sampling_params import SamplingParams
 from serve_app.config import EngineReplicaConfig
-from serve_app.messages import EngineRequest
+from serve_app.messages import Abort, EngineRequest, Open, Submit
 from serve_app.replica import EngineReplica
 from serve_app.slo import SLOTarget
-from serve_app.transport import Abort, Open, Submit
 
 
 def make(interval: float = 0.0, router=None, slo=None, **engine_opts) -> EngineReplica:

@@ -22,10 +22,10 @@ from engine.sampling_params import SamplingParams
 from serve_app.admission import LocalAdmission
 from serve_app.config import AppConfig, EngineReplicaConfig
 from serve_app.ingress import FrontEnd
-from serve_app.messages import EngineRequest
+from serve_app.messages import Abort, EngineRequest, Open, Submit
 from serve_app.replica import EngineReplica
 from serve_app.router import Router
-from serve_app.transport import Abort, Open, ReplicaUnavailable, ServeReplicas, Submit
+from serve_app.transport import ReplicaUnavailable, ServeReplicas
 
 
 def make_replica(replica_id: str = "r", **engine_opts) -> EngineReplica:

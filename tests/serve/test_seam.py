@@ -18,11 +18,12 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.queue import WaitingQueue
 from serve_app.admission_queue import AdmissionQueue
-from serve_app.config import RouterConfig
-from serve_app.jobs import make_job
+from serve_app.api.completions import CompletionRequest
+from serve_app.config import EngineReplicaConfig, RouterConfig
+from serve_app.jobs import Sampling, Target, make_job
 from serve_app.messages import AdmitRequest, ModelInfo, ReplicaStats
-from serve_app.protocol import CompletionRequest
 from serve_app.router import Router
+from serve_app.served_model import ServedModel
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "sjf", "priority"])
@@ -90,14 +91,25 @@ def test_a_requests_aged_rank_is_continuous_from_router_to_engine(tiny_llama):
     assert order == ["p4", "old", "p6"]
 
 
+class _KnowsInfo:
+    """An engine replica as far as the model's info goes."""
+
+    def __init__(self, info: ModelInfo):
+        self.info = info
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+
 def test_the_routers_prefix_hashes_are_the_engines_block_hashes():
     """The prefix hashes the ingress sends to the router for a prompt are the hashes under which
     an engine's KV cache stores that prompt's full blocks."""
     block_size, prompt = 4, [random.Random(3).randrange(1, 1000) for _ in range(23)]
     info = ModelInfo("m", max_model_len=256, block_size=block_size, vocab_size=1000, hidden_size=8, tokenizer=None,
                      chat_format=ChatOutputFormat(None, "hermes"))
-    job = make_job("j", prompt, req=CompletionRequest(prompt=prompt), info=info, max_tokens=4, default_max_tokens=16,
-                   num_logprobs=None, priority=0, choice_offset=0, param="prompt")
+    model = ServedModel(EngineReplicaConfig(served_model_name="m"), _KnowsInfo(info))
+    run(model.load_info())
+    job = make_job("j", prompt, Target(model, (None, None), 0), Sampling(CompletionRequest(prompt=prompt), 4, 16), 0)
     kv = KVCacheManager(num_blocks=16, block_size=block_size, enable_prefix_caching=True)
     request = Request("j", prompt, SamplingParams(max_tokens=4))
     kv.allocate_slots(request, len(prompt))

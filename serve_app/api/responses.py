@@ -13,19 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from engine.chat_output import ChatOutputParser
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.tools import Tool, forced_tools, parse_tools, resolve_tool_choice
-from serve_app.formatting import Block, Formatter, OutputBlocks
+from serve_app.api.chat_turn import ChatTurn, ToolUse, chat_job, chat_template, named, template_variable
+from serve_app.api.openai_common import JsonSchemaFormat
+from serve_app.api.outputs import Block, OutputBlocks, Tally
+from serve_app.api.wire import APIError, Route, WireModel
+from serve_app.jobs import Job, Sampling, Target
 from serve_app.messages import StreamChunk
-from serve_app.protocol import APIError, JsonSchemaFormat, WireModel
+
+if TYPE_CHECKING:
+    from serve_app.ingress import FrontEnd
+
+logger = logging.getLogger("cbserve.ingress")
 
 # ---------------------------------------------------------------- the request
 
@@ -171,20 +184,10 @@ class ResponsesRequest(WireModel):
             raise ValueError("a background response is not streamed: GET it by its id")
         return self
 
-    @property
-    def offered_tools(self) -> list[Tool]:
-        return parse_tools([t.as_chat() for t in self.tools or []])
-
-    @property
-    def chosen_tool(self) -> str:
-        choice = self.tool_choice
-        if isinstance(choice, NamedFunction):
-            return resolve_tool_choice({"type": "function", "function": {"name": choice.name}}, self.offered_tools)
-        return resolve_tool_choice(choice, self.offered_tools)
-
-    @property
-    def forced(self) -> tuple[list[Tool], bool] | None:
-        return forced_tools(self.offered_tools, self.chosen_tool, self.parallel_tool_calls)
+    @cached_property
+    def tool_use(self) -> ToolUse:
+        choice = named(self.tool_choice.name) if isinstance(self.tool_choice, NamedFunction) else self.tool_choice
+        return ToolUse.of([t.as_chat() for t in self.tools or []], choice, self.parallel_tool_calls)
 
     def template_kwargs(self, template: str) -> dict[str, Any]:
         """chat_template_kwargs, and reasoning.effort as the template's reasoning_effort where the
@@ -193,10 +196,7 @@ class ResponsesRequest(WireModel):
         effort = self.reasoning.effort if self.reasoning is not None else None
         if effort is None:
             return given
-        if "reasoning_effort" not in template:
-            raise APIError(400, "reasoning.effort: this model's chat template takes no reasoning effort",
-                           param="reasoning.effort")
-        return given | {"reasoning_effort": effort}
+        return given | template_variable("reasoning_effort", effort, template, "reasoning.effort")
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         fmt = self.text.format if self.text is not None else None
@@ -309,14 +309,16 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesFormatter(Formatter):
+class ResponsesFormatter:
     """A response object from the engine's chunks, or its stream of typed events; `on_complete`
     gets the finished response object (to be kept)."""
 
-    def __init__(self, response_id: str, model: str, req: ResponsesRequest, tokenizer: Any, output_parser: Any,
-                 on_complete: Any):
-        super().__init__(response_id, model, req, tokenizer, 1)
-        self._new_parser, self._on_complete = output_parser, on_complete
+    def __init__(self, response_id: str, model: str, req: ResponsesRequest, tokenizer: Any,
+                 output_parser: Callable[[], ChatOutputParser],
+                 on_complete: Callable[[dict[str, Any], list[Block]], None]):
+        self.response_id, self.model, self.req, self.tokenizer = response_id, model, req, tokenizer
+        self.tally = Tally(1)
+        self._on_complete = on_complete
         self._parser = output_parser()
         self._blocks = OutputBlocks()
         self._ids: dict[int, str] = {}  # block index -> its item id
@@ -350,7 +352,7 @@ class ResponsesFormatter(Formatter):
         body = self.skeleton("incomplete" if incomplete else "completed")
         body["incomplete_details"] = {"reason": "max_output_tokens"} if incomplete else None
         body["output"] = [self._item(block, done=True) for block in self._blocks.blocks]
-        usage = self.usage()
+        usage = self.tally.usage()
         reasoning = sum(len(self.tokenizer.encode(b.text, add_special_tokens=False))
                         for b in self._blocks.blocks if b.kind == "reasoning")
         body["usage"] = {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
@@ -360,8 +362,11 @@ class ResponsesFormatter(Formatter):
         self._on_complete(body, self._blocks.blocks)
         return body
 
+    def add(self, chunk: StreamChunk, offset: int) -> None:
+        self.tally.add(chunk, offset)
+
     def response(self) -> dict[str, Any]:
-        choice = self._choice(0)
+        choice = self.tally.choice(0)
         self._finish_reason = choice.finish_reason
         self._blocks.feed(self._parser.feed(choice.text) + self._parser.finish())
         self._blocks.close()
@@ -375,7 +380,7 @@ class ResponsesFormatter(Formatter):
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
     def stream_text(self, chunk: StreamChunk, offset: int) -> str:
-        self._account(chunk, offset)
+        self.tally.count(chunk, offset)
         text = ""
         if not self._started:
             self._started = True
@@ -459,3 +464,93 @@ def stored_items(items: list[InputItem]) -> list[dict[str, Any]]:
         entry.setdefault("type", "message")
         listed.append(entry)
     return listed
+
+
+# ---------------------------------------------------------------- the routes
+
+
+class ResponsesAPI:
+    routes = (Route("POST", "/v1/responses", "create", (ResponsesRequest,)),
+              Route("GET", "/v1/responses/{response_id}", "get"),
+              Route("DELETE", "/v1/responses/{response_id}", "delete"),
+              Route("POST", "/v1/responses/{response_id}/cancel", "cancel"),
+              Route("GET", "/v1/responses/{response_id}/input_items", "input_items"))
+
+    def __init__(self, front: FrontEnd):
+        self.front = front
+        ingress = front.config.ingress
+        self.store = ResponseStore(ingress.max_stored_responses, ingress.num_replicas)
+
+    async def create(self, request: Request) -> Response:
+        """One chat turn over the items given, after a kept response's conversation where
+        previous_response_id names one."""
+        req, target = await self.front.accept(request, ResponsesRequest)
+        info = target.model.info
+        response_id = f"resp_{uuid.uuid4().hex}"
+        self.front.log_user(response_id, req.user)
+        items = req.input_items()
+        history = self.store.get(req.previous_response_id, "previous_response_id").history \
+            if req.previous_response_id is not None else []
+        conversation = history + chat_messages(items)
+        instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        if not conversation:
+            raise APIError(400, "input must hold at least one item", param="input")
+        turn = ChatTurn(instructions + conversation, req.tool_use, req.template_kwargs(chat_template(info)))
+        job, parser = await chat_job(response_id, turn, target, Sampling(req, req.max_output_tokens,
+                                                                         info.max_model_len, param="input"))
+        kept = StoredResponse({}, [], stored_items(items))
+
+        def keep(body: dict[str, Any], blocks: list[Block]) -> None:
+            kept.body, kept.history = body, conversation + [output_history(blocks)]
+
+        fmt = ResponsesFormatter(response_id, req.model or target.model.name, req, info.tokenizer, parser, keep)
+        if req.store:
+            self.store.put(response_id, kept)
+        if req.background:
+            self.front.check_fits_queue([job])
+            kept.body = fmt.skeleton("queued")
+            kept.task = asyncio.ensure_future(self._background(job, fmt, kept, target))
+            return JSONResponse(kept.body)
+        return await self.front.respond([job], fmt, req.stream, target)
+
+    async def _background(self, job: Job, fmt: ResponsesFormatter, kept: StoredResponse, target: Target) -> None:
+        """A background response run to its end in this process, its state kept as it goes."""
+        kept.body = fmt.skeleton("in_progress")
+        try:
+            await self.front.complete([job], fmt, target)
+        except asyncio.CancelledError:
+            kept.body = fmt.skeleton("cancelled")
+        except APIError as e:
+            kept.body = fmt.skeleton("failed") | {"error": {"code": e.code or "server_error", "message": e.message}}
+        except Exception as e:
+            logger.exception("background response %s failed", fmt.response_id)
+            kept.body = fmt.skeleton("failed") | {"error": {"code": "server_error", "message": type(e).__name__}}
+        finally:
+            kept.task = None
+
+    async def get(self, response_id: str, request: Request) -> dict[str, Any]:
+        self.front.authorize(request)
+        return self.store.get(response_id, "response_id").body
+
+    async def delete(self, response_id: str, request: Request) -> dict[str, Any]:
+        self.front.authorize(request)
+        kept = self.store.delete(response_id)
+        if kept.task is not None:
+            kept.task.cancel()
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def cancel(self, response_id: str, request: Request) -> dict[str, Any]:
+        self.front.authorize(request)
+        kept = self.store.get(response_id, "response_id")
+        if kept.task is None:
+            raise APIError(400, f"Response '{response_id}' is not a background response still running: only "
+                                "those can be cancelled.", param="response_id")
+        kept.task.cancel()
+        await asyncio.gather(kept.task, return_exceptions=True)
+        return kept.body
+
+    async def input_items(self, response_id: str, request: Request) -> dict[str, Any]:
+        self.front.authorize(request)
+        items = self.store.get(response_id, "response_id").input_items
+        return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None, "has_more": False}

@@ -1,4 +1,4 @@
-"""serve_app.shared_port without Ray: two servers (as two ingress replicas would run them) on one
+"""serve_app.front_door without Ray: two servers (as two ingress replicas would run them) on one
 port, each answering with its own name, in an event loop of their own."""
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from serve_app.config import SharedPortConfig
-from serve_app.proxy import HEADER_TIMEOUT_ENV, CancelOnDisconnect
-from serve_app.shared_port import SharedPortServer, shared_socket
+from serve_app.front_door import HEADER_TIMEOUT_ENV, CancelOnDisconnect, SharedPortServer, shared_socket
 from tests.conftest import free_port, seconds_until_closed
 
 HEADER_TIMEOUT_S = 0.5

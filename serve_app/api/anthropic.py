@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from functools import cached_property
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import Field
 
+from engine.chat_output import ChatOutputParser
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.tools import Tool, forced_tools, parse_tools, resolve_tool_choice
-from serve_app.formatting import Block, Formatter, OutputBlocks
+from serve_app.api.chat_turn import ChatTurn, ToolUse, chat_job, chat_template, named, template_variable
+from serve_app.api.outputs import Block, OutputBlocks, Tally
+from serve_app.api.wire import APIError, Route, WireModel
+from serve_app.jobs import Sampling
 from serve_app.messages import StreamChunk
-from serve_app.protocol import APIError, WireModel
+
+if TYPE_CHECKING:
+    from serve_app.ingress import FrontEnd
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -109,42 +118,27 @@ class Metadata(WireModel):
     user_id: str | None = None
 
 
-class MessagesRequest(WireModel):
+class Conversation(WireModel):
+    """What a Messages request and its count_tokens share: the conversation, its tools, thinking
+    and effort, as one chat turn (serve_app.api.chat_turn)."""
     model: str
-    max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float = Field(1.0, ge=0, le=1)
-    top_p: float = 1.0
-    top_k: int = 0
-    stream: bool = False
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
-    metadata: Metadata | None = None
-    priority: int | None = Field(None, description="Lower is served sooner; None: the API key's default.")
 
-    @property
-    def offered_tools(self) -> list[Tool]:
-        return parse_tools([t.as_chat() for t in self.tools or []])
-
-    @property
-    def chosen_tool(self) -> str:
-        choice = self.tool_choice
+    @cached_property
+    def tool_use(self) -> ToolUse:
+        tools, choice = [t.as_chat() for t in self.tools or []], self.tool_choice
         if choice is None:
-            return resolve_tool_choice(None, self.offered_tools)
-        if choice.type == "tool":
-            if choice.name is None:
-                raise APIError(400, "tool_choice of type tool names the tool", param="tool_choice")
-            return resolve_tool_choice({"type": "function", "function": {"name": choice.name}}, self.offered_tools)
-        return resolve_tool_choice({"any": "required"}.get(choice.type, choice.type), self.offered_tools)
-
-    @property
-    def forced(self) -> tuple[list[Tool], bool] | None:
-        parallel = not (self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use)
-        return forced_tools(self.offered_tools, self.chosen_tool, parallel)
+            return ToolUse.of(tools)
+        if choice.type == "tool" and choice.name is None:
+            raise APIError(400, "tool_choice of type tool names the tool", param="tool_choice")
+        chat_choice = named(choice.name) if choice.type == "tool" and choice.name is not None \
+            else {"any": "required"}.get(choice.type, choice.type)
+        return ToolUse.of(tools, chat_choice, not choice.disable_parallel_tool_use)
 
     def template_kwargs(self, template: str) -> dict[str, Any]:
         """`thinking` as the template's enable_thinking where it reads one (else only where it asks
@@ -152,14 +146,8 @@ class MessagesRequest(WireModel):
         output_config.effort as its reasoning_effort where it reads one."""
         return _thinking(self.thinking, template) | _effort(self.output_config, template)
 
-    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        fmt = self.output_config.format if self.output_config is not None else None
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              stop=self.stop_sequences or [],
-                              structured_outputs=StructuredOutputsParams(json=fmt.schema_) if fmt else None)
-
-    def beam_search_params(self, max_tokens: int) -> None:
-        return None
+    def chat_turn(self, template: str) -> ChatTurn:
+        return ChatTurn(self.chat_messages(), self.tool_use, self.template_kwargs(template))
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The conversation as OpenAI chat messages (engine.tokenization.render_chat's)."""
@@ -194,6 +182,31 @@ class MessagesRequest(WireModel):
         return messages
 
 
+
+class MessagesRequest(Conversation):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = 1.0
+    top_k: int = 0
+    stream: bool = False
+    metadata: Metadata | None = None
+    priority: int | None = Field(None, description="Lower is served sooner; None: the API key's default.")
+
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        fmt = self.output_config.format if self.output_config is not None else None
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              stop=self.stop_sequences or [],
+                              structured_outputs=StructuredOutputsParams(json=fmt.schema_) if fmt else None)
+
+    def beam_search_params(self, max_tokens: int) -> None:
+        return None
+
+
+class CountTokensRequest(Conversation):
+    """count_tokens: a Messages request's conversation, nothing generated."""
+
+
 def _thinking(thinking: ThinkingConfig | None, template: str) -> dict[str, Any]:
     if thinking is None:
         return {}
@@ -207,31 +220,8 @@ def _thinking(thinking: ThinkingConfig | None, template: str) -> dict[str, Any]:
 def _effort(config: OutputConfig | None, template: str) -> dict[str, Any]:
     if config is None or config.effort is None:
         return {}
-    if "reasoning_effort" not in template:
-        raise APIError(400, "output_config.effort: this model's chat template takes no reasoning effort",
-                       param="output_config.effort")
-    return {"reasoning_effort": {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)}
-
-
-class CountTokensRequest(WireModel):
-    model: str
-    messages: list[Message] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: ThinkingConfig | None = None
-    output_config: OutputConfig | None = None
-
-    def template_kwargs(self, template: str) -> dict[str, Any]:
-        return _thinking(self.thinking, template) | _effort(self.output_config, template)
-
-    def chat_messages(self) -> list[dict[str, Any]]:
-        counted = MessagesRequest(model=self.model, max_tokens=1, messages=self.messages, system=self.system)
-        return counted.chat_messages()
-
-    @property
-    def offered_tools(self) -> list[Tool]:
-        return parse_tools([t.as_chat() for t in self.tools or []])
+    return template_variable("reasoning_effort", {"xhigh": "high", "max": "high"}.get(config.effort, config.effort),
+                             template, "output_config.effort")
 
 
 # ---------------------------------------------------------------- the output
@@ -241,11 +231,13 @@ def _sse(kind: str, payload: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n"
 
 
-class MessagesFormatter(Formatter):
+class MessagesFormatter:
     """A message from the engine's chunks, or its stream of Anthropic's events."""
 
-    def __init__(self, message_id: str, model: str, req: MessagesRequest, tokenizer: Any, output_parser: Any):
-        super().__init__(message_id, model, req, tokenizer, 1)
+    def __init__(self, message_id: str, model: str, req: MessagesRequest,
+                 output_parser: Callable[[], ChatOutputParser]):
+        self.message_id, self.model = message_id, model
+        self.tally = Tally(1)
         self._parser = output_parser()
         self._blocks = OutputBlocks()
         self._tool_ids: dict[int, str] = {}
@@ -273,21 +265,24 @@ class MessagesFormatter(Formatter):
 
     def _message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], output_tokens: int
                  ) -> dict[str, Any]:
-        return {"id": self.response_id, "type": "message", "role": "assistant", "model": self.model,
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
-                "usage": {"input_tokens": self.usage().prompt_tokens, "output_tokens": output_tokens,
+                "usage": {"input_tokens": self.tally.usage().prompt_tokens, "output_tokens": output_tokens,
                           "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
 
+    def add(self, chunk: StreamChunk, offset: int) -> None:
+        self.tally.add(chunk, offset)
+
     def response(self) -> dict[str, Any]:
-        choice = self._choice(0)
+        choice = self.tally.choice(0)
         self._finish = (choice.finish_reason, choice.stop_string)
         self._blocks.feed(self._parser.feed(choice.text) + self._parser.finish())
         self._blocks.close()
         content = [self._content(b, done=True) for b in self._blocks.blocks]
-        return self._message(content, self._stop(), self.usage().completion_tokens)
+        return self._message(content, self._stop(), self.tally.usage().completion_tokens)
 
     def stream_text(self, chunk: StreamChunk, offset: int) -> str:
-        self._account(chunk, offset)
+        self.tally.count(chunk, offset)
         text = ""
         if not self._started:
             self._started = True
@@ -318,8 +313,35 @@ class MessagesFormatter(Formatter):
         text = "".join(self._events(*event) for event in self._blocks.close())
         stop_reason, stop_sequence = self._stop()
         text += _sse("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                       "usage": {"output_tokens": self.usage().completion_tokens}})
+                                       "usage": {"output_tokens": self.tally.usage().completion_tokens}})
         return text + _sse("message_stop", {})
 
     def stream_error(self, error: APIError) -> str:
         return f"event: error\ndata: {json.dumps(error_body(error), separators=(',', ':'))}\n\n"
+
+
+# ---------------------------------------------------------------- the routes
+
+
+class MessagesAPI:
+    routes = (Route("POST", "/v1/messages", "create", (MessagesRequest,), error_body),
+              Route("POST", "/v1/messages/count_tokens", "count_tokens", (CountTokensRequest,), error_body))
+
+    def __init__(self, front: FrontEnd):
+        self.front = front
+
+    async def create(self, request: Request) -> Response:
+        req, target = await self.front.accept(request, MessagesRequest)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        turn = req.chat_turn(chat_template(target.model.info))
+        job, parser = await chat_job(message_id, turn, target, Sampling(req, req.max_tokens, req.max_tokens,
+                                                                        param="messages"))
+        return await self.front.respond([job], MessagesFormatter(message_id, req.model, req, parser), req.stream,
+                                        target)
+
+    async def count_tokens(self, request: Request) -> dict[str, int]:
+        """The prompt tokens a Messages request would take."""
+        req, model = await self.front.validated(request, CountTokensRequest)
+        turn = req.chat_turn(chat_template(model.info))
+        _, ids = await model.chat_prompt(turn.messages, turn.tools.offered, template_kwargs=turn.template_kwargs)
+        return {"input_tokens": len(ids)}

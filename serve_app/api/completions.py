@@ -1,0 +1,218 @@
+"""OpenAI's completions API (`POST /v1/completions`): prompts (texts or token ids, several a
+request) as jobs of n samples each, or one beam search a prompt (vLLM's use_beam_search); `echo`
+and prompt logprobs; answered as a completion object or its stream of chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from engine.beam_search import BeamSearchParams
+from engine.errors import InvalidRequestError
+from engine.outputs import CompletionOutput
+from engine.tokenization import all_ints
+from serve_app.api.openai_common import ChunkStream, SamplingFields
+from serve_app.api.outputs import Tally
+from serve_app.api.wire import APIError, Route, Usage
+from serve_app.jobs import Sampling, make_job
+from serve_app.messages import StreamChunk
+
+if TYPE_CHECKING:
+    from serve_app.ingress import FrontEnd
+
+# ---------------------------------------------------------------- the request
+
+_NOT_WITH_BEAM_SEARCH = ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                         "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "best_of", "logprobs",
+                         "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                         "guided_grammar")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all_ints(value)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any = Field(description="A string, a list of strings, a list of token ids, or a list of "
+                                    "lists of token ids.", json_schema_extra={"anyOf": [
+                                        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                                        {"type": "array", "items": {"type": "integer"}},
+                                        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    use_beam_search: bool = Field(False, description="Beam search (vLLM's): n beams, the n best returned, as "
+                                                     "transformers' generate(num_beams=n) finds them.")
+    length_penalty: float = Field(1.0, description="With use_beam_search: scores are divided by length ** this.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if (isinstance(v, str) and v) or _is_token_ids(v) or (
+                isinstance(v, list) and v and (all(isinstance(p, str) and p for p in v)
+                                               or all(_is_token_ids(p) for p in v))):
+            return v
+        raise ValueError("prompt must be a non-empty string, a list of non-empty strings, a list of token "
+                         "ids (ints), or a list of such lists")
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """Refuses a field beam search would not apply (it is deterministic: temperature 0 only)."""
+        given = self.model_fields_set
+        if not self.use_beam_search:
+            if "length_penalty" in given:
+                raise InvalidRequestError("length_penalty", "length_penalty applies to beam search only "
+                                                            "(use_beam_search)")
+            return None
+        defaults = type(self).model_fields
+        unapplied = [f for f in _NOT_WITH_BEAM_SEARCH if f in given and getattr(self, f) != defaults[f].default]
+        if "temperature" in given and self.temperature != 0:
+            unapplied.insert(0, "temperature")
+        if unapplied:
+            raise InvalidRequestError(unapplied[0], f"{unapplied[0]} does not apply to beam search (use_beam_search)")
+        return BeamSearchParams(self.n, max_tokens, self.length_penalty, self.ignore_eos)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of single prompts (text or token ids)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or _is_token_ids(p) else list(p)
+
+
+# ---------------------------------------------------------------- the output
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+Logprobs = list[tuple[int, dict[int, float] | None]]  # (token, its top logprobs), None for a prompt's first
+
+
+class CompletionFormatter:
+    """With `echo`, each choice's text starts with its prompt's (streamed: in its first chunk), and
+    with `logprobs` too, its logprobs start with the prompt tokens' (the first one's null)."""
+
+    def __init__(self, response_id: str, model: str, req: CompletionRequest, tokenizer: Any, num_choices: int):
+        self.req, self.tokenizer = req, tokenizer
+        self.tally = Tally(num_choices)
+        self.stream = ChunkStream(response_id, "text_completion", model, req.stream_options, self.tally)
+        self._echoed: set[int] = set()
+        self._prompt_logprobs: dict[int, Logprobs] = {}  # by prompt index
+
+    def _take(self, chunk: StreamChunk, offset: int) -> None:
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs[offset // self.req.n] = chunk.prompt_logprobs
+
+    def add(self, chunk: StreamChunk, offset: int) -> None:
+        self.tally.add(chunk, offset)
+        self._take(chunk, offset)
+
+    def stream_text(self, chunk: StreamChunk, offset: int) -> str:
+        self.tally.count(chunk, offset)
+        self._take(chunk, offset)
+        return "".join(self.stream.chunk(self._stream_choice(offset + d.index, d)) for d in chunk.outputs)
+
+    def stream_end(self) -> str:
+        return self.stream.end()
+
+    def stream_error(self, error: APIError) -> str:
+        return self.stream.error(error)
+
+    def _echo(self, index: int) -> str:
+        if not self.req.echo:
+            return ""
+        prompt = self.req.prompts()[index // self.req.n]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def _logprobs(self, pairs: Logprobs) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets, pos = [], [], [], [], 0
+        k = self.req.logprobs or 0
+        for token_id, entries in pairs:
+            s = self.tokenizer.decode([token_id])
+            tokens.append(s)
+            token_logprobs.append(entries.get(token_id) if entries is not None else None)
+            top.append({self.tokenizer.decode([t]): lp for t, lp in _top(entries)[:k]} if entries is not None
+                       else None)
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _choice_logprobs(self, index: int, c: CompletionOutput, first: bool) -> dict[str, Any] | None:
+        """The choice's (new) tokens' logprobs, after its prompt's in its first part when echoed."""
+        if c.logprobs is None:
+            return None
+        echoed = self._prompt_logprobs.get(index // self.req.n, []) if first and self.req.echo else []
+        return self._logprobs(echoed + list(zip(c.token_ids, c.logprobs)))
+
+    def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
+        first = index not in self._echoed
+        self._echoed.add(index)
+        text = (self._echo(index) if first else "") + d.text
+        return {"index": index, "text": text, "logprobs": self._choice_logprobs(index, d, first),
+                "finish_reason": d.finish_reason}
+
+    def response(self) -> dict[str, Any]:
+        choices = [
+            CompletionChoice(index=c.index, text=self._echo(c.index) + c.text, finish_reason=c.finish_reason,
+                             logprobs=self._choice_logprobs(c.index, c, True))
+            for c in self.tally.all_choices()
+        ]
+        return CompletionResponse(id=self.stream.response_id, created=self.stream.created, model=self.stream.model,
+                                  choices=choices, usage=self.tally.usage()).model_dump()
+
+
+def _top(entries: dict[int, float]) -> list[tuple[int, float]]:
+    """A token's candidates, most likely first."""
+    return sorted(entries.items(), key=lambda kv: -kv[1])
+
+
+# ---------------------------------------------------------------- the route
+
+
+class CompletionsAPI:
+    routes = (Route("POST", "/v1/completions", "create", (CompletionRequest,)),)
+
+    def __init__(self, front: FrontEnd):
+        self.front = front
+
+    async def create(self, request: Request) -> Response:
+        req, target = await self.front.accept(request, CompletionRequest)
+        model, prompts = target.model, req.prompts()
+        self.front.check_num_prompts(len(prompts), "prompt")
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        self.front.log_user(base_id, req.user)
+        prompt_ids = ([await model.prompt_ids(prompts[0])] if len(prompts) == 1
+                      else await asyncio.gather(*map(model.prompt_ids, prompts)))  # a batch's texts together
+        sampling = Sampling(req, req.max_tokens, self.front.config.ingress.default_completion_max_tokens,
+                            req.logprobs)
+        jobs = [make_job(f"{base_id}-{i}", ids, target, sampling, i * req.n) for i, ids in enumerate(prompt_ids)]
+        fmt = CompletionFormatter(base_id, req.model or model.name, req, model.info.tokenizer, len(jobs) * req.n)
+        return await self.front.respond(jobs, fmt, req.stream, target)
