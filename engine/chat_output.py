@@ -49,13 +49,15 @@ class ChatDelta:
 class ChatOutputParser:
     """One output's parts as its text arrives (`feed`), and what was held at its end (`finish`)."""
 
-    def __init__(self, fmt: ChatOutputFormat, section: str, calls: bool) -> None:
-        """`section`: where the prompt leaves a thinking section (engine.reasoning.section_in)."""
+    def __init__(self, fmt: ChatOutputFormat, section: str, calls: bool, forced: bool = False) -> None:
+        """`section`: where the prompt leaves a thinking section (engine.reasoning.section_in);
+        `forced`: the answer is calls alone (a required or named choice), so what an output cut
+        short leaves of an unfinished call is dropped, not made content."""
         self._harmony = HarmonyParser() if fmt.reasoning == "harmony" or fmt.tools == "harmony" else None
         self._think = ThinkSplitter(section) if fmt.reasoning == "think" else None
         self._calls: CallParser | None = TOOL_FORMATS[fmt.tools].parser() if calls and self._harmony is None \
             else None
-        self._take_calls = calls
+        self._take_calls, self._forced = calls, forced
         self.num_calls = 0
 
     def feed(self, text: str) -> ChatDelta:
@@ -78,7 +80,8 @@ class ChatOutputParser:
         if self._calls is not None:
             answer, calls = self._calls.feed(answer)
             if finished:
-                answer += self._calls.finish()
+                rest = self._calls.finish()
+                answer += "" if self._forced else rest
         self.num_calls += len(calls)
         return ChatDelta(thought, answer, calls)
 
@@ -114,9 +117,10 @@ class ChatOutputFormat:
         used = (self.tool_format.markers if calls else ()) + (HARMONY_MARKERS if self.reasoning == "harmony" else ())
         return self.markers.skipped(used)
 
-    def parser(self, prompt_text: str, calls: bool) -> ChatOutputParser:
-        """A parser for one output of `prompt_text`; `calls`: tool calls are read out of it."""
-        return ChatOutputParser(self, section_in(prompt_text), calls)
+    def parser(self, prompt_text: str, calls: bool, forced: bool = False) -> ChatOutputParser:
+        """A parser for one output of `prompt_text`; `calls`: tool calls are read out of it;
+        `forced`: they are all it holds (ChatOutputParser)."""
+        return ChatOutputParser(self, section_in(prompt_text), calls, forced)
 
     def parse(self, prompt_text: str, text: str, calls: bool) -> ChatDelta:
         """A whole output's parts."""

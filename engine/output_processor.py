@@ -214,7 +214,7 @@ class OutputProcessor:
         if not hits:
             return False
         at, sample.stop_string = min(hits)
-        sample.text = sample.text[:at]
+        sample.text = sample.text[:at + len(sample.stop_string) * request.params.include_stop_str_in_output]
         was_running = sample.finish_reason is None
         sample.finish_reason = FinishReason.STOP.value
         return was_running

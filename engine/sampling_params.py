@@ -55,6 +55,7 @@ _RULES = (  # field, accepts, rule as the error message states it
     ("seed", lambda v: v is None or _int_in(INT64_MIN, INT64_MAX)(v), "must be a 64-bit signed int or null"),
     ("ignore_eos", lambda v: isinstance(v, bool), "must be a bool"),
     ("skip_special_tokens", lambda v: isinstance(v, bool), "must be a bool"),
+    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "must be a bool"),
     ("presence_penalty", _number_in(-2, 2), "must be a number in [-2, 2]"),
     ("frequency_penalty", _number_in(-2, 2), "must be a number in [-2, 2]"),
     ("repetition_penalty", _number_in(0, math.inf, lo_open=True), "must be a finite number > 0"),
@@ -151,7 +152,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)  # stop strings, not included in the text (one: a string)
+    stop: list[str] = field(default_factory=list)  # stop strings (one: a string), cut from the text unless
+    include_stop_str_in_output: bool = False  # the stop string that ended a sample ends its text too (vLLM's)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     presence_penalty: float = 0.0

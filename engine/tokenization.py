@@ -40,19 +40,21 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+                tools: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None,
+                continue_final_message: bool = False) -> str:
     """The chat template applied to OpenAI-format messages (tool calls and results included),
-    with the `tools` offered and the assistant's generation prompt unless told otherwise.
-    `template_kwargs`: variables the template reads (`enable_thinking`, `reasoning_effort`);
-    one it does not mention is refused, so no client believes it was applied."""
+    with the `tools` offered and the assistant's generation prompt unless told otherwise, or
+    (`continue_final_message`) the last message left open for the output to go on with.
+    `template_kwargs`: variables for the template (`enable_thinking`, `reasoning_effort`), passed
+    as given, as vLLM passes them: the template renders those it reads (clients send Qwen3's
+    `enable_thinking` to every model)."""
     if not messages:
         raise InvalidRequestError("messages", "messages must not be empty")
     template = getattr(tokenizer, "chat_template", None) or ""
-    unread = [name for name in template_kwargs or {} if name not in template]
-    if unread:
-        raise InvalidRequestError(unread[0], f"this model's chat template does not take {unread[0]}")
     native = template_reads_tools(template)
-    extra = {"tools": [t.as_openai() for t in tools]} if native and tools else {}
+    extra: dict[str, Any] = {"tools": [t.as_openai() for t in tools]} if native and tools else {}
+    if continue_final_message:
+        extra["continue_final_message"] = True
     messages = conversation(messages, tools or [], native, short_call_ids=tool_format_for(template) == "mistral")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,

@@ -48,10 +48,26 @@ class Markers:
 
 
 def call_json(tool: Tool, arguments_key: str) -> str:
-    """A Lark item: one call to `tool` as a JSON object, its arguments valid against its parameters."""
-    schema = {"type": "object", "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+    """A Lark item: one call to `tool` as a JSON object, its arguments valid against its parameters
+    (their local references, `#/$defs/...` or `#` itself, pointing where the parameters now sit)."""
+    arguments = rerooted(tool.parameters, f"#/properties/{arguments_key}")
+    schema = {"type": "object", "properties": {"name": {"const": tool.name}, arguments_key: arguments},
               "required": ["name", arguments_key], "additionalProperties": False, "x-guidance": JSON_STYLE}
     return f"%json {json.dumps(schema)}"
+
+
+_VALUES = frozenset(["const", "enum", "default", "examples"])  # JSON values, not schemas: no reference in them
+
+
+def rerooted(schema: object, at: str) -> object:
+    """`schema` with its local `$ref`s rewritten for it to sit at the JSON pointer `at` of a larger
+    schema (what pydantic's and zod's nested and recursive models refer by)."""
+    if isinstance(schema, list):
+        return [rerooted(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: (at + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                  else value if key in _VALUES else rerooted(value, at)) for key, value in schema.items()}
 
 
 def args_json(tool: Tool) -> str:

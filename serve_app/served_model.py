@@ -62,11 +62,13 @@ class ServedModel:
         return await self.encode(prompt, param=param) if isinstance(prompt, str) else prompt
 
     async def chat_prompt(self, messages: list[dict], tools: list[Tool], add_generation_prompt: bool = True,
-                          template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                          template_kwargs: dict | None = None, continue_final_message: bool = False
+                          ) -> tuple[str, list[int]]:
         """engine.tokenization.encode_chat's text and ids for OpenAI-format `messages`: the
         template applied here, its text (every special token written out, none to add)
         tokenized off the event loop."""
-        text = render_chat(self.info.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        text = render_chat(self.info.tokenizer, messages, add_generation_prompt, tools, template_kwargs,
+                           continue_final_message)
         return text, await self.encode(text, add_special_tokens=False, param="messages")
 
     def may_serve_adapter(self, name: str) -> bool:

@@ -39,6 +39,7 @@ class TokenizeChatRequest(ChatFields):
     """/tokenize, chat form: the messages (and tools) through the chat template (vLLM's)."""
     model: str | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Variables the chat template reads.")
 
@@ -166,7 +167,8 @@ class AdminAPI:
         if "messages" in data:
             chat, model = await self.front.parse_for_model(TokenizeChatRequest, data)
             _, ids = await model.chat_prompt(chat.template_messages(), ToolUse.of(chat.tool_definitions()).offered,
-                                             chat.add_generation_prompt, chat.chat_template_kwargs)
+                                             chat.add_generation_prompt, chat.chat_template_kwargs,
+                                             chat.continue_final_message)
             strs = chat.return_token_strs
         else:
             text, model = await self.front.parse_for_model(TokenizeCompletionRequest, data)

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from engine.chat_output import ChatOutputParser
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from serve_app.api.chat_turn import ChatTurn, ToolUse, chat_job, chat_template, named, template_variable
 from serve_app.api.outputs import Block, OutputBlocks, Tally
-from serve_app.api.wire import APIError, Route, WireModel
+from serve_app.api.wire import APIError, Route, WireModel, refuse_media
 from serve_app.jobs import Sampling
 from serve_app.messages import StreamChunk
 
@@ -74,7 +74,7 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
 
 class Message(WireModel):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: Annotated[str | list[ContentBlock], BeforeValidator(refuse_media)]
 
 
 class ToolDefinition(WireModel):
@@ -208,13 +208,12 @@ class CountTokensRequest(Conversation):
 
 
 def _thinking(thinking: ThinkingConfig | None, template: str) -> dict[str, Any]:
-    if thinking is None:
+    """The template's enable_thinking where it reads one; a model whose template has no switch
+    thinks as it always does (agent clients send `thinking` to every model, and llama.cpp takes it
+    so too): its answer then holds thinking blocks where, and only where, the model thought."""
+    if thinking is None or "enable_thinking" not in template:
         return {}
-    if "enable_thinking" in template:
-        return {"enable_thinking": thinking.type != "disabled"}
-    if thinking.type == "enabled":
-        raise APIError(400, "thinking: this model's chat template has no thinking to turn on", param="thinking")
-    return {}
+    return {"enable_thinking": thinking.type != "disabled"}
 
 
 def _effort(config: OutputConfig | None, template: str) -> dict[str, Any]:

@@ -9,18 +9,18 @@ import time
 import uuid
 from collections.abc import Callable
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from engine.chat_output import ChatOutputParser
 from engine.outputs import CompletionOutput
 from serve_app.api.chat_turn import ChatTurn, ToolUse, chat_job, chat_template, template_variable
-from serve_app.api.openai_common import ChunkStream, SamplingFields
+from serve_app.api.openai_common import ChunkStream, PromptLogprobs, SamplingFields, Tokens
 from serve_app.api.outputs import Tally
-from serve_app.api.wire import APIError, Route, Usage, WireModel
+from serve_app.api.wire import APIError, Route, Usage, WireModel, refuse_media
 from serve_app.jobs import Sampling
 from serve_app.messages import StreamChunk
 
@@ -41,15 +41,21 @@ class FunctionCall(WireModel):
 
 
 class ToolCallIn(WireModel):
-    """A call the assistant made earlier in the conversation."""
+    """A call the assistant made earlier in the conversation (a streamed one's `index` too)."""
+    model_config = ConfigDict(extra="allow", strict=True)
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
 class ChatMessage(WireModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    """A message of the conversation. Keys beyond these, what clients send back of an answer
+    (`refusal`, `annotations`, ids, vLLM's `reasoning`), reach the template as they are, which
+    renders those it reads; any role reaches it too, which renders it or refuses it (a 400)."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str = Field(min_length=1, description="system, developer (as system), user, assistant, tool, or a role "
+                                                "the chat template renders.")
+    content: Annotated[str | list[ContentPart] | None, BeforeValidator(refuse_media)] = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -70,14 +76,16 @@ class ChatMessage(WireModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+        extra = self.model_extra or {}
+        message: dict[str, Any] = {**extra, "role": "system" if self.role == "developer" else self.role,
                                    "content": content or ""}
+        reasoning = self.reasoning_content if self.reasoning_content is not None else extra.get("reasoning")
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:  # as Qwen3's template reads it, and gpt-oss's
-            message["reasoning_content"] = message["thinking"] = self.reasoning_content
+        if isinstance(reasoning, str):  # as Qwen3's template reads it, and gpt-oss's
+            message["reasoning_content"] = message["thinking"] = reasoning
         return message
 
 
@@ -124,6 +132,19 @@ class ChatCompletionRequest(SamplingFields, ChatFields):
         None, description="Reaches the chat template as reasoning_effort, where the template takes it.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Variables the chat template reads, such "
                                                                           "as enable_thinking (vLLM's).")
+    echo: bool = Field(False, description="The answer starts with the last message's content where that message is "
+                                          "the answer's role's (vLLM's).")
+    add_generation_prompt: bool = Field(True, description="The template's prompt for a new assistant message "
+                                                          "(vLLM's).")
+    continue_final_message: bool = Field(False, description="The last message left open, the output going on with "
+                                                            "it (vLLM's).")
+
+    @model_validator(mode="after")
+    def _where_the_output_starts(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the output "
+                             "either continues the last message or starts a new one")
+        return self
 
     @cached_property
     def tool_use(self) -> ToolUse:
@@ -134,6 +155,19 @@ class ChatCompletionRequest(SamplingFields, ChatFields):
         effort = {} if self.reasoning_effort is None else template_variable(
             "reasoning_effort", self.reasoning_effort, template, "reasoning_effort")
         return (self.chat_template_kwargs or {}) | effort
+
+    def chat_turn(self, template: str) -> ChatTurn:
+        return ChatTurn(self.template_messages(), self.tool_use, self.template_kwargs(template),
+                        self.add_generation_prompt, self.continue_final_message)
+
+    @property
+    def echoed(self) -> str:
+        """What the answer starts with under `echo`: the last message's content where it is the
+        answer's role's (the assistant's, or with no generation prompt the last message's own)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.as_template_dict()["content"]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -160,6 +194,8 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: str | None = None  # vLLM's: the stop string that ended it
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -169,18 +205,23 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatFormatter:
     """Each choice's text split by the model's chat format (engine.chat_output) into reasoning
     (`reasoning_content`, and vLLM's newer `reasoning`), content and, with tools offered
     (tool_choice other than `none`), `message.tool_calls`, streamed as each call completes, with
-    finish_reason `tool_calls` (OpenAI's `stop` when the call was forced by name)."""
+    finish_reason `tool_calls` (OpenAI's `stop` when the call was forced by name). A stream's
+    choice opens with its role alone."""
 
     def __init__(self, response_id: str, model: str, req: ChatCompletionRequest, tokenizer: Any,
-                 output_parser: Callable[[], ChatOutputParser]):
-        self.req, self.tokenizer = req, tokenizer
+                 output_parser: Callable[[], ChatOutputParser], prompt_ids: list[int]):
+        self.req, self.prompt_ids = req, prompt_ids
+        self.tokens = Tokens(tokenizer, req.return_tokens_as_token_ids)
         self.tally = Tally(req.n)
+        self._prompt_logprobs: PromptLogprobs = []
         self.stream = ChunkStream(response_id, "chat.completion.chunk", model, req.stream_options, self.tally)
         self._new_parser = output_parser
         self._parsers: dict[int, ChatOutputParser] = {}
@@ -188,10 +229,32 @@ class ChatFormatter:
 
     def add(self, chunk: StreamChunk, offset: int) -> None:
         self.tally.add(chunk, offset)
+        self._prompt_logprobs = chunk.prompt_logprobs or self._prompt_logprobs
 
     def stream_text(self, chunk: StreamChunk, offset: int) -> str:
         self.tally.count(chunk, offset)
-        return "".join(self.stream.chunk(self._stream_choice(offset + d.index, d)) for d in chunk.outputs)
+        self._prompt_logprobs = chunk.prompt_logprobs or self._prompt_logprobs
+        return "".join(self._role(offset + d.index) + self.stream.chunk(self._stream_choice(offset + d.index, d))
+                       for d in chunk.outputs)
+
+    def _role(self, index: int) -> str:
+        """A choice's first chunk: its role alone, as OpenAI, vLLM and llama.cpp send it (with
+        vLLM's prompt fields, where asked, on the stream's first)."""
+        if index in self._role_sent:
+            return ""
+        first = not self._role_sent
+        self._role_sent.add(index)
+        return self.stream.chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}, self._prompt_fields() if first else None)
+
+    def _prompt_fields(self) -> dict[str, Any]:
+        """vLLM's prompt_logprobs and prompt_token_ids, where the request asked for them."""
+        fields: dict[str, Any] = {}
+        if self.req.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = self.tokens.prompt_logprobs(self._prompt_logprobs, self.req.prompt_logprobs)
+        if self.req.return_token_ids:
+            fields["prompt_token_ids"] = self.prompt_ids
+        return fields
 
     def stream_end(self) -> str:
         return self.stream.end()
@@ -200,7 +263,7 @@ class ChatFormatter:
         return self.stream.error(error)
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        s = self.tokenizer.decode([token_id])
+        s = self.tokens(token_id)
         return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
 
     def _logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
@@ -217,40 +280,46 @@ class ChatFormatter:
 
     def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
         parser = self._parsers.get(index)
+        opening = parser is None
         if parser is None:
             parser = self._parsers[index] = self._new_parser()
         parts = parser.feed(d.text)
         if d.finish_reason is not None:
             parts += parser.finish()
+        if opening:
+            parts.content = self.req.echoed + parts.content
         delta: dict[str, Any] = {"content": parts.content or (None if parts.calls or parts.reasoning else "")}
         if parts.reasoning:
             delta["reasoning_content"] = delta["reasoning"] = parts.reasoning
         if parts.calls:
             first = parser.num_calls - len(parts.calls)
             delta["tool_calls"] = [{"index": first + i} | call.as_openai() for i, call in enumerate(parts.calls)]
-        if index not in self._role_sent:
-            self._role_sent.add(index)
-            delta["role"] = "assistant"
         lp = None
         if d.logprobs is not None:
             lp = self._logprobs(list(zip(d.token_ids, d.logprobs)))
-        return {"index": index, "delta": delta, "logprobs": lp,
-                "finish_reason": self._finish_reason(d.finish_reason, parser.num_calls > 0)}
+        choice = {"index": index, "delta": delta, "logprobs": lp,
+                  "finish_reason": self._finish_reason(d.finish_reason, parser.num_calls > 0)}
+        if d.finish_reason is not None:
+            choice["stop_reason"] = d.stop_string
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(d.token_ids)
+        return choice
 
     def _choice_out(self, c: CompletionOutput) -> ChatChoice:
         parser = self._new_parser()
         parts = parser.feed(c.text) + parser.finish()
-        content, calls, reasoning = parts.content, parts.calls, parts.reasoning or None
+        content, calls, reasoning = self.req.echoed + parts.content, parts.calls, parts.reasoning or None
         message = ChatMessageOut(content=(content.strip() or None) if calls else content, reasoning_content=reasoning,
                                  reasoning=reasoning, tool_calls=[call.as_openai() for call in calls])
         return ChatChoice(index=c.index, message=message,
                           finish_reason=self._finish_reason(c.finish_reason, bool(calls)),
-                          logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None)
+                          logprobs=self._logprobs(list(zip(c.token_ids, c.logprobs))) if c.logprobs else None,
+                          stop_reason=c.stop_string, token_ids=list(c.token_ids) if self.req.return_token_ids else None)
 
     def response(self) -> dict[str, Any]:
         choices = [self._choice_out(c) for c in self.tally.all_choices()]
         return ChatCompletionResponse(id=self.stream.response_id, created=self.stream.created, model=self.stream.model,
-                                      choices=choices, usage=self.tally.usage()).model_dump()
+                                      choices=choices, usage=self.tally.usage(), **self._prompt_fields()).model_dump()
 
 
 # ---------------------------------------------------------------- the route
@@ -267,8 +336,8 @@ class ChatAPI:
         info = target.model.info
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.front.log_user(base_id, req.user)
-        turn = ChatTurn(req.template_messages(), req.tool_use, req.template_kwargs(chat_template(info)))
-        job, parser = await chat_job(f"{base_id}-0", turn, target, Sampling(
+        job, parser = await chat_job(f"{base_id}-0", req.chat_turn(chat_template(info)), target, Sampling(
             req, req.requested_max_tokens, info.max_model_len, req.num_logprobs, "messages"))
-        fmt = ChatFormatter(base_id, req.model or target.model.name, req, info.tokenizer, parser)
+        fmt = ChatFormatter(base_id, req.model or target.model.name, req, info.tokenizer, parser,
+                            job.engine_request.prompt_token_ids)
         return await self.front.respond([job], fmt, req.stream, target)

@@ -68,17 +68,22 @@ def chat_template(info: ModelInfo) -> str:
 
 @dataclass(frozen=True)
 class ChatTurn:
-    """A turn's prompt as the template takes it: OpenAI chat messages, tools and variables."""
+    """A turn's prompt as the template takes it: OpenAI chat messages, tools and variables, and
+    where the output starts (a new assistant message, or the last message continued)."""
     messages: list[dict[str, Any]]
     tools: ToolUse
     template_kwargs: dict[str, Any]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 async def chat_job(job_id: str, turn: ChatTurn, target: Target, sampling: Sampling
                    ) -> tuple[Job, Callable[[], ChatOutputParser]]:
     """The turn's job, and a maker of the parser its output is read with."""
     info, tools = target.model.info, turn.tools
-    text, ids = await target.model.chat_prompt(turn.messages, tools.offered, template_kwargs=turn.template_kwargs)
+    text, ids = await target.model.chat_prompt(turn.messages, tools.offered, turn.add_generation_prompt,
+                                               turn.template_kwargs, turn.continue_final_message)
     as_turn = dataclasses.replace(sampling, chat_turn=lambda params: info.chat_format.sampling_params(
         params, text, tools.forced, tools.may_call))
-    return make_job(job_id, ids, target, as_turn, 0), lambda: info.chat_format.parser(text, tools.may_call)
+    return make_job(job_id, ids, target, as_turn, 0), lambda: info.chat_format.parser(
+        text, tools.may_call, tools.forced is not None)

@@ -18,7 +18,7 @@ from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput
 from engine.tokenization import all_ints
-from serve_app.api.openai_common import ChunkStream, SamplingFields
+from serve_app.api.openai_common import ChunkStream, PromptLogprobs, SamplingFields, Tokens
 from serve_app.api.outputs import Tally
 from serve_app.api.wire import APIError, Route, Usage
 from serve_app.jobs import Sampling, make_job
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 _NOT_WITH_BEAM_SEARCH = ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                          "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "best_of", "logprobs",
                          "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                         "guided_grammar")
+                         "guided_grammar", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs",
+                         "return_tokens_as_token_ids")
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -68,9 +69,9 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         return self
 
-    @property
-    def prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+    def prompt_logprobs_computed(self) -> int | None:
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked, default=None)
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
         """Refuses a field beam search would not apply (it is deterministic: temperature 0 only)."""
@@ -102,6 +103,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: str | None = None  # vLLM's: the stop string that ended it
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, with prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -113,19 +118,19 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
-Logprobs = list[tuple[int, dict[int, float] | None]]  # (token, its top logprobs), None for a prompt's first
-
-
 class CompletionFormatter:
     """With `echo`, each choice's text starts with its prompt's (streamed: in its first chunk), and
-    with `logprobs` too, its logprobs start with the prompt tokens' (the first one's null)."""
+    with `logprobs` too, its logprobs start with the prompt tokens' (the first one's null). vLLM's
+    prompt_logprobs and prompt_token_ids come in a choice's first chunk, its token_ids in each."""
 
-    def __init__(self, response_id: str, model: str, req: CompletionRequest, tokenizer: Any, num_choices: int):
-        self.req, self.tokenizer = req, tokenizer
-        self.tally = Tally(num_choices)
+    def __init__(self, response_id: str, model: str, req: CompletionRequest, tokenizer: Any,
+                 prompt_ids: list[list[int]]):
+        self.req, self.tokenizer, self.prompt_ids = req, tokenizer, prompt_ids
+        self.tokens = Tokens(tokenizer, req.return_tokens_as_token_ids)
+        self.tally = Tally(len(prompt_ids) * req.n)
         self.stream = ChunkStream(response_id, "text_completion", model, req.stream_options, self.tally)
-        self._echoed: set[int] = set()
-        self._prompt_logprobs: dict[int, Logprobs] = {}  # by prompt index
+        self._started: set[int] = set()
+        self._prompt_logprobs: dict[int, PromptLogprobs] = {}  # by prompt index
 
     def _take(self, chunk: StreamChunk, offset: int) -> None:
         if chunk.prompt_logprobs is not None:
@@ -152,15 +157,16 @@ class CompletionFormatter:
         prompt = self.req.prompts()[index // self.req.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def _logprobs(self, pairs: Logprobs) -> dict[str, Any]:
+    def _logprobs(self, pairs: PromptLogprobs) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets, pos = [], [], [], [], 0
         k = self.req.logprobs or 0
         for token_id, entries in pairs:
-            s = self.tokenizer.decode([token_id])
+            s = self.tokens(token_id)
             tokens.append(s)
             token_logprobs.append(entries.get(token_id) if entries is not None else None)
-            top.append({self.tokenizer.decode([t]): lp for t, lp in _top(entries)[:k]} if entries is not None
-                       else None)
+            # the token itself, then the k likeliest (vLLM's: logprobs 0 gives the token alone)
+            top.append(None if entries is None else {s: entries[token_id]} | {
+                self.tokens(t): lp for t, lp in sorted(entries.items(), key=lambda kv: -kv[1])[:k]})
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -172,26 +178,32 @@ class CompletionFormatter:
         echoed = self._prompt_logprobs.get(index // self.req.n, []) if first and self.req.echo else []
         return self._logprobs(echoed + list(zip(c.token_ids, c.logprobs)))
 
+    def _vllm_fields(self, index: int, c: CompletionOutput, first: bool) -> dict[str, Any]:
+        """vLLM's fields of a choice: the prompt's in its first part (None where not asked), its
+        new tokens' ids with return_token_ids."""
+        prompt = index // self.req.n
+        asked = self.req.prompt_logprobs
+        return {"stop_reason": c.stop_string,
+                "prompt_logprobs": self.tokens.prompt_logprobs(self._prompt_logprobs.get(prompt, []), asked)
+                if first and asked is not None else None,
+                "prompt_token_ids": self.prompt_ids[prompt] if first and self.req.return_token_ids else None,
+                "token_ids": list(c.token_ids) if self.req.return_token_ids else None}
+
     def _stream_choice(self, index: int, d: CompletionOutput) -> dict[str, Any]:
-        first = index not in self._echoed
-        self._echoed.add(index)
+        first = index not in self._started
+        self._started.add(index)
         text = (self._echo(index) if first else "") + d.text
         return {"index": index, "text": text, "logprobs": self._choice_logprobs(index, d, first),
-                "finish_reason": d.finish_reason}
+                "finish_reason": d.finish_reason, **self._vllm_fields(index, d, first)}
 
     def response(self) -> dict[str, Any]:
         choices = [
             CompletionChoice(index=c.index, text=self._echo(c.index) + c.text, finish_reason=c.finish_reason,
-                             logprobs=self._choice_logprobs(c.index, c, True))
+                             logprobs=self._choice_logprobs(c.index, c, True), **self._vllm_fields(c.index, c, True))
             for c in self.tally.all_choices()
         ]
         return CompletionResponse(id=self.stream.response_id, created=self.stream.created, model=self.stream.model,
                                   choices=choices, usage=self.tally.usage()).model_dump()
-
-
-def _top(entries: dict[int, float]) -> list[tuple[int, float]]:
-    """A token's candidates, most likely first."""
-    return sorted(entries.items(), key=lambda kv: -kv[1])
 
 
 # ---------------------------------------------------------------- the route
@@ -214,5 +226,5 @@ class CompletionsAPI:
         sampling = Sampling(req, req.max_tokens, self.front.config.ingress.default_completion_max_tokens,
                             req.logprobs)
         jobs = [make_job(f"{base_id}-{i}", ids, target, sampling, i * req.n) for i, ids in enumerate(prompt_ids)]
-        fmt = CompletionFormatter(base_id, req.model or model.name, req, model.info.tokenizer, len(jobs) * req.n)
+        fmt = CompletionFormatter(base_id, req.model or model.name, req, model.info.tokenizer, prompt_ids)
         return await self.front.respond(jobs, fmt, req.stream, target)

@@ -85,17 +85,26 @@ class SamplingFields(WireModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    skip_special_tokens: bool = Field(True, description="Special tokens left out of the text (vLLM's).")
+    include_stop_str_in_output: bool = Field(False, description="The stop string that ended an output ends its "
+                                                                "text too (vLLM's).")
+    prompt_logprobs: int | None = Field(None, description="Logprobs of each prompt token and its k likeliest "
+                                                          "alternatives, as vLLM returns them.")
+    return_token_ids: bool = Field(False, description="The prompt's and each output's token ids beside the text "
+                                                      "(vLLM's).")
+    return_tokens_as_token_ids: bool = Field(False, description="Logprobs' tokens as 'token_id:{id}' (vLLM's).")
 
     @model_validator(mode="after")
-    def _best_of(self) -> SamplingFields:
+    def _streaming(self) -> SamplingFields:
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise ValueError("best_of > n cannot be streamed: the best choices are known when all are done")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")  # as OpenAI and vLLM refuse it
         return self
 
-    @property
-    def prompt_logprobs(self) -> int | None:
-        """Logprobs asked of the prompt's tokens (completions' echo with logprobs)."""
-        return None
+    def prompt_logprobs_computed(self) -> int | None:
+        """The prompt tokens' top logprobs the engine computes (completions' echo asks for some too)."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; raises InvalidRequestError naming the field."""
@@ -106,8 +115,9 @@ class SamplingFields(WireModel):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=num_logprobs, min_tokens=self.min_tokens,
-            logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of, prompt_logprobs=self.prompt_logprobs,
-            structured_outputs=self.output_constraint())
+            logit_bias=_token_id_keys(self.logit_bias), best_of=self.best_of,
+            prompt_logprobs=self.prompt_logprobs_computed(), structured_outputs=self.output_constraint(),
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
         """A beam search's parameters, or None for sampling (completions override it)."""
@@ -167,9 +177,10 @@ class ChunkStream:
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.include_usage and options.continuous_usage_stats)
 
-    def chunk(self, choice: dict[str, Any]) -> str:
+    def chunk(self, choice: dict[str, Any], fields: dict[str, Any] | None = None) -> str:
+        """A chunk of one choice's delta; `fields`: the chunk's own beside it."""
         event: dict[str, Any] = {"id": self.response_id, "object": self.object_name, "created": self.created,
-                                 "model": self.model, "choices": [choice]}
+                                 "model": self.model, "choices": [choice], **(fields or {})}
         if self.include_usage:
             event["usage"] = self.tally.usage().model_dump() if self.continuous_usage else None
         return sse_event(event)
@@ -183,3 +194,31 @@ class ChunkStream:
     @staticmethod
     def error(error: APIError) -> str:
         return sse_event(error.body()) + SSE_DONE
+
+
+PromptLogprobs = list[tuple[int, dict[int, float] | None]]  # (token, it and its top logprobs), None for the first
+
+
+class Tokens:
+    """Tokens as a response shows them: decoded, or with return_tokens_as_token_ids as
+    'token_id:{id}', so that a token no text can hold is still told apart (vLLM's)."""
+
+    def __init__(self, tokenizer: Any, as_ids: bool):
+        self.tokenizer, self.as_ids = tokenizer, as_ids
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
+
+    def prompt_logprobs(self, pairs: PromptLogprobs, k: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs: per prompt token (None for the first) each of the token and its
+        k likeliest alternatives by id, with its logprob, its rank (known for those k; the token's
+        own when among them) and its text."""
+        shown: list[dict[str, dict[str, Any]] | None] = []
+        for token_id, entries in pairs:
+            if entries is None:
+                shown.append(None)
+                continue
+            ranked = sorted(entries.items(), key=lambda kv: -kv[1])
+            shown.append({str(t): {"logprob": lp, "rank": i + 1 if i < k else None, "decoded_token": self(t)}
+                          for i, (t, lp) in enumerate(ranked) if i < k or t == token_id})
+        return shown

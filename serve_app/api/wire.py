@@ -66,6 +66,19 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+NOT_TEXT_PARTS = ("image_url", "input_audio", "file", "image", "document")
+
+
+def refuse_media(content: Any) -> Any:
+    """Content parts of a kind no served model reads are refused by name (the text-only models
+    served here), before the parts' own validation would name the union it failed."""
+    if isinstance(content, list):
+        kinds = [part.get("type") for part in content if isinstance(part, dict)]
+        if media := next((kind for kind in kinds if kind in NOT_TEXT_PARTS), None):
+            raise ValueError(f"{media} input is not supported by this model: it reads text only")
+    return content
+
+
 @dataclass(frozen=True)
 class Route:
     """One of an API's routes: its endpoint is the API object's method of that name; `bodies`,

@@ -43,6 +43,9 @@ def test_stop_string_ends_output_with_stop_and_is_not_included(llm):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == cut
+    kept = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert (kept.finish_reason, kept.text, kept.stop_string) == ("stop", cut + stop, stop)
 
 
 def test_stop_token_ids_end_output(llm):

@@ -3,7 +3,10 @@ real engine (tiny random Llama with a word tokenizer, its step loop in a child p
 logit_bias forces and forbids tokens, min_tokens holds back the end, echo returns the prompt (and
 with logprobs its tokens' logprobs),
 best_of returns its most likely samples, use_beam_search returns transformers' beams, a field
-the server does not implement is a 400 naming it, and the vLLM endpoints answer."""
+the server does not implement is a 400 naming it, the vLLM endpoints answer, and vLLM's request
+extensions (prompt_logprobs, return_token_ids, return_tokens_as_token_ids, include_stop_str_in_output,
+skip_special_tokens, chat's echo, add_generation_prompt and continue_final_message) work as vLLM
+documents them."""
 
 from __future__ import annotations
 
@@ -133,3 +136,75 @@ def test_vllm_endpoints_answer_for_the_real_tokenizer(server, client):
     card = client.models.retrieve("tiny")
     assert card.id == "tiny" and card.model_extra["max_model_len"] == 128
     assert httpx.get(server + "/version").json()["version"]
+
+
+def test_vllms_prompt_logprobs_and_token_ids_come_back_as_vllm_returns_them(server, tiny_llama_words, client):
+    prompt_ids = _ids(server, "the cat sat on a mat")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_words, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    out = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=3, temperature=0,
+                                    extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    choice = out.choices[0].model_extra
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(prompt_ids) and scored[0] is None
+    for i, (token, entries) in enumerate(zip(prompt_ids[1:], scored[1:]), start=1):
+        assert entries[str(token)]["logprob"] == pytest.approx(ref[i - 1, token].item(), abs=1e-4)
+        ranked = sorted(entries.values(), key=lambda e: -e["logprob"])
+        assert [e["rank"] for e in ranked[:2]] == [1, 2] and len(entries) in (2, 3)
+        assert entries[str(token)]["decoded_token"].strip() == "the cat sat on a mat".split()[i]
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert httpx.post(server + "/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == \
+        out.choices[0].text
+    plain = client.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert {"prompt_logprobs", "prompt_token_ids", "token_ids"} <= set(plain.choices[0].model_extra)
+
+    question = [{"role": "user", "content": "the cat sat"}]
+    chat = client.chat.completions.create(model="tiny", messages=question, max_tokens=4, temperature=0,
+                                          extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    assert len(chat.model_extra["prompt_logprobs"]) == len(chat.model_extra["prompt_token_ids"]) == \
+        chat.usage.prompt_tokens
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="tiny", messages=question, max_tokens=4, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    assert [t for chunk in chunks for c in chunk.choices for t in c.model_extra.get("token_ids") or []] == \
+        chat.choices[0].model_extra["token_ids"]
+
+
+def test_vllms_output_extensions_shape_the_text_and_the_tokens(server, tiny_llama_words, client):
+    free = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=8, temperature=0)
+    word = free.choices[0].text.split()[1]
+    kept = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=8, temperature=0, stop=[word],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == free.choices[0].text[:free.choices[0].text.index(word) + len(word)]
+    assert kept.choices[0].model_extra["stop_reason"] == word
+    as_ids = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=3, temperature=0, logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    assert as_ids.choices[0].logprobs.tokens == [f"token_id:{t}" for t in as_ids.choices[0].model_extra["token_ids"]]
+    eos = AutoTokenizer.from_pretrained(tiny_llama_words).eos_token
+    eos_id = _ids(server, eos)[0]
+    forced = {"logit_bias": {str(eos_id): 100}, "ignore_eos": True}
+    hidden = client.completions.create(model="tiny", prompt="the cat", max_tokens=2, temperature=0, extra_body=forced)
+    shown = client.completions.create(model="tiny", prompt="the cat", max_tokens=2, temperature=0,
+                                      extra_body=forced | {"skip_special_tokens": False})
+    assert eos not in hidden.choices[0].text and shown.choices[0].text.count(eos) == 2
+
+
+def test_chat_continues_the_final_message_and_echoes_it(server, client):
+    opened = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    prompt = httpx.post(server + "/tokenize", json={"messages": opened, **flags}).json()
+    continued = client.chat.completions.create(model="tiny", messages=opened, max_tokens=3, temperature=0,
+                                               extra_body=flags | {"echo": True})
+    assert continued.usage.prompt_tokens == prompt["count"]
+    text = httpx.post(server + "/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
+    assert text.rstrip().endswith("sat on")  # left open: no end of turn after it
+    assert continued.choices[0].message.content.startswith("sat on")
+    streamed = client.chat.completions.create(model="tiny", messages=opened, max_tokens=3, temperature=0,
+                                              stream=True, extra_body=flags | {"echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        continued.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="continue_final_message and add_generation_prompt"):
+        client.chat.completions.create(model="tiny", messages=opened, max_tokens=2,
+                                       extra_body={"continue_final_message": True})

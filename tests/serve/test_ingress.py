@@ -171,7 +171,8 @@ def test_chat_streaming_role_first_and_text_matches_non_streaming():
             events = sse_events(r.text)
             assert events[-1] == "[DONE]"
             assert events[0]["object"] == "chat.completion.chunk"
-            assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the role alone
+            assert all("role" not in e["choices"][0]["delta"] for e in events[1:-1])
             text = "".join(e["choices"][0]["delta"]["content"] for e in events[:-1])
             assert text == full["choices"][0]["message"]["content"]
             ids = TOK.apply_chat_template([{"role": "user", "content": "hi there"}])
@@ -229,6 +230,11 @@ def test_logprobs_shapes():
             lp = r["choices"][0]["logprobs"]
             assert len(lp["tokens"]) == 2 and lp["token_logprobs"] == [-0.5, -0.5]
             assert len(lp["top_logprobs"][0]) == 2
+            r = (await client.post("/v1/completions", json={
+                "prompt": "q", "max_tokens": 2, "temperature": 0.8, "seed": 1, "logprobs": 0})).json()
+            lp = r["choices"][0]["logprobs"]  # the token itself alone, as vLLM gives it
+            assert [list(top.items()) for top in lp["top_logprobs"]] == [
+                [(token, logprob)] for token, logprob in zip(lp["tokens"], lp["token_logprobs"])]
             r = (await client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
                 "logprobs": True, "top_logprobs": 1})).json()
@@ -342,8 +348,8 @@ BAD = [
     ("token id negative", "/v1/completions", {"prompt": [5, -1]}, 400, "outside the vocabulary"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("invalid role", "/v1/chat/completions",
-     {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("a role the template refuses", "/v1/chat/completions",
+     {"messages": [{"role": "wizard", "content": "x"}]}, 400, "could not apply the chat template: bad role wizard"),
     ("messages wrong type", "/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("huge body", "/v1/completions", {"prompt": "x" * 5000}, 413, "exceeds the limit"),
     ("unknown field", "/v1/completions", {"prompt": "x", "service_tier": "flex"}, 400,
@@ -366,8 +372,11 @@ BAD = [
      400, "Unrecognized request argument supplied: structured_outputs.jsonn"),
     ("guided_choice wrong type", "/v1/completions", {"prompt": "x", "guided_choice": "a"}, 400, "guided_choice"),
     ("guided_json not json", "/v1/completions", {"prompt": "x", "guided_json": "{nope"}, 400, "not valid JSON"),
-    ("unknown nested field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {}}]},
-     400, "Unrecognized request argument supplied: messages.0.audio"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "stream_options is only allowed with stream"),
+    ("an image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, 400,
+     "image_url input is not supported by this model"),
     ("tool_calls on a user message", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "tool_calls is only for assistant"),
     ("tool message without tool_call_id", "/v1/chat/completions",
@@ -457,8 +466,8 @@ def test_unknown_fields_are_dropped_and_logged_with_the_switch_on(caplog):
     async def go():
         async with local_stack(ingress={"ignore_unknown_fields": True}) as (client, _, _):
             r = await client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi", "vendor_tag": 1}], "max_tokens": 3,
-                "temperature": 0, "vendor_field": {"a": 1}})
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "response_format": {"type": "text", "vendor_tag": 1}, "temperature": 0, "vendor_field": {"a": 1}})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == greedy_text(
                 TOK.apply_chat_template([{"role": "user", "content": "hi"}]), 3)
@@ -467,7 +476,7 @@ def test_unknown_fields_are_dropped_and_logged_with_the_switch_on(caplog):
 
     with caplog.at_level("INFO", logger="cbserve.ingress"):
         run(go())
-    assert any("vendor_field" in r.message and "messages.0.vendor_tag" in r.message for r in caplog.records)
+    assert any("vendor_field" in r.message and "response_format.vendor_tag" in r.message for r in caplog.records)
 
 
 def test_echo_prepends_each_prompt_streamed_and_not():
@@ -610,3 +619,35 @@ def test_every_api_route_is_served_once_and_every_formatter_is_composed_not_deri
                   for _, cls in inspect.getmembers(module, inspect.isclass)
                   if cls.__module__ == module.__name__ and cls.__name__.endswith("Formatter")]
     assert len(formatters) == 5 and all(cls.__bases__ == (object,) for cls in formatters)
+
+
+def test_a_conversation_sends_back_every_field_of_the_answer_and_only_the_template_reads_them():
+    """Clients send an answer back as they got it (and with keys of their own): accepted, and the
+    prompt is what the template renders of it, here the role and the content alone."""
+    async def go():
+        async with local_stack() as (client, _, _):
+            question = {"role": "user", "content": "x", "id": "m1"}
+            first = await client.post("/v1/chat/completions", json={"messages": [question], "max_tokens": 3})
+            answer = first.json()["choices"][0]["message"] | {"refusal": None, "annotations": []}
+            assert set(answer) >= {"role", "content", "reasoning_content", "reasoning", "tool_calls"}
+            follow_up = {"role": "user", "content": "y"}
+            kept = await client.post("/v1/chat/completions", json={"messages": [question, answer, follow_up],
+                                                                  "max_tokens": 1})
+            plain = await client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
+                {"role": "user", "content": "x"}, {"role": "assistant", "content": answer["content"]}, follow_up]})
+            assert kept.status_code == plain.status_code == 200
+            assert kept.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+
+    run(go())
+
+
+def test_thinking_asked_of_a_model_that_has_no_switch_for_it_is_taken_as_llama_cpp_takes_it():
+    """Agent clients send `thinking` to every model: one whose template has no enable_thinking
+    answers as it always does, here with text alone."""
+    async def go():
+        async with local_stack() as (client, _, _):
+            r = await client.post("/v1/messages", json={"model": "fake", "max_tokens": 3, "messages": [
+                {"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 1024}})
+            assert r.status_code == 200 and [block["type"] for block in r.json()["content"]] == ["text"]
+
+    run(go())

@@ -98,17 +98,19 @@ def test_a_stop_sequence_ends_the_message_and_is_named(client):
     assert _text(stopped) == _text(free)[:_text(free).index(word)]
 
 
-@pytest.mark.parametrize("body,status,kind", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error"),
-    ({"messages": QUESTION, "frobnicate": 1}, 400, "invalid_request_error"),
+@pytest.mark.parametrize("body,status,kind,says", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error",
+     "image input is not supported by this model"),
+    ({"messages": QUESTION, "frobnicate": 1}, 400, "invalid_request_error", "frobnicate"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]}, 400,
-     "invalid_request_error"),
+     "invalid_request_error", "tool_result"),
 ])
-def test_bad_requests_are_errors_in_anthropics_shape(url, body, status, kind):
+def test_bad_requests_are_errors_in_anthropics_shape(url, body, status, kind, says):
     response = httpx.post(url + "/v1/messages", json={"model": "tiny", "max_tokens": 4} | body,
                           headers={"x-api-key": "sekret"})
     assert response.status_code == status
     assert response.json()["type"] == "error" and response.json()["error"]["type"] == kind
+    assert says in response.json()["error"]["message"]
     missing = httpx.post(url + "/v1/messages", json={"model": "tiny", "messages": QUESTION},
                          headers={"x-api-key": "sekret"})
     assert missing.status_code == 400 and "max_tokens" in missing.json()["error"]["message"]

@@ -2,15 +2,18 @@
 (tiny random Llama, byte-level BPE): named and required choices give calls whose arguments
 validate, streamed and not, with n > 1; `auto` parses the calls the model writes (here forced by
 a choice constraint) into `tool_calls` with finish_reason `tool_calls`; `none` leaves the text
-alone; a conversation with calls and tool results goes through the template."""
+alone; a conversation with calls and tool results goes through the template; forced calls take
+what pydantic writes for nested and recursive models, and one cut short shows no markup."""
 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from conftest import served_real_engine
 
@@ -121,3 +124,44 @@ def test_a_tool_result_round_trips_through_the_template(client, url):
     assert out.usage.prompt_tokens == len(tokens)
     _check(out.choices[0].message.tool_calls[0].function.name, out.choices[0].message.tool_calls[0].function.arguments,
            set(SCHEMAS))
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=8)
+    zone: Literal["north", "south"]
+
+
+class Node(pydantic.BaseModel):  # recursive: refers to itself by "#/$defs/Node"
+    value: int = pydantic.Field(ge=0, le=9)
+    kids: list[Node] = pydantic.Field(max_length=1)
+
+
+class Visit(pydantic.BaseModel):
+    """What pydantic emits for nested models: local $defs and $refs, anyOf for an optional field."""
+    home: Address
+    stops: list[Address] = pydantic.Field(max_length=2)
+    plan: Node | None = None
+
+
+def test_forced_calls_take_the_schemas_pydantic_writes_for_nested_and_recursive_models(client):
+    tool = openai.pydantic_function_tool(Visit)
+    assert "$defs" in json.dumps(tool["function"]["parameters"])
+    for choice in ("required", {"type": "function", "function": {"name": "Visit"}}):
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400, temperature=1.0, n=2,
+                                             seed=3, tools=[tool], tool_choice=choice)
+        for c in out.choices:
+            [call] = c.message.tool_calls
+            Visit.model_validate_json(call.function.arguments)
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_a_forced_call_cut_short_comes_back_without_its_markup(client):
+    for stream in (False, True):
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                             tools=TOOLS, tool_choice="required", stream=stream)
+        if stream:
+            [choice] = _streamed(out).values()
+            content, finish = choice["content"], choice["finish_reason"]
+        else:
+            content, finish = out.choices[0].message.content, out.choices[0].finish_reason
+        assert finish == "length" and not content  # no "<tool_call>" as text
