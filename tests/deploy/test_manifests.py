@@ -196,3 +196,20 @@ def test_cluster_launcher_configs_pass_rays_validation(name):
     broken["available_node_types"][next(iter(broken["available_node_types"]))]["resourcez"] = {}
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(broken))
+
+
+def test_every_image_and_manifest_installs_the_header_deadline_the_launcher_installs():
+    """Serve's proxy on a cluster reads the same callback `make serve` sets: each file that names
+    one names the launcher's, and it imports."""
+    import importlib
+    import re
+
+    from serve_app.launch import HEADER_DEADLINE_ENV
+
+    [(name, expected)] = HEADER_DEADLINE_ENV.items()
+    files = [ROOT / "k8s" / "Dockerfile", *(ROOT / "k8s").rglob("*.yaml")]
+    named = {path.name: re.findall(rf"{name}[=\s\S]{{0,40}}?(serve_app\.[\w.]+:\w+)", path.read_text())
+             for path in files if name in path.read_text()}
+    assert named and all(found == [expected] * len(found) and found for found in named.values()), named
+    module, function = expected.split(":")
+    assert callable(getattr(importlib.import_module(module), function))
