@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from engine.chat_output import ChatOutputParser
 from engine.outputs import CompletionOutput
 from serve_app.api.chat_turn import ChatTurn, ToolUse, chat_job, chat_template, template_variable
-from serve_app.api.openai_common import ChunkStream, PromptLogprobs, SamplingFields, Tokens
+from serve_app.api.openai_common import Choice, ChunkStream, PromptLogprobs, SamplingFields, Tokens
 from serve_app.api.outputs import Tally
 from serve_app.api.wire import APIError, Route, Usage, WireModel, refuse_media
 from serve_app.jobs import Sampling
@@ -189,13 +189,8 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(Choice):
     message: ChatMessageOut
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | None = None  # vLLM's: the stop string that ended it
-    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):

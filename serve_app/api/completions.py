@@ -18,7 +18,7 @@ from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput
 from engine.tokenization import all_ints
-from serve_app.api.openai_common import ChunkStream, PromptLogprobs, SamplingFields, Tokens
+from serve_app.api.openai_common import Choice, ChunkStream, PromptLogprobs, SamplingFields, Tokens
 from serve_app.api.outputs import Tally
 from serve_app.api.wire import APIError, Route, Usage
 from serve_app.jobs import Sampling, make_job
@@ -98,15 +98,10 @@ class CompletionRequest(SamplingFields):
 # ---------------------------------------------------------------- the output
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(Choice):
     text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | None = None  # vLLM's: the stop string that ended it
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, with prompt_logprobs
     prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
-    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class CompletionResponse(BaseModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from engine.beam_search import BeamSearchParams
 from engine.errors import InvalidRequestError
@@ -164,6 +164,15 @@ def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float]:
     if bad:
         raise InvalidRequestError("logit_bias", f"logit_bias keys must be token ids, got {bad[0][:40]!r}")
     return {int(key): bias for key, bias in logit_bias.items()}
+
+
+class Choice(BaseModel):
+    """What a completion's and a chat completion's choices share, vLLM's fields included."""
+    index: int
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None  # vLLM's: the stop string that ended it
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChunkStream:
