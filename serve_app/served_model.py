@@ -58,8 +58,9 @@ class ServedModel:
         assert self._tokens is not None
         return await self._tokens.encode(text, add_special_tokens, param)
 
-    async def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        return await self.encode(prompt, param=param) if isinstance(prompt, str) else prompt
+    async def prompt_ids(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True
+                         ) -> list[int]:
+        return await self.encode(prompt, add_special_tokens, param) if isinstance(prompt, str) else prompt
 
     async def chat_prompt(self, messages: list[dict], tools: list[Tool], add_generation_prompt: bool = True,
                           template_kwargs: dict | None = None, continue_final_message: bool = False

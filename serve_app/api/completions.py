@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
@@ -52,6 +53,11 @@ class CompletionRequest(SamplingFields):
     use_beam_search: bool = Field(False, description="Beam search (vLLM's): n beams, the n best returned, as "
                                                      "transformers' generate(num_beams=n) finds them.")
     length_penalty: float = Field(1.0, description="With use_beam_search: scores are divided by length ** this.")
+    add_special_tokens: bool = Field(True, description="A text prompt's special tokens (BOS) added (vLLM's).")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Each prompt cut to this many tokens, -1: "
+                                                                        "to the context length (vLLM's).")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="left (the default): the last tokens "
+                                                                               "kept; right: the first.")
 
     @field_validator("prompt")
     @classmethod
@@ -88,6 +94,15 @@ class CompletionRequest(SamplingFields):
         if unapplied:
             raise InvalidRequestError(unapplied[0], f"{unapplied[0]} does not apply to beam search (use_beam_search)")
         return BeamSearchParams(self.n, max_tokens, self.length_penalty, self.ignore_eos)
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens and truncation_side keep it."""
+        if self.truncate_prompt_tokens is None:
+            return prompt_ids
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[:keep] if self.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep:]
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""
@@ -216,8 +231,11 @@ class CompletionsAPI:
         self.front.check_num_prompts(len(prompts), "prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         self.front.log_user(base_id, req.user)
-        prompt_ids = ([await model.prompt_ids(prompts[0])] if len(prompts) == 1
-                      else await asyncio.gather(*map(model.prompt_ids, prompts)))  # a batch's texts together
+        def ids(prompt: str | list[int]) -> Awaitable[list[int]]:
+            return model.prompt_ids(prompt, add_special_tokens=req.add_special_tokens)
+
+        prompt_ids = [req.truncated(p, model.info.max_model_len) for p in (
+            [await ids(prompts[0])] if len(prompts) == 1 else await asyncio.gather(*map(ids, prompts)))]
         sampling = Sampling(req, req.max_tokens, self.front.config.ingress.default_completion_max_tokens,
                             req.logprobs)
         jobs = [make_job(f"{base_id}-{i}", ids, target, sampling, i * req.n) for i, ids in enumerate(prompt_ids)]

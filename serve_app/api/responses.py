@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from engine.chat_output import ChatOutputParser
+from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from serve_app.api.chat_turn import ChatTurn, ToolUse, chat_job, chat_template, named, template_variable
 from serve_app.api.openai_common import JsonSchemaFormat
@@ -165,6 +166,9 @@ class ResponsesRequest(WireModel):
     temperature: float = 1.0
     top_p: float = 1.0
     reasoning: ReasoningConfig | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = Field(
+        None, description="message.output_text.logprobs: each output_text token's logprob and its top_logprobs.")
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
@@ -207,7 +211,12 @@ class ResponsesRequest(WireModel):
             constraint = StructuredOutputsParams(json=fmt.schema_) if fmt.schema_ is not None \
                 else StructuredOutputsParams(json_object=True)
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              structured_outputs=constraint)
+                              structured_outputs=constraint, logprobs=self.num_logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The top logprobs of each output token, where `include` asks for the text's logprobs."""
+        return (self.top_logprobs or 0) if self.include else None
 
     def beam_search_params(self, max_tokens: int) -> None:
         return None
@@ -225,6 +234,7 @@ class ResponsesRequest(WireModel):
                 "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": self.previous_response_id,
                 "reasoning": {"effort": self.reasoning.effort if self.reasoning else None, "summary": None},
                 "store": self.store, "temperature": self.temperature, "text": {"format": fmt}, "tool_choice": choice,
+                "top_logprobs": self.top_logprobs,
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools or []], "top_p": self.top_p,
                 "truncation": "disabled", "user": self.user, "metadata": self.metadata or {},
                 "background": self.background}
@@ -318,6 +328,8 @@ class ResponsesFormatter:
                  on_complete: Callable[[dict[str, Any], list[Block]], None]):
         self.response_id, self.model, self.req, self.tokenizer = response_id, model, req, tokenizer
         self.tally = Tally(1)
+        self._logprobs: list[dict[str, Any]] = []  # the text's tokens', with include's logprobs
+        self._unsent: list[dict[str, Any]] = []  # those a text delta event has not carried yet
         self._on_complete = on_complete
         self._parser = output_parser()
         self._blocks = OutputBlocks()
@@ -343,7 +355,7 @@ class ResponsesFormatter:
                     "content": [{"type": "reasoning_text", "text": block.text}] if done else []}
         if block.kind == "text":
             return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-                    "content": [_output_text(block.text)] if done else []}
+                    "content": [_output_text(block.text, self._logprobs)] if done else []}
         return {"type": "function_call", "id": item_id, "call_id": block.tool_call.id, "name": block.tool_call.name,
                 "arguments": block.text if done else "", "status": status}
 
@@ -368,6 +380,7 @@ class ResponsesFormatter:
     def response(self) -> dict[str, Any]:
         choice = self.tally.choice(0)
         self._finish_reason = choice.finish_reason
+        self._take_logprobs(choice)
         self._blocks.feed(self._parser.feed(choice.text) + self._parser.finish())
         self._blocks.close()
         return self._final()
@@ -391,8 +404,25 @@ class ResponsesFormatter:
             if d.finish_reason is not None:
                 delta += self._parser.finish()
                 self._finish_reason = d.finish_reason
+            self._take_logprobs(d)
             text += "".join(self._events(*event) for event in self._blocks.feed(delta))
         return text
+
+    def _take_logprobs(self, output: CompletionOutput) -> None:
+        """An output's tokens' logprobs, as the Responses API shows them (a model whose output is
+        the text alone: no reasoning section, no tools; the route checks)."""
+        if output.logprobs is None:
+            return
+        k = self.req.top_logprobs or 0
+        for token_id, entries in zip(output.token_ids, output.logprobs):
+            top = sorted(entries.items(), key=lambda kv: -kv[1])[:k]
+            entry = self._entry(token_id, entries[token_id]) | {"top_logprobs": [self._entry(t, lp) for t, lp in top]}
+            self._logprobs.append(entry)
+            self._unsent.append(entry)
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.tokenizer.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     def _events(self, change: str, block: Block, grown: str) -> str:
         index, item_id = block.index, None
@@ -408,7 +438,9 @@ class ResponsesFormatter:
         where = {"item_id": item_id, "output_index": index}
         if change == "delta":
             if block.kind == "text":
-                return self._event("response.output_text.delta", **where, content_index=0, delta=grown, logprobs=[])
+                logprobs, self._unsent = self._unsent, []
+                return self._event("response.output_text.delta", **where, content_index=0, delta=grown,
+                                   logprobs=logprobs)
             if block.kind == "reasoning":
                 return self._event("response.reasoning_text.delta", **where, content_index=0, delta=grown)
             return self._event("response.function_call_arguments.delta", **where, delta=grown)
@@ -417,9 +449,10 @@ class ResponsesFormatter:
                                arguments=block.text)
         else:
             kind = "output_text" if block.kind == "text" else "reasoning_text"
-            done = {"text": block.text, "logprobs": []} if block.kind == "text" else {"text": block.text}
+            done = {"text": block.text, "logprobs": self._logprobs} if block.kind == "text" else {"text": block.text}
             text = self._event(f"response.{kind}.done", **where, content_index=0, **done)
-            part = _output_text(block.text) if block.kind == "text" else {"type": "reasoning_text", "text": block.text}
+            part = _output_text(block.text, self._logprobs) if block.kind == "text" \
+                else {"type": "reasoning_text", "text": block.text}
             text += self._event("response.content_part.done", **where, content_index=0, part=part)
         return text + self._event("response.output_item.done", output_index=index, item=self._item(block, done=True))
 
@@ -434,8 +467,8 @@ class ResponsesFormatter:
                 + self._event("response.failed", response=failed))
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def output_history(blocks: list[Block]) -> dict[str, Any]:
@@ -495,6 +528,9 @@ class ResponsesAPI:
         instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
         if not conversation:
             raise APIError(400, "input must hold at least one item", param="input")
+        if req.include and (info.chat_format.reasoning is not None or req.tool_use.may_call):
+            raise APIError(400, "include: message.output_text.logprobs needs an output that is the text alone: this "
+                                "model writes a reasoning section, or tools are offered", param="include")
         turn = ChatTurn(instructions + conversation, req.tool_use, req.template_kwargs(chat_template(info)))
         job, parser = await chat_job(response_id, turn, target, Sampling(req, req.max_output_tokens,
                                                                          info.max_model_len, param="input"))

@@ -208,3 +208,21 @@ def test_chat_continues_the_final_message_and_echoes_it(server, client):
     with pytest.raises(openai.BadRequestError, match="continue_final_message and add_generation_prompt"):
         client.chat.completions.create(model="tiny", messages=opened, max_tokens=2,
                                        extra_body={"continue_final_message": True})
+
+
+def test_vllms_prompt_truncation_and_special_tokens_shape_the_prompt(server, client):
+    text = "the cat sat on a mat"
+    whole = client.completions.create(model="tiny", prompt=text, max_tokens=1, extra_body={"return_token_ids": True})
+    ids = whole.choices[0].model_extra["prompt_token_ids"]
+    for side, kept in ((None, ids[-3:]), ("left", ids[-3:]), ("right", ids[:3])):
+        cut = client.completions.create(model="tiny", prompt=text, max_tokens=1, extra_body={
+            "return_token_ids": True, "truncate_prompt_tokens": 3} | ({"truncation_side": side} if side else {}))
+        assert cut.choices[0].model_extra["prompt_token_ids"] == kept and cut.usage.prompt_tokens == 3
+    to_context = client.completions.create(model="tiny", prompt=text, max_tokens=1,
+                                           extra_body={"truncate_prompt_tokens": -1})
+    assert to_context.usage.prompt_tokens == len(ids)
+    bare = client.completions.create(model="tiny", prompt=text, max_tokens=1,
+                                     extra_body={"add_special_tokens": False, "return_token_ids": True})
+    assert bare.choices[0].model_extra["prompt_token_ids"] == _ids(server, text)
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model="tiny", prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": -2})

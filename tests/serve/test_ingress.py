@@ -651,3 +651,30 @@ def test_thinking_asked_of_a_model_that_has_no_switch_for_it_is_taken_as_llama_c
             assert r.status_code == 200 and [block["type"] for block in r.json()["content"]] == ["text"]
 
     run(go())
+
+
+def test_a_response_includes_its_texts_logprobs_when_asked_streamed_and_not():
+    async def go():
+        async with local_stack() as (client, _, _):
+            body = {"model": "fake", "input": "hi", "max_output_tokens": 3, "temperature": 0,
+                    "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+            whole = (await client.post("/v1/responses", json=body)).json()
+            [part] = whole["output"][0]["content"]
+            assert [e["token"] for e in part["logprobs"]] == [f" t{i}" for i in _ids_of(part["text"])]
+            assert all(e["logprob"] == -0.5 and len(e["top_logprobs"]) == 1 for e in part["logprobs"])
+            streamed = (await client.post("/v1/responses", json=body | {"stream": True})).text
+            events = [json.loads(line[len("data: "):]) for line in streamed.splitlines() if line.startswith("data: ")]
+            deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+            assert deltas == part["logprobs"]
+            plain = (await client.post("/v1/responses", json=body | {"include": None})).json()
+            assert plain["output"][0]["content"][0]["logprobs"] == []
+            refused = await client.post("/v1/responses", json=body | {"tools": [
+                {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "include"
+
+    run(go())
+
+
+def _ids_of(text: str) -> list[int]:
+    """The fake tokenizer's ids of its own decoded text (" t5 t9" -> [5, 9])."""
+    return [int(word[1:]) for word in text.split()]

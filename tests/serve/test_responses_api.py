@@ -125,7 +125,8 @@ def test_background_responses_run_after_the_post_and_are_cancelled(client):
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
-    (dict(include=["message.output_text.logprobs"]), "include"),
+    (dict(include=["message.output_text.logprobs"]), "include"),  # this model writes a reasoning section
+    (dict(include=["reasoning.encrypted_content"]), "include"),
     (dict(truncation="auto"), "truncation"),
     (dict(input=[{"type": "input_image", "image_url": "x"}]), "input"),
     (dict(tool_choice="required"), "tool_choice"),

@@ -303,3 +303,29 @@ def test_two_models_in_one_app_through_the_openai_client(two_model_app):
     for prefix in ("ray_cbserve_router_dispatched_total{", "ray_cbserve_ttft_s_count{"):
         for model in ("SmolLM2-135M-Instruct", "qwen3-tiny"):
             assert any(line.startswith(prefix) and f'model="{model}"' in line for line in lines), (prefix, model, lines)
+
+
+def test_vllms_extensions_and_a_conversation_sent_back_whole_through_ray_serve(real_app, offline_llm):
+    """The request fields a client written for vLLM sends, through the deployments: the prompt's
+    ids and logprobs and each output's ids come back, a stop string is kept, and an answer sent
+    back as it came (with keys of the client's own) is continued."""
+    client = openai.OpenAI(base_url=real_app + "/v1", api_key="none")
+    prompt_ids = offline_llm.tokenizer.encode("the cat sat on")
+    out = client.completions.create(model="tiny", prompt="the cat sat on", max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True, "prompt_logprobs": 1})
+    choice = out.choices[0].model_extra
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 6
+    assert choice["prompt_logprobs"][0] is None and all(str(t) in entries for t, entries in
+                                                        zip(prompt_ids[1:], choice["prompt_logprobs"][1:]))
+    word = out.choices[0].text.split()[1]
+    kept = client.completions.create(model="tiny", prompt="the cat sat on", max_tokens=6, temperature=0, stop=[word],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(word) and kept.choices[0].model_extra["stop_reason"] == word
+    first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "blue lakes"}],
+                                           max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    answer = first.choices[0].message.model_dump() | {"refusal": None, "annotations": [], "id": "kept"}
+    continued = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "blue lakes"}, answer], max_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True, "echo": True, "add_generation_prompt": False,
+                    "continue_final_message": True})
+    assert continued.choices[0].message.content.startswith(first.choices[0].message.content)
