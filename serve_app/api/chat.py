@@ -171,7 +171,7 @@ class ChatCompletionRequest(SamplingFields, ChatFields):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else super().requested_max_tokens
 
     @property
     def num_logprobs(self) -> int | None:

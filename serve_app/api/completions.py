@@ -34,7 +34,7 @@ _NOT_WITH_BEAM_SEARCH = ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_
                          "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "best_of", "logprobs",
                          "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                          "guided_grammar", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs",
-                         "return_tokens_as_token_ids")
+                         "return_tokens_as_token_ids", "grammar", "json_schema")
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -236,7 +236,7 @@ class CompletionsAPI:
 
         prompt_ids = [req.truncated(p, model.info.max_model_len) for p in (
             [await ids(prompts[0])] if len(prompts) == 1 else await asyncio.gather(*map(ids, prompts)))]
-        sampling = Sampling(req, req.max_tokens, self.front.config.ingress.default_completion_max_tokens,
+        sampling = Sampling(req, req.requested_max_tokens, self.front.config.ingress.default_completion_max_tokens,
                             req.logprobs)
         jobs = [make_job(f"{base_id}-{i}", ids, target, sampling, i * req.n) for i, ids in enumerate(prompt_ids)]
         fmt = CompletionFormatter(base_id, req.model or model.name, req, model.info.tokenizer, prompt_ids)

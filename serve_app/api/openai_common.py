@@ -93,6 +93,9 @@ class SamplingFields(WireModel):
     return_token_ids: bool = Field(False, description="The prompt's and each output's token ids beside the text "
                                                       "(vLLM's).")
     return_tokens_as_token_ids: bool = Field(False, description="Logprobs' tokens as 'token_id:{id}' (vLLM's).")
+    n_predict: int | None = Field(None, ge=1, description="llama.cpp's name of max_tokens.")
+    grammar: str | None = Field(None, description="llama.cpp's: a GBNF (or Lark) grammar the output follows.")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's: a JSON schema the output follows.")
 
     @model_validator(mode="after")
     def _streaming(self) -> SamplingFields:
@@ -100,7 +103,14 @@ class SamplingFields(WireModel):
             raise ValueError("best_of > n cannot be streamed: the best choices are known when all are done")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")  # as OpenAI and vLLM refuse it
+        if self.max_tokens is not None and self.n_predict is not None:
+            raise ValueError("give max_tokens or llama.cpp's n_predict, not both")
         return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The output's length the request asks for, by OpenAI's name or llama.cpp's."""
+        return self.max_tokens if self.max_tokens is not None else self.n_predict
 
     def prompt_logprobs_computed(self) -> int | None:
         """The prompt tokens' top logprobs the engine computes (completions' echo asks for some too)."""
@@ -142,7 +152,7 @@ class SamplingFields(WireModel):
         fields = {"response_format": _response_format_constraint(self.response_format),
                   "structured_outputs": so.model_dump(by_alias=True, exclude_none=True) if so is not None else None}
         for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                            ("guided_grammar", "grammar")):
+                            ("guided_grammar", "grammar"), ("grammar", "grammar"), ("json_schema", "json")):
             value = getattr(self, field)
             fields[field] = {kind: value} if value is not None else None
         return fields

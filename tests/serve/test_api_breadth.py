@@ -226,3 +226,11 @@ def test_vllms_prompt_truncation_and_special_tokens_shape_the_prompt(server, cli
     assert bare.choices[0].model_extra["prompt_token_ids"] == _ids(server, text)
     with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
         client.completions.create(model="tiny", prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": -2})
+
+
+def test_llama_cpps_name_of_max_tokens_is_taken(client):
+    forced = client.completions.create(model="tiny", prompt="the cat", temperature=0,
+                                       extra_body={"n_predict": 3, "ignore_eos": True})
+    assert forced.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="n_predict"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"n_predict": 2})

@@ -91,3 +91,17 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_goes_on(clie
             "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "required": "a"}}})
     ok = client.completions.create(model="tiny", prompt="the cat", max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_llama_cpps_grammar_and_json_schema_fields_constrain_the_output(client):
+    picked = client.completions.create(model="tiny", prompt="the cat", max_tokens=8, temperature=1.0, seed=2,
+                                       extra_body={"grammar": 'root ::= "cat" | "dog"'})
+    assert picked.choices[0].text in ("cat", "dog")
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=40, temperature=1.0, seed=2, extra_body={"json_schema": schema})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+    with pytest.raises(openai.BadRequestError, match="give one output constraint"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                  extra_body={"grammar": 'root ::= "a"', "json_schema": schema})
