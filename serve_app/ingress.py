@@ -109,17 +109,21 @@ class FrontEnd:
 
     async def parse_for_model(self, model_cls: type[Body], data: dict[str, Any]) -> tuple[Body, ServedModel]:
         req = self.parse(model_cls, data)
-        model, _ = self.model(_named_model(req))
-        await model.load_info()
+        model, _ = await self._named(req)
         return req, model
 
     async def accept(self, request: Request, model_cls: type[Body]) -> tuple[Body, Target]:
         """Auth, body, fields, the model and adapter it names (the model's info loaded), its priority."""
         allowed = self.authorize(request)
         req = self.parse(model_cls, await self._read_json(request))
+        model, adapter = await self._named(req)
+        return req, Target(model, adapter, resolve_priority(getattr(req, "priority", None), allowed))
+
+    async def _named(self, req: BaseModel) -> tuple[ServedModel, Adapter]:
+        """The model and adapter a body names, the model's info loaded."""
         model, adapter = self.model(_named_model(req))
         await model.load_info()
-        return req, Target(model, adapter, resolve_priority(getattr(req, "priority", None), allowed))
+        return model, adapter
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":

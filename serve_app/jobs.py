@@ -118,16 +118,6 @@ def _admission(request_id: str, prompt_ids: list[int], info: ModelInfo, target: 
                         lora)
 
 
-def check_fits_queue(jobs: list[Job], max_queued_tokens: int) -> None:
-    """A request whose work exceeds the router's whole queue could never be admitted: 413, not
-    a 429 that no retry can cure."""
-    work = sum(job.admit.num_work_tokens for job in jobs)
-    if work > max_queued_tokens:
-        raise APIError(413, f"This request needs {work} tokens of work (prompts + n * max_tokens); the "
-                            f"admission queue holds at most {max_queued_tokens}. Split it or lower max_tokens.",
-                       param="max_tokens", code="request_too_large")
-
-
 async def job_chunks(job: Job, admission: Admission, replicas: Replicas) -> AsyncGenerator[StreamChunk, None]:
     """The job's chunks, last one `finished`: admitted, streamed from the replica the admission
     names, released once it ends (however it ends). A refusal, an error chunk or a replica that

@@ -257,18 +257,8 @@ class ChatFormatter:
     def stream_error(self, error: APIError) -> str:
         return self.stream.error(error)
 
-    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        s = self.tokens(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
-
     def _logprobs(self, pairs: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
-        k = self.req.top_logprobs or 0
-        content = []
-        for token_id, entries in pairs:
-            e = self._entry(token_id, entries.get(token_id))
-            e["top_logprobs"] = [self._entry(t, lp) for t, lp in sorted(entries.items(), key=lambda kv: -kv[1])[:k]]
-            content.append(e)
-        return {"content": content}
+        return {"content": self.tokens.entries(pairs, self.req.top_logprobs or 0)}
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         return "tool_calls" if reason == "stop" and called and self.req.tool_use.model_chooses else reason

@@ -176,7 +176,7 @@ class CompletionFormatter:
             token_logprobs.append(entries.get(token_id) if entries is not None else None)
             # the token itself, then the k likeliest (vLLM's: logprobs 0 gives the token alone)
             top.append(None if entries is None else {s: entries[token_id]} | {
-                self.tokens(t): lp for t, lp in sorted(entries.items(), key=lambda kv: -kv[1])[:k]})
+                self.tokens(t): lp for t, lp in self.tokens.top(entries, k)})
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -7,6 +7,7 @@ Value ranges are the engine's SamplingParams', checked when it is built.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -228,6 +229,22 @@ class Tokens:
     def __call__(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
 
+    @staticmethod
+    def top(entries: dict[int, float], k: int | None = None) -> list[tuple[int, float]]:
+        """A token's candidates, the likeliest first (the first k)."""
+        return sorted(entries.items(), key=lambda kv: -kv[1])[:k]
+
+    def entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        """A token as chat completions' and the Responses API's logprobs show it."""
+        token = self(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    def entries(self, pairs: Iterable[tuple[int, dict[int, float]]], k: int) -> list[dict[str, Any]]:
+        """Each token's entry with its k likeliest candidates' (`top_logprobs`)."""
+        return [self.entry(token_id, candidates.get(token_id))
+                | {"top_logprobs": [self.entry(t, lp) for t, lp in self.top(candidates, k)]}
+                for token_id, candidates in pairs]
+
     def prompt_logprobs(self, pairs: PromptLogprobs, k: int) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's prompt_logprobs: per prompt token (None for the first) each of the token and its
         k likeliest alternatives by id, with its logprob, its rank (known for those k; the token's
@@ -237,7 +254,7 @@ class Tokens:
             if entries is None:
                 shown.append(None)
                 continue
-            ranked = sorted(entries.items(), key=lambda kv: -kv[1])
+            ranked = self.top(entries)
             shown.append({str(t): {"logprob": lp, "rank": i + 1 if i < k else None, "decoded_token": self(t)}
                           for i, (t, lp) in enumerate(ranked) if i < k or t == token_id})
         return shown

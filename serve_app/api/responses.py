@@ -30,10 +30,10 @@ from engine.chat_output import ChatOutputParser
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from serve_app.api.chat_turn import ChatTurn, ToolUse, chat_job, chat_template, named, template_variable
-from serve_app.api.openai_common import JsonSchemaFormat
+from serve_app.api.openai_common import JsonSchemaFormat, Tokens
 from serve_app.api.outputs import Block, OutputBlocks, Tally
 from serve_app.api.wire import APIError, Route, WireModel
-from serve_app.jobs import Job, Sampling, Target
+from serve_app.jobs import Job, Sampling, Target, complete
 from serve_app.messages import StreamChunk
 
 if TYPE_CHECKING:
@@ -328,6 +328,7 @@ class ResponsesFormatter:
                  on_complete: Callable[[dict[str, Any], list[Block]], None]):
         self.response_id, self.model, self.req, self.tokenizer = response_id, model, req, tokenizer
         self.tally = Tally(1)
+        self._tokens = Tokens(tokenizer, as_ids=False)
         self._logprobs: list[dict[str, Any]] = []  # the text's tokens', with include's logprobs
         self._unsent: list[dict[str, Any]] = []  # those a text delta event has not carried yet
         self._on_complete = on_complete
@@ -413,16 +414,9 @@ class ResponsesFormatter:
         the text alone: no reasoning section, no tools; the route checks)."""
         if output.logprobs is None:
             return
-        k = self.req.top_logprobs or 0
-        for token_id, entries in zip(output.token_ids, output.logprobs):
-            top = sorted(entries.items(), key=lambda kv: -kv[1])[:k]
-            entry = self._entry(token_id, entries[token_id]) | {"top_logprobs": [self._entry(t, lp) for t, lp in top]}
-            self._logprobs.append(entry)
-            self._unsent.append(entry)
-
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        token = self.tokenizer.decode([token_id])
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        entries = self._tokens.entries(zip(output.token_ids, output.logprobs), self.req.top_logprobs or 0)
+        self._logprobs += entries
+        self._unsent += entries
 
     def _events(self, change: str, block: Block, grown: str) -> str:
         index, item_id = block.index, None
@@ -553,7 +547,7 @@ class ResponsesAPI:
         """A background response run to its end in this process, its state kept as it goes."""
         kept.body = fmt.skeleton("in_progress")
         try:
-            await self.front.complete([job], fmt, target)
+            await complete([job], fmt, self.front.admission, target.model.replicas)  # its size checked at the POST
         except asyncio.CancelledError:
             kept.body = fmt.skeleton("cancelled")
         except APIError as e:
